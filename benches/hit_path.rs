@@ -1,0 +1,119 @@
+//! The hit path in process: an L1 hit through the layer vs the bare handler vs a raw moka get.
+//!
+//! Run: `cargo bench --bench hit_path`
+//!
+//! Criterion times each case; the last section then alternates bare and cached
+//! rounds (A B A B …, 15 rounds of 20,000 requests each) and prints the median
+//! ratio with its min–max, which is the figure the README reports.
+//!
+//! Last measured (2 cores, shared machine, 2026-12-02): see README "Benchmarks".
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::Request;
+use axum::routing::get;
+use bytes::Bytes;
+use criterion::{Criterion, criterion_group, criterion_main};
+use http_body_util::BodyExt;
+use tiercache::{Policy, ResponseCacheLayer, TieredCache};
+use tower::{Service, ServiceExt};
+
+const BODY: &[u8] = &[b'x'; 2048];
+
+fn apps(rt: &tokio::runtime::Runtime) -> (Router, Router) {
+    let handler = || async { Bytes::from_static(BODY) };
+    let bare = Router::new().route("/p/{id}", get(handler));
+    let cached = rt.block_on(async {
+        let cache = ResponseCacheLayer::new(TieredCache::builder().build().unwrap());
+        let policy = Policy::ttl(Duration::from_secs(3600));
+        Router::new().route("/p/{id}", get(handler).layer(cache.route(policy).unwrap()))
+    });
+    (bare, cached)
+}
+
+fn request() -> Request<Body> {
+    Request::get("/p/7")
+        .header("host", "bench.test")
+        .body(Body::empty())
+        .unwrap()
+}
+
+async fn one(app: &mut Router) -> usize {
+    let res = app.call(request()).await.unwrap();
+    res.into_body().collect().await.unwrap().to_bytes().len()
+}
+
+fn bench(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (mut bare, mut cached) = apps(&rt);
+    rt.block_on(async {
+        assert_eq!(one(&mut cached).await, BODY.len());
+        let res = cached.clone().oneshot(request()).await.unwrap();
+        assert_eq!(
+            res.headers()["x-cache"],
+            "HIT",
+            "the bench must measure hits"
+        );
+    });
+
+    let mut group = c.benchmark_group("hit_path");
+    group.bench_function("bare_handler", |b| {
+        b.to_async(&rt).iter(|| {
+            let mut app = bare.clone();
+            async move { black_box(one(&mut app).await) }
+        })
+    });
+    group.bench_function("layer_l1_hit", |b| {
+        b.to_async(&rt).iter(|| {
+            let mut app = cached.clone();
+            async move { black_box(one(&mut app).await) }
+        })
+    });
+    let moka: moka::sync::Cache<u64, Bytes> = moka::sync::Cache::new(1000);
+    moka.insert(7, Bytes::from_static(BODY));
+    group.bench_function("raw_moka_get", |b| b.iter(|| black_box(moka.get(&7))));
+    group.bench_function("key_build", |b| {
+        let parts = request().into_parts().0;
+        b.iter(|| black_box(tiercache::http::key::request_key(&parts)))
+    });
+    group.finish();
+
+    // Alternating rounds for the ratio.
+    const ROUNDS: usize = 15;
+    const PER_ROUND: u32 = 20_000;
+    let mut ratios = Vec::with_capacity(ROUNDS);
+    rt.block_on(async {
+        for _ in 0..ROUNDS {
+            let t = Instant::now();
+            for _ in 0..PER_ROUND {
+                black_box(one(&mut bare).await);
+            }
+            let bare_t = t.elapsed();
+            let t = Instant::now();
+            for _ in 0..PER_ROUND {
+                black_box(one(&mut cached).await);
+            }
+            ratios.push(t.elapsed().as_secs_f64() / bare_t.as_secs_f64());
+        }
+    });
+    ratios.sort_by(f64::total_cmp);
+    println!(
+        "ratio layer_l1_hit / bare_handler: median {:.3} (min {:.3}, max {:.3}) over {ROUNDS} alternating rounds",
+        ratios[ROUNDS / 2],
+        ratios[0],
+        ratios[ROUNDS - 1]
+    );
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    targets = bench
+}
+criterion_main!(benches);

@@ -1,0 +1,486 @@
+//! The engine: [`TieredCache`] ties L1, the optional shared tier, single
+//! flight, the clock and the counters together.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+
+use crate::flight::{Flights, Follower, Join, Waited};
+use crate::l1::L1;
+use crate::stats::{Counters, bump};
+use crate::{
+    CacheKey, Clock, Entry, Freshness, KeyHash, Policy, PolicyError, Source, Stats, SystemClock,
+    Tier, Times, Value,
+};
+
+/// A two-tier cache engine. Cheap to clone: clones share everything.
+///
+/// ```
+/// use std::time::Duration;
+/// use tiercache_core::{CacheKey, Fill, Lookup, Policy, TieredCache, Value};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let cache = TieredCache::builder().l1_capacity(64 * 1024 * 1024).build()?;
+/// let policy = Policy::ttl(Duration::from_secs(30));
+/// let key = CacheKey::new("user:7");
+/// cache.store(&key, Fill::new(Value::from_body("hello")), &policy);
+/// match cache.lookup(&key, |_| true) {
+///     Lookup::Fresh { entry, .. } => assert_eq!(entry.value().body, "hello"),
+///     Lookup::Miss => unreachable!(),
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct TieredCache {
+    inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) l1: L1,
+    l2: Option<Arc<dyn Tier>>,
+    flights: Arc<Flights>,
+    clock: Arc<dyn Clock>,
+    counters: Arc<Counters>,
+    rng: Mutex<SmallRng>,
+    /// Keys whose last response could not be shared, until when (hit-for-miss).
+    uncacheable: moka::sync::Cache<KeyHash, SystemTime>,
+}
+
+impl fmt::Debug for TieredCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TieredCache")
+            .field("l1", &self.inner.l1)
+            .field("l2", &self.inner.l2)
+            .finish()
+    }
+}
+
+/// The result of an L1 lookup.
+#[derive(Debug)]
+pub enum Lookup {
+    /// A fresh entry the caller accepted.
+    Fresh {
+        /// The entry.
+        entry: Entry,
+        /// Fresh lifetime left.
+        remaining: Duration,
+    },
+    /// Nothing usable.
+    Miss,
+}
+
+/// A value to store, with what the engine needs besides the policy.
+#[derive(Debug, Clone)]
+pub struct Fill {
+    value: Value,
+    variant: Bytes,
+    origin_latency: Duration,
+}
+
+impl Fill {
+    /// A fill of `value`, no variant, zero origin latency.
+    pub fn new(value: Value) -> Self {
+        Self {
+            value,
+            variant: Bytes::new(),
+            origin_latency: Duration::ZERO,
+        }
+    }
+
+    /// The variant bytes a reader must match (see [`Entry::variant`]).
+    pub fn variant(mut self, variant: Bytes) -> Self {
+        self.variant = variant;
+        self
+    }
+
+    /// How long the origin took to produce the value (δ).
+    pub fn origin_latency(mut self, took: Duration) -> Self {
+        self.origin_latency = took;
+        self
+    }
+}
+
+impl TieredCache {
+    /// Starts building an engine.
+    pub fn builder() -> TieredCacheBuilder {
+        TieredCacheBuilder::default()
+    }
+
+    /// The engine's clock reading.
+    pub fn now(&self) -> SystemTime {
+        self.inner.clock.now()
+    }
+
+    /// Looks `key` up in L1. A dead entry is removed (lazy expiry); a fresh one
+    /// is returned if `accept` agrees (the HTTP layer checks the variant there)
+    /// and counted as an L1 hit.
+    pub fn lookup(&self, key: &CacheKey, accept: impl FnOnce(&Entry) -> bool) -> Lookup {
+        let now = self.now();
+        let Some(entry) = self.inner.l1.get(&key.hash(), now) else {
+            return Lookup::Miss;
+        };
+        if entry.key() != key.full() {
+            return Lookup::Miss;
+        }
+        match entry.freshness(now) {
+            Freshness::Fresh(remaining) if accept(&entry) => {
+                bump(&self.inner.counters.hits_l1);
+                Lookup::Fresh { entry, remaining }
+            }
+            _ => Lookup::Miss,
+        }
+    }
+
+    /// Joins the single flight for `key` (a follower is counted as coalesced).
+    pub fn join(&self, key: &CacheKey) -> Join {
+        let join = self.inner.flights.join(key.hash());
+        if matches!(join, Join::Follower(_)) {
+            bump(&self.inner.counters.coalesced);
+        }
+        join
+    }
+
+    /// Waits on a leader for at most the policy's `lock_timeout`; a timeout is counted.
+    pub async fn wait(&self, follower: Follower, policy: &Policy) -> Waited {
+        let waited = follower.wait(policy.lock_wait()).await;
+        if matches!(waited, Waited::TimedOut) {
+            bump(&self.inner.counters.lock_timeouts);
+        }
+        waited
+    }
+
+    /// Number of keys with a load in flight.
+    pub fn in_flight(&self) -> usize {
+        self.inner.flights.in_flight()
+    }
+
+    /// Reads `key` from the shared tier, if there is one; a hit that `accept`
+    /// agrees with is promoted to L1 for no longer than the tier's remaining
+    /// TTL. Tier errors are counted and read as a miss. The caller counts the
+    /// answer with [`record_served`](Self::record_served).
+    pub async fn lookup_l2(
+        &self,
+        key: &CacheKey,
+        accept: impl FnOnce(&Entry) -> bool,
+    ) -> Option<Entry> {
+        let l2 = self.inner.l2.as_ref()?;
+        let hit = match l2.get(key).await {
+            Ok(Some(hit)) => hit,
+            Ok(None) => return None,
+            Err(_) => {
+                bump(&self.inner.counters.l2_errors);
+                return None;
+            }
+        };
+        let now = self.now();
+        if hit.entry.key() != key.full()
+            || !matches!(hit.entry.freshness(now), Freshness::Fresh(_))
+            || !accept(&hit.entry)
+        {
+            return None;
+        }
+        let times = hit.entry.times();
+        let server_until = now + hit.remaining;
+        let promoted = Entry::new(
+            hit.entry.key().clone(),
+            hit.entry.variant().clone(),
+            hit.entry.value().clone(),
+            Times {
+                created_at: times.created_at,
+                fresh_until: times.fresh_until.min(server_until),
+                hard_until: times.hard_until.min(server_until),
+            },
+            hit.entry.origin_latency(),
+        );
+        self.inner.l1.insert(key.hash(), promoted.clone());
+        bump(&self.inner.counters.hits_l2);
+        Some(promoted)
+    }
+
+    /// Stores a fill in L1 and (queued) in L2, with a fresh lifetime drawn
+    /// from the policy's jitter band now. Clears any hit-for-miss mark.
+    pub fn store(&self, key: &CacheKey, fill: Fill, policy: &Policy) -> Entry {
+        let now = self.now();
+        let ttl = policy.draw_ttl(&mut *self.inner.rng.lock().unwrap());
+        let fresh_until = now + ttl;
+        let entry = Entry::new(
+            key.full().clone(),
+            fill.variant,
+            fill.value,
+            Times {
+                created_at: now,
+                fresh_until,
+                hard_until: fresh_until,
+            },
+            fill.origin_latency,
+        );
+        self.inner.uncacheable.invalidate(&key.hash());
+        self.inner.l1.insert(key.hash(), entry.clone());
+        if let Some(l2) = &self.inner.l2 {
+            l2.put(key, &entry, ttl);
+        }
+        entry
+    }
+
+    /// Remembers `key` as uncacheable for the policy's hit-for-miss time.
+    pub fn mark_uncacheable(&self, key: &CacheKey, policy: &Policy) {
+        let until = self.now() + policy.hit_for_miss();
+        self.inner.uncacheable.insert(key.hash(), until);
+    }
+
+    /// Whether `key` was recently found uncacheable (requests then go straight
+    /// to the origin instead of queueing behind one another).
+    pub fn is_uncacheable(&self, key: &CacheKey) -> bool {
+        match self.inner.uncacheable.get(&key.hash()) {
+            Some(until) if until > self.now() => true,
+            Some(_) => {
+                self.inner.uncacheable.invalidate(&key.hash());
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Removes `key` from L1 and from the shared tier.
+    pub async fn invalidate(&self, key: &CacheKey) {
+        self.inner.l1.invalidate(&key.hash());
+        if let Some(l2) = &self.inner.l2
+            && l2.delete(key).await.is_err()
+        {
+            bump(&self.inner.counters.l2_errors);
+        }
+    }
+
+    /// Counts a request answered from `source` after an L1 miss: `L2` as an
+    /// L2 hit, `Origin` as a miss. (Fresh L1 hits are counted by [`lookup`](Self::lookup).)
+    pub fn record_served(&self, source: Source) {
+        let c = &self.inner.counters;
+        bump(match source {
+            Source::L1 => &c.hits_l1,
+            Source::L2 => &c.hits_l2,
+            Source::Origin => &c.misses,
+        });
+    }
+
+    /// Counts one origin call and its latency (δ).
+    pub fn record_origin_load(&self, took: Duration) {
+        self.inner.counters.origin_load(took);
+    }
+
+    /// Counts a request that skipped the cache, by reason (a static token).
+    pub fn record_bypass(&self, reason: &'static str) {
+        self.inner.counters.bypass(reason);
+    }
+
+    /// Hits (any tier, stale included) over lookups so far.
+    pub fn hit_ratio(&self) -> f64 {
+        self.inner.counters.hit_ratio()
+    }
+
+    /// A snapshot of every counter.
+    pub fn stats(&self) -> Stats {
+        self.inner.counters.snapshot()
+    }
+
+    /// Runs one sweep now: reclaims every entry past its hard expiry on the
+    /// engine's clock. Returns how many were reclaimed.
+    pub fn sweep(&self) -> u64 {
+        self.inner.sweep()
+    }
+
+    /// Entries in L1 (after pending housekeeping).
+    pub fn l1_entry_count(&self) -> u64 {
+        self.inner.l1.run_pending_tasks();
+        self.inner.l1.entry_count()
+    }
+
+    /// Bytes held by L1, as weighed (after pending housekeeping).
+    pub fn l1_weighted_size(&self) -> u64 {
+        self.inner.l1.run_pending_tasks();
+        self.inner.l1.weighted_size()
+    }
+}
+
+impl Inner {
+    fn sweep(&self) -> u64 {
+        let reclaimed = self.l1.sweep();
+        self.uncacheable.run_pending_tasks();
+        bump(&self.counters.sweeps);
+        reclaimed
+    }
+}
+
+/// Builds a [`TieredCache`]; see [`TieredCache::builder`].
+#[derive(Debug)]
+pub struct TieredCacheBuilder {
+    l1_capacity: u64,
+    l2: Option<Arc<dyn Tier>>,
+    clock: Arc<dyn Clock>,
+    sweep_interval: Option<Duration>,
+    rng_seed: Option<u64>,
+}
+
+impl Default for TieredCacheBuilder {
+    fn default() -> Self {
+        Self {
+            l1_capacity: TieredCacheBuilder::DEFAULT_L1_CAPACITY,
+            l2: None,
+            clock: Arc::new(SystemClock),
+            sweep_interval: Some(TieredCacheBuilder::DEFAULT_SWEEP_INTERVAL),
+            rng_seed: None,
+        }
+    }
+}
+
+impl TieredCacheBuilder {
+    /// Default L1 byte budget: 256 MiB.
+    pub const DEFAULT_L1_CAPACITY: u64 = 256 * 1024 * 1024;
+    /// Default sweeper tick: 1 s.
+    pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+
+    /// L1's budget in bytes (keys, headers and bodies, as weighed).
+    pub fn l1_capacity(mut self, bytes: u64) -> Self {
+        self.l1_capacity = bytes;
+        self
+    }
+
+    /// A shared second tier (e.g. `tiercache_valkey::ValkeyTier`).
+    pub fn l2(mut self, tier: impl Tier) -> Self {
+        self.l2 = Some(Arc::new(tier));
+        self
+    }
+
+    /// A shared second tier already behind an `Arc`.
+    pub fn l2_shared(mut self, tier: Arc<dyn Tier>) -> Self {
+        self.l2 = Some(tier);
+        self
+    }
+
+    /// The clock every freshness decision uses (default: [`SystemClock`]).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// How often the sweeper reclaims expired entries; `None` disables the
+    /// tick (reads still expire lazily, and moka's bound still applies).
+    pub fn sweep_interval(mut self, interval: Option<Duration>) -> Self {
+        self.sweep_interval = interval;
+        self
+    }
+
+    /// Seeds the jitter RNG, for reproducible tests and experiments.
+    pub fn rng_seed(mut self, seed: u64) -> Self {
+        self.rng_seed = Some(seed);
+        self
+    }
+
+    /// Builds the engine. With a sweep interval it must run inside a Tokio
+    /// runtime, which the sweeper task runs on; the task ends with the engine.
+    pub fn build(self) -> Result<TieredCache, BuildError> {
+        if self.l1_capacity == 0 {
+            return Err(BuildError::Config(PolicyError {
+                field: "l1_capacity",
+                value: "0".into(),
+                allowed: "at least 1 byte",
+            }));
+        }
+        if self.sweep_interval.is_some_and(|i| i.is_zero()) {
+            return Err(BuildError::Config(PolicyError {
+                field: "sweep_interval",
+                value: "0s".into(),
+                allowed: "greater than 0, or None to disable the sweeper",
+            }));
+        }
+        let runtime = match self.sweep_interval {
+            Some(_) => {
+                Some(tokio::runtime::Handle::try_current().map_err(|_| BuildError::NoRuntime)?)
+            }
+            None => None,
+        };
+        let counters = Arc::new(Counters::default());
+        let rng = match self.rng_seed {
+            Some(seed) => SmallRng::seed_from_u64(seed),
+            None => SmallRng::from_os_rng(),
+        };
+        let inner = Arc::new(Inner {
+            l1: L1::new(self.l1_capacity, self.clock.clone(), counters.clone()),
+            l2: self.l2,
+            flights: Arc::default(),
+            clock: self.clock,
+            counters,
+            rng: Mutex::new(rng),
+            uncacheable: moka::sync::Cache::builder()
+                .max_capacity(100_000)
+                .time_to_live(Policy::DEFAULT_HIT_FOR_MISS_TTL * 60)
+                .build(),
+        });
+        if let (Some(handle), Some(interval)) = (runtime, self.sweep_interval) {
+            handle.spawn(sweeper(Arc::downgrade(&inner), interval));
+        }
+        Ok(TieredCache { inner })
+    }
+}
+
+async fn sweeper(engine: Weak<Inner>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let Some(engine) = engine.upgrade() else {
+            return;
+        };
+        // moka's housekeeping can take a while on a large cache: keep it off
+        // the async workers.
+        let _ = tokio::task::spawn_blocking(move || engine.sweep()).await;
+    }
+}
+
+/// The engine could not be built.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// A setting is out of range.
+    Config(PolicyError),
+    /// A sweep interval was set but no Tokio runtime is running.
+    NoRuntime,
+}
+
+impl fmt::Display for BuildError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BuildError::Config(e) => write!(f, "{e}"),
+            BuildError::NoRuntime => f.write_str(
+                "the cache's sweeper needs a Tokio runtime: build the cache inside one, \
+                 or disable the sweeper with `.sweep_interval(None)`",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for BuildError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            BuildError::Config(e) => Some(e),
+            BuildError::NoRuntime => None,
+        }
+    }
+}
+
+impl From<PolicyError> for BuildError {
+    fn from(e: PolicyError) -> Self {
+        BuildError::Config(e)
+    }
+}
+
+#[cfg(test)]
+impl TieredCache {
+    pub(crate) fn inner_for_tests(&self) -> &Inner {
+        &self.inner
+    }
+}

@@ -1,0 +1,184 @@
+//! Stored entries: a response-shaped value plus the times that decide its freshness.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+
+/// A response-shaped value: status, headers and body, with no HTTP types.
+///
+/// Header names and values are raw bytes; the HTTP layer validates them when
+/// it turns a value back into a response.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Value {
+    /// Status code (200 for programmatic values).
+    pub status: u16,
+    /// Header `(name, value)` pairs, in order.
+    pub headers: Vec<(Bytes, Bytes)>,
+    /// The body.
+    pub body: Bytes,
+}
+
+impl Value {
+    /// A 200 value with a body and no headers, for programmatic use.
+    pub fn from_body(body: impl Into<Bytes>) -> Self {
+        Self {
+            status: 200,
+            headers: Vec::new(),
+            body: body.into(),
+        }
+    }
+
+    /// Bytes this value holds, used by the L1 weigher.
+    pub fn weight(&self) -> usize {
+        self.body.len()
+            + self
+                .headers
+                .iter()
+                .map(|(n, v)| n.len() + v.len() + 32)
+                .sum::<usize>()
+    }
+}
+
+/// Where a value came from when it answered a request (the `x-cache-tier` value).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// The in-process cache.
+    L1,
+    /// The shared tier (Valkey).
+    L2,
+    /// The origin, just now.
+    Origin,
+}
+
+impl Source {
+    /// The name used in headers and metrics: `l1`, `l2`, `origin`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Source::L1 => "l1",
+            Source::L2 => "l2",
+            Source::Origin => "origin",
+        }
+    }
+}
+
+/// How fresh an entry is at a given instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Freshness {
+    /// Inside its fresh lifetime, with this much left.
+    Fresh(Duration),
+    /// Past its fresh lifetime, not yet past its hard expiry.
+    Stale,
+    /// Past its hard expiry: must not be served.
+    Dead,
+}
+
+/// The times stored with an entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Times {
+    /// When the origin answered (the `Age` anchor).
+    pub created_at: SystemTime,
+    /// End of the (jittered) fresh lifetime.
+    pub fresh_until: SystemTime,
+    /// Hard expiry: past it the entry is dead in every tier.
+    pub hard_until: SystemTime,
+}
+
+/// A cached entry; cheap to clone (one shared allocation).
+#[derive(Debug, Clone)]
+pub struct Entry(Arc<EntryInner>);
+
+#[derive(Debug)]
+struct EntryInner {
+    key: Bytes,
+    variant: Bytes,
+    value: Value,
+    times: Times,
+    origin_latency: Duration,
+}
+
+impl Entry {
+    /// Builds an entry. `key` is the full key (see [`crate::CacheKey::full`]);
+    /// `variant` is opaque bytes a reader must match (the HTTP layer puts the
+    /// values of the `Vary`'d request headers there); `origin_latency` is the
+    /// time the origin took (XFetch's δ).
+    pub fn new(
+        key: Bytes,
+        variant: Bytes,
+        value: Value,
+        times: Times,
+        origin_latency: Duration,
+    ) -> Self {
+        Self(Arc::new(EntryInner {
+            key,
+            variant,
+            value,
+            times,
+            origin_latency,
+        }))
+    }
+
+    /// The full key this entry was stored under.
+    pub fn key(&self) -> &Bytes {
+        &self.0.key
+    }
+
+    /// The variant bytes.
+    pub fn variant(&self) -> &Bytes {
+        &self.0.variant
+    }
+
+    /// The stored value.
+    pub fn value(&self) -> &Value {
+        &self.0.value
+    }
+
+    /// The stored times.
+    pub fn times(&self) -> Times {
+        self.0.times
+    }
+
+    /// The origin time of the fill that produced this entry.
+    pub fn origin_latency(&self) -> Duration {
+        self.0.origin_latency
+    }
+
+    /// Whole seconds since the origin answered, as of `now`.
+    pub fn age(&self, now: SystemTime) -> u64 {
+        now.duration_since(self.0.times.created_at)
+            .unwrap_or_default()
+            .as_secs()
+    }
+
+    /// Freshness as of `now`.
+    pub fn freshness(&self, now: SystemTime) -> Freshness {
+        let t = &self.0.times;
+        if now < t.fresh_until {
+            Freshness::Fresh(t.fresh_until.duration_since(now).unwrap_or_default())
+        } else if now < t.hard_until {
+            Freshness::Stale
+        } else {
+            Freshness::Dead
+        }
+    }
+
+    /// Time left until hard expiry, as of `now` (zero when dead).
+    pub fn remaining_hard(&self, now: SystemTime) -> Duration {
+        self.0
+            .times
+            .hard_until
+            .duration_since(now)
+            .unwrap_or_default()
+    }
+
+    /// Bytes this entry holds in L1: key, headers, body and bookkeeping.
+    pub fn weight(&self) -> u32 {
+        let w = self.0.key.len() + self.0.variant.len() + self.0.value.weight() + 160;
+        u32::try_from(w).unwrap_or(u32::MAX)
+    }
+
+    /// Whether two handles share one allocation.
+    pub fn ptr_eq(&self, other: &Entry) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}

@@ -1,0 +1,158 @@
+//! L1: the in-process moka cache, bounded by bytes, with an expiry index for the sweeper.
+//!
+//! moka's per-entry expiry is set to each entry's hard lifetime and serves only
+//! as the memory bound (its clock is its own). Freshness is decided from the
+//! entry's stored times on the engine's clock, on every read (lazy expiry) and
+//! by [`L1::sweep`], which walks an index ordered by hard expiry so an idle
+//! cache still gives its memory back.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use moka::Expiry;
+use moka::notification::RemovalCause;
+use moka::ops::compute::{CompResult, Op};
+use moka::sync::Cache;
+
+use crate::stats::{Counters, bump};
+use crate::{Clock, Entry, Freshness, KeyHash};
+
+pub(crate) struct L1 {
+    cache: Cache<KeyHash, Entry>,
+    /// Hard expiry → keys stored with it. Records go stale when an entry is
+    /// replaced or evicted; the sweep checks the live entry before removing.
+    index: Mutex<BTreeMap<SystemTime, Vec<KeyHash>>>,
+    clock: Arc<dyn Clock>,
+    counters: Arc<Counters>,
+}
+
+impl std::fmt::Debug for L1 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("L1")
+            .field("entries", &self.cache.entry_count())
+            .field("bytes", &self.cache.weighted_size())
+            .finish()
+    }
+}
+
+struct HardExpiry(Arc<dyn Clock>);
+
+impl HardExpiry {
+    fn bound(&self, entry: &Entry) -> Option<Duration> {
+        // Never zero: moka treats it as "expire now", which is what a dead entry
+        // deserves anyway, but a 1 ms floor keeps the arithmetic obvious.
+        Some(
+            entry
+                .remaining_hard(self.0.now())
+                .max(Duration::from_millis(1)),
+        )
+    }
+}
+
+impl Expiry<KeyHash, Entry> for HardExpiry {
+    fn expire_after_create(&self, _: &KeyHash, value: &Entry, _: Instant) -> Option<Duration> {
+        self.bound(value)
+    }
+
+    fn expire_after_update(
+        &self,
+        _: &KeyHash,
+        value: &Entry,
+        _: Instant,
+        _: Option<Duration>,
+    ) -> Option<Duration> {
+        self.bound(value)
+    }
+}
+
+impl L1 {
+    pub(crate) fn new(capacity_bytes: u64, clock: Arc<dyn Clock>, counters: Arc<Counters>) -> Self {
+        let listener_counters = counters.clone();
+        let cache = Cache::builder()
+            .max_capacity(capacity_bytes)
+            .weigher(|_: &KeyHash, e: &Entry| e.weight())
+            .expire_after(HardExpiry(clock.clone()))
+            .eviction_listener(move |_, _, cause| match cause {
+                RemovalCause::Size => bump(&listener_counters.evicted),
+                RemovalCause::Expired => bump(&listener_counters.expired),
+                RemovalCause::Explicit | RemovalCause::Replaced => {}
+            })
+            .build();
+        Self {
+            cache,
+            index: Mutex::new(BTreeMap::new()),
+            clock,
+            counters,
+        }
+    }
+
+    /// The live entry for `hash`, or `None`; a dead one is removed on the way (lazy expiry).
+    pub(crate) fn get(&self, hash: &KeyHash, now: SystemTime) -> Option<Entry> {
+        let entry = self.cache.get(hash)?;
+        if entry.freshness(now) != Freshness::Dead {
+            return Some(entry);
+        }
+        self.remove_if(hash, |live| live.ptr_eq(&entry));
+        None
+    }
+
+    pub(crate) fn insert(&self, hash: KeyHash, entry: Entry) {
+        let hard = entry.times().hard_until;
+        self.index
+            .lock()
+            .unwrap()
+            .entry(hard)
+            .or_default()
+            .push(hash);
+        self.cache.insert(hash, entry);
+    }
+
+    pub(crate) fn invalidate(&self, hash: &KeyHash) {
+        self.cache.invalidate(hash);
+    }
+
+    /// Removes every entry whose hard expiry has passed on the engine clock, then
+    /// lets moka finish its own housekeeping. Returns how many were reclaimed.
+    pub(crate) fn sweep(&self) -> u64 {
+        let now = self.clock.now();
+        let due = {
+            let mut index = self.index.lock().unwrap();
+            let later = index.split_off(&now);
+            std::mem::replace(&mut *index, later)
+        };
+        let mut reclaimed = 0;
+        for hash in due.into_values().flatten() {
+            if self.remove_if(&hash, |live| live.freshness(now) == Freshness::Dead) {
+                reclaimed += 1;
+            }
+        }
+        self.cache.run_pending_tasks();
+        reclaimed
+    }
+
+    /// Removes `hash` if its live entry satisfies `dead`; counts it as expired.
+    fn remove_if(&self, hash: &KeyHash, dead: impl FnOnce(&Entry) -> bool) -> bool {
+        let result = self.cache.entry(*hash).and_compute_with(|live| match live {
+            Some(live) if dead(live.value()) => Op::Remove,
+            _ => Op::Nop,
+        });
+        let removed = matches!(result, CompResult::Removed(_));
+        if removed {
+            bump(&self.counters.expired);
+        }
+        removed
+    }
+
+    pub(crate) fn entry_count(&self) -> u64 {
+        self.cache.entry_count()
+    }
+
+    pub(crate) fn weighted_size(&self) -> u64 {
+        self.cache.weighted_size()
+    }
+
+    pub(crate) fn run_pending_tasks(&self) {
+        self.cache.run_pending_tasks();
+    }
+}

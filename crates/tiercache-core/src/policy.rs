@@ -1,0 +1,296 @@
+//! Per-route caching policy: ttl, jitter, lock timeout.
+//!
+//! A [`Policy`] is a plain description; [`Policy::validate`] checks it once, when
+//! the cache or the route layer is built, and the error names the field and the
+//! allowed range.
+
+use std::fmt;
+use std::time::Duration;
+
+use rand::Rng;
+
+/// The longest ttl (and additive jitter) a policy accepts: one year.
+pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+/// The largest symmetric jitter fraction.
+pub const MAX_JITTER: f64 = 0.5;
+/// The longest a follower may wait on another request's origin load.
+pub const MAX_LOCK_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// How each fill's fresh lifetime is spread around the route's ttl.
+///
+/// Drawn again at every fill so that a cohort of keys filled together never
+/// expires together.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Jitter {
+    /// The symmetric band `ttl ± ttl·fraction`, `fraction` in `0.0..=0.5`.
+    Symmetric(f64),
+    /// The additive band `ttl + uniform(0, max)`, `max` in `0..=ttl`.
+    Additive(Duration),
+}
+
+/// How a route's responses are cached.
+///
+/// ```
+/// use std::time::Duration;
+/// use tiercache_core::Policy;
+///
+/// let policy = Policy::ttl(Duration::from_secs(30)).jitter(0.1);
+/// assert!(policy.validate().is_ok());
+///
+/// let err = Policy::ttl(Duration::from_secs(30)).jitter(0.7).validate().unwrap_err();
+/// assert!(err.to_string().contains("jitter"));
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct Policy {
+    ttl: Duration,
+    jitter: Jitter,
+    lock_timeout: Duration,
+    hit_for_miss_ttl: Duration,
+}
+
+impl Policy {
+    /// Default jitter fraction: `ttl ± 10 %`.
+    pub const DEFAULT_JITTER: f64 = 0.1;
+    /// Default wait of a follower on another request's origin load.
+    pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+    /// Default time a key whose response could not be shared stays uncacheable.
+    pub const DEFAULT_HIT_FOR_MISS_TTL: Duration = Duration::from_secs(10);
+
+    /// A policy with fresh lifetime `ttl` (must be > 0) and the default jitter.
+    pub fn ttl(ttl: Duration) -> Self {
+        Self {
+            ttl,
+            jitter: Jitter::Symmetric(Self::DEFAULT_JITTER),
+            lock_timeout: Self::DEFAULT_LOCK_TIMEOUT,
+            hit_for_miss_ttl: Self::DEFAULT_HIT_FOR_MISS_TTL,
+        }
+    }
+
+    /// Symmetric jitter: each fill lives `ttl ± ttl·fraction`, `fraction` in `0.0..=0.5`.
+    pub fn jitter(mut self, fraction: f64) -> Self {
+        self.jitter = Jitter::Symmetric(fraction);
+        self
+    }
+
+    /// Additive jitter: each fill lives `ttl + uniform(0, max)`, `max` in `0..=ttl`.
+    pub fn additive_jitter(mut self, max: Duration) -> Self {
+        self.jitter = Jitter::Additive(max);
+        self
+    }
+
+    /// How long a follower waits on the leader's origin load before going to
+    /// the origin itself (counted as a lock timeout).
+    pub fn lock_timeout(mut self, timeout: Duration) -> Self {
+        self.lock_timeout = timeout;
+        self
+    }
+
+    /// How long a key whose response may not be shared is remembered as
+    /// uncacheable, so later requests go straight to the origin instead of
+    /// queueing behind one another (Varnish's hit-for-miss).
+    pub fn hit_for_miss_ttl(mut self, ttl: Duration) -> Self {
+        self.hit_for_miss_ttl = ttl;
+        self
+    }
+
+    /// The route's nominal fresh lifetime.
+    pub fn fresh_ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// The jitter mode.
+    pub fn jitter_mode(&self) -> Jitter {
+        self.jitter
+    }
+
+    /// The follower wait bound.
+    pub fn lock_wait(&self) -> Duration {
+        self.lock_timeout
+    }
+
+    /// The hit-for-miss lifetime.
+    pub fn hit_for_miss(&self) -> Duration {
+        self.hit_for_miss_ttl
+    }
+
+    /// The smallest and largest fresh lifetime a fill may draw.
+    pub fn band(&self) -> (Duration, Duration) {
+        match self.jitter {
+            Jitter::Symmetric(j) => (self.ttl.mul_f64(1.0 - j), self.ttl.mul_f64(1.0 + j)),
+            Jitter::Additive(max) => (self.ttl, self.ttl + max),
+        }
+    }
+
+    /// Draws one fresh lifetime from the band. Jitter 0 gives exactly `ttl`.
+    pub fn draw_ttl<R: Rng + ?Sized>(&self, rng: &mut R) -> Duration {
+        match self.jitter {
+            Jitter::Symmetric(j) if j > 0.0 => {
+                let u: f64 = rng.random_range(-j..=j);
+                self.ttl.mul_f64(1.0 + u)
+            }
+            Jitter::Additive(max) if !max.is_zero() => {
+                let extra = rng.random_range(0..=max.as_nanos() as u64);
+                self.ttl + Duration::from_nanos(extra)
+            }
+            _ => self.ttl,
+        }
+    }
+
+    /// Checks every field; the error names the first bad one and its allowed range.
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        if self.ttl.is_zero() || self.ttl > MAX_TTL {
+            return Err(PolicyError::new(
+                "ttl",
+                format!("{:?}", self.ttl),
+                "greater than 0 and at most 365 days",
+            ));
+        }
+        match self.jitter {
+            Jitter::Symmetric(j) if !(0.0..=MAX_JITTER).contains(&j) => {
+                return Err(PolicyError::new(
+                    "jitter",
+                    j.to_string(),
+                    "0.0..=0.5 (the band ttl ± ttl·jitter)",
+                ));
+            }
+            Jitter::Additive(max) if max > self.ttl => {
+                return Err(PolicyError::new(
+                    "jitter",
+                    format!("additive {max:?}"),
+                    "an additive jitter of 0..=ttl",
+                ));
+            }
+            _ => {}
+        }
+        if self.lock_timeout.is_zero() || self.lock_timeout > MAX_LOCK_TIMEOUT {
+            return Err(PolicyError::new(
+                "lock_timeout",
+                format!("{:?}", self.lock_timeout),
+                "greater than 0 and at most 600 s",
+            ));
+        }
+        if self.hit_for_miss_ttl > MAX_TTL {
+            return Err(PolicyError::new(
+                "hit_for_miss_ttl",
+                format!("{:?}", self.hit_for_miss_ttl),
+                "at most 365 days",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A policy field outside its allowed range.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PolicyError {
+    /// The field's name, as its builder method is spelled.
+    pub field: &'static str,
+    /// The refused value, printed.
+    pub value: String,
+    /// What the field accepts.
+    pub allowed: &'static str,
+}
+
+impl PolicyError {
+    fn new(field: &'static str, value: String, allowed: &'static str) -> Self {
+        Self {
+            field,
+            value,
+            allowed,
+        }
+    }
+}
+
+impl fmt::Display for PolicyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invalid cache policy: `{}` is {}, but must be {}",
+            self.field, self.value, self.allowed
+        )
+    }
+}
+
+impl std::error::Error for PolicyError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    const TTL: Duration = Duration::from_secs(300);
+
+    #[test]
+    fn each_bad_field_is_named() {
+        let cases = [
+            (Policy::ttl(Duration::ZERO), "ttl"),
+            (Policy::ttl(MAX_TTL + Duration::from_secs(1)), "ttl"),
+            (Policy::ttl(TTL).jitter(0.7), "jitter"),
+            (Policy::ttl(TTL).jitter(-0.1), "jitter"),
+            (Policy::ttl(TTL).jitter(f64::NAN), "jitter"),
+            (Policy::ttl(TTL).additive_jitter(TTL * 2), "jitter"),
+            (
+                Policy::ttl(TTL).lock_timeout(Duration::ZERO),
+                "lock_timeout",
+            ),
+            (
+                Policy::ttl(TTL).lock_timeout(Duration::from_secs(601)),
+                "lock_timeout",
+            ),
+            (
+                Policy::ttl(TTL).hit_for_miss_ttl(MAX_TTL * 2),
+                "hit_for_miss_ttl",
+            ),
+        ];
+        for (policy, field) in cases {
+            let err = policy.validate().unwrap_err();
+            assert_eq!(err.field, field, "{policy:?}");
+            assert!(err.to_string().contains(&format!("`{field}`")), "{err}");
+        }
+        assert!(Policy::ttl(TTL).jitter(0.5).validate().is_ok());
+        assert!(Policy::ttl(TTL).jitter(0.0).validate().is_ok());
+    }
+
+    fn histogram(policy: &Policy, draws: usize, buckets: usize) -> Vec<usize> {
+        let mut rng = StdRng::seed_from_u64(7);
+        let (lo, hi) = policy.band();
+        let width = (hi - lo).as_secs_f64();
+        let mut counts = vec![0; buckets];
+        for _ in 0..draws {
+            let ttl = policy.draw_ttl(&mut rng);
+            assert!(ttl >= lo && ttl <= hi, "{ttl:?} outside {lo:?}..={hi:?}");
+            let i = (((ttl - lo).as_secs_f64() / width) * buckets as f64) as usize;
+            counts[i.min(buckets - 1)] += 1;
+        }
+        counts
+    }
+
+    #[test]
+    fn symmetric_draws_fill_the_band() {
+        let counts = histogram(&Policy::ttl(TTL).jitter(0.1), 10_000, 20);
+        assert!(counts.iter().all(|&c| c > 0), "{counts:?}");
+    }
+
+    #[test]
+    fn additive_draws_fill_the_band() {
+        let policy = Policy::ttl(TTL).additive_jitter(Duration::from_secs(60));
+        assert_eq!(policy.band(), (TTL, TTL + Duration::from_secs(60)));
+        let counts = histogram(&policy, 10_000, 20);
+        assert!(counts.iter().all(|&c| c > 0), "{counts:?}");
+    }
+
+    #[test]
+    fn zero_jitter_is_exactly_ttl() {
+        let mut rng = StdRng::seed_from_u64(1);
+        for policy in [
+            Policy::ttl(TTL).jitter(0.0),
+            Policy::ttl(TTL).additive_jitter(Duration::ZERO),
+        ] {
+            for _ in 0..1000 {
+                assert_eq!(policy.draw_ttl(&mut rng), TTL);
+            }
+        }
+    }
+}

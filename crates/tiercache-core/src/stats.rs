@@ -1,0 +1,141 @@
+//! Counters kept by the engine, and their snapshot.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// A point-in-time copy of the engine's counters (serialises to the `/stats` JSON).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Fresh answers from L1.
+    pub hits_l1: u64,
+    /// Answers from L2 (promoted to L1).
+    pub hits_l2: u64,
+    /// Lookups that found nothing usable and waited on, or made, an origin load.
+    pub misses: u64,
+    /// Stale entries served (stale-while-revalidate, stale-if-error).
+    pub stale_served: u64,
+    /// Calls that reached the origin on behalf of the cache.
+    pub origin_loads: u64,
+    /// Requests that waited on another request's origin load instead of making their own.
+    pub coalesced: u64,
+    /// Followers that gave up waiting after `lock_timeout` and went to the origin.
+    pub lock_timeouts: u64,
+    /// Failed or timed-out L2 operations (each fell through to the origin).
+    pub l2_errors: u64,
+    /// Entries reclaimed because they outlived their hard expiry (sweeper, read, or moka's bound).
+    pub expired: u64,
+    /// Entries pushed out of L1 by its byte budget.
+    pub evicted: u64,
+    /// Sweeper passes run.
+    pub sweeps: u64,
+    /// Requests that skipped the cache, by reason (`authorization`, `cookie`, `method`, …).
+    pub bypassed: BTreeMap<String, u64>,
+    /// Hits (any tier, stale included) over lookups, `0.0..=1.0`.
+    pub hit_ratio: f64,
+    /// Origin load time (δ, the XFetch input).
+    pub origin_latency: LatencyStats,
+}
+
+/// Origin latency summary, in milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct LatencyStats {
+    /// Loads measured.
+    pub count: u64,
+    /// The last load's time.
+    pub last_ms: f64,
+    /// Mean load time.
+    pub mean_ms: f64,
+    /// Slowest load.
+    pub max_ms: f64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) hits_l1: AtomicU64,
+    pub(crate) hits_l2: AtomicU64,
+    pub(crate) misses: AtomicU64,
+    pub(crate) stale_served: AtomicU64,
+    pub(crate) origin_loads: AtomicU64,
+    pub(crate) coalesced: AtomicU64,
+    pub(crate) lock_timeouts: AtomicU64,
+    pub(crate) l2_errors: AtomicU64,
+    pub(crate) expired: AtomicU64,
+    pub(crate) evicted: AtomicU64,
+    pub(crate) sweeps: AtomicU64,
+    origin_nanos_total: AtomicU64,
+    origin_nanos_last: AtomicU64,
+    origin_nanos_max: AtomicU64,
+    bypassed: Mutex<BTreeMap<&'static str, u64>>,
+}
+
+pub(crate) fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Relaxed);
+}
+
+impl Counters {
+    pub(crate) fn bypass(&self, reason: &'static str) {
+        *self.bypassed.lock().unwrap().entry(reason).or_default() += 1;
+    }
+
+    pub(crate) fn origin_load(&self, took: Duration) {
+        let nanos = took.as_nanos().min(u64::MAX as u128) as u64;
+        bump(&self.origin_loads);
+        self.origin_nanos_total.fetch_add(nanos, Relaxed);
+        self.origin_nanos_last.store(nanos, Relaxed);
+        self.origin_nanos_max.fetch_max(nanos, Relaxed);
+    }
+
+    pub(crate) fn hit_ratio(&self) -> f64 {
+        let hits = self.hits_l1.load(Relaxed)
+            + self.hits_l2.load(Relaxed)
+            + self.stale_served.load(Relaxed);
+        let lookups = hits + self.misses.load(Relaxed);
+        if lookups == 0 {
+            0.0
+        } else {
+            hits as f64 / lookups as f64
+        }
+    }
+
+    pub(crate) fn snapshot(&self) -> Stats {
+        let count = self.origin_loads.load(Relaxed);
+        let ms = |n: u64| n as f64 / 1e6;
+        Stats {
+            hits_l1: self.hits_l1.load(Relaxed),
+            hits_l2: self.hits_l2.load(Relaxed),
+            misses: self.misses.load(Relaxed),
+            stale_served: self.stale_served.load(Relaxed),
+            origin_loads: count,
+            coalesced: self.coalesced.load(Relaxed),
+            lock_timeouts: self.lock_timeouts.load(Relaxed),
+            l2_errors: self.l2_errors.load(Relaxed),
+            expired: self.expired.load(Relaxed),
+            evicted: self.evicted.load(Relaxed),
+            sweeps: self.sweeps.load(Relaxed),
+            bypassed: self
+                .bypassed
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), *v))
+                .collect(),
+            hit_ratio: self.hit_ratio(),
+            origin_latency: LatencyStats {
+                count,
+                last_ms: ms(self.origin_nanos_last.load(Relaxed)),
+                mean_ms: if count == 0 {
+                    0.0
+                } else {
+                    ms(self.origin_nanos_total.load(Relaxed)) / count as f64
+                },
+                max_ms: ms(self.origin_nanos_max.load(Relaxed)),
+            },
+        }
+    }
+}

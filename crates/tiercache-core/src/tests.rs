@@ -1,0 +1,255 @@
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::*;
+
+const TTL: Duration = Duration::from_secs(60);
+
+fn engine(clock: &MockClock) -> TieredCache {
+    TieredCache::builder()
+        .clock(clock.clone())
+        .sweep_interval(None)
+        .rng_seed(1)
+        .build()
+        .unwrap()
+}
+
+fn fill(body: &str) -> Fill {
+    Fill::new(Value::from_body(body.to_owned()))
+}
+
+#[tokio::test]
+async fn fresh_then_dead_on_the_engine_clock() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let key = CacheKey::new("a");
+    let policy = Policy::ttl(TTL).jitter(0.0);
+    cache.store(&key, fill("v"), &policy);
+    match cache.lookup(&key, |_| true) {
+        Lookup::Fresh { remaining, .. } => assert_eq!(remaining, TTL),
+        Lookup::Miss => panic!("expected a hit"),
+    }
+    clock.advance(TTL - Duration::from_millis(1));
+    assert!(matches!(cache.lookup(&key, |_| true), Lookup::Fresh { .. }));
+    clock.advance(Duration::from_millis(1));
+    assert!(matches!(cache.lookup(&key, |_| true), Lookup::Miss));
+    // Lazy expiry removed it and counted it.
+    assert_eq!(cache.stats().expired, 1);
+    assert_eq!(cache.l1_entry_count(), 0);
+}
+
+#[tokio::test]
+async fn accept_can_refuse_an_entry() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let key = CacheKey::new("a");
+    cache.store(&key, fill("v"), &Policy::ttl(TTL));
+    assert!(matches!(cache.lookup(&key, |_| false), Lookup::Miss));
+    assert_eq!(cache.stats().hits_l1, 0);
+}
+
+#[tokio::test]
+async fn sweeper_reclaims_expired_entries_without_reads() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let policy = Policy::ttl(TTL).jitter(0.5);
+    for i in 0..100_000u32 {
+        cache.store(&CacheKey::new(i.to_le_bytes()), fill("x"), &policy);
+    }
+    // A second cohort that stays fresh.
+    let long = Policy::ttl(TTL * 10);
+    for i in 0..1_000u32 {
+        cache.store(&CacheKey::new(format!("long{i}")), fill("x"), &long);
+    }
+    assert_eq!(cache.l1_entry_count(), 101_000);
+    assert_eq!(cache.sweep(), 0, "nothing is due yet");
+    clock.advance(TTL * 2);
+    assert_eq!(cache.sweep(), 100_000);
+    assert_eq!(cache.l1_entry_count(), 1_000);
+    let stats = cache.stats();
+    assert_eq!(stats.expired, 100_000);
+    assert_eq!(stats.evicted, 0);
+    assert_eq!(stats.sweeps, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_sweeper_ticks_on_its_own() {
+    let clock = MockClock::new();
+    let cache = TieredCache::builder()
+        .clock(clock.clone())
+        .sweep_interval(Some(Duration::from_secs(1)))
+        .build()
+        .unwrap();
+    for i in 0..1_000u32 {
+        cache.store(
+            &CacheKey::new(i.to_le_bytes()),
+            fill("x"),
+            &Policy::ttl(TTL),
+        );
+    }
+    clock.advance(TTL * 2);
+    // Paused tokio time: each sleep auto-advances to the next timer, no waiting.
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        if cache.stats().expired == 1_000 {
+            break;
+        }
+    }
+    assert_eq!(cache.stats().expired, 1_000);
+    assert!(cache.stats().sweeps >= 1);
+}
+
+#[tokio::test]
+async fn a_replaced_entry_is_not_swept_early() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let key = CacheKey::new("a");
+    cache.store(
+        &key,
+        fill("old"),
+        &Policy::ttl(Duration::from_secs(1)).jitter(0.0),
+    );
+    cache.store(&key, fill("new"), &Policy::ttl(TTL).jitter(0.0));
+    clock.advance(Duration::from_secs(2));
+    assert_eq!(cache.sweep(), 0);
+    match cache.lookup(&key, |_| true) {
+        Lookup::Fresh { entry, .. } => assert_eq!(entry.value().body, "new"),
+        Lookup::Miss => panic!("the new entry was swept"),
+    }
+}
+
+#[tokio::test]
+async fn byte_budget_evicts_and_counts_it() {
+    let cache = TieredCache::builder()
+        .l1_capacity(1024 * 1024)
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let body = "x".repeat(10 * 1024);
+    for i in 0..1_000u32 {
+        cache.store(
+            &CacheKey::new(i.to_le_bytes()),
+            fill(&body),
+            &Policy::ttl(TTL),
+        );
+    }
+    assert!(cache.l1_weighted_size() <= 1024 * 1024);
+    let stats = cache.stats();
+    assert!(stats.evicted > 0, "{stats:?}");
+    assert_eq!(stats.expired, 0);
+}
+
+#[tokio::test]
+async fn hit_for_miss_expires_on_the_engine_clock() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let key = CacheKey::new("a");
+    let policy = Policy::ttl(TTL).hit_for_miss_ttl(Duration::from_secs(5));
+    cache.mark_uncacheable(&key, &policy);
+    assert!(cache.is_uncacheable(&key));
+    clock.advance(Duration::from_secs(5));
+    assert!(!cache.is_uncacheable(&key));
+    cache.mark_uncacheable(&key, &policy);
+    cache.store(&key, fill("v"), &policy);
+    assert!(!cache.is_uncacheable(&key), "a store clears the mark");
+}
+
+#[tokio::test]
+async fn l2_hits_are_promoted_for_at_most_the_tiers_remaining_ttl() {
+    let clock = MockClock::new();
+    let l2 = MemoryTier::new(Arc::new(clock.clone()));
+    let writer = TieredCache::builder()
+        .clock(clock.clone())
+        .l2(l2.clone())
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let reader = TieredCache::builder()
+        .clock(clock.clone())
+        .l2(l2.clone())
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let key = CacheKey::new("a");
+    writer.store(&key, fill("v"), &Policy::ttl(TTL).jitter(0.0));
+    clock.advance(Duration::from_secs(20));
+    assert!(matches!(reader.lookup(&key, |_| true), Lookup::Miss));
+    let promoted = reader.lookup_l2(&key, |_| true).await.expect("l2 hit");
+    assert_eq!(promoted.value().body, "v");
+    assert_eq!(
+        promoted.remaining_hard(clock.now()),
+        Duration::from_secs(40)
+    );
+    match reader.lookup(&key, |_| true) {
+        Lookup::Fresh { remaining, .. } => assert_eq!(remaining, Duration::from_secs(40)),
+        Lookup::Miss => panic!("not promoted"),
+    }
+    reader.record_served(Source::L2);
+    let stats = reader.stats();
+    assert_eq!((stats.hits_l2, stats.hits_l1), (1, 1));
+}
+
+#[tokio::test]
+async fn a_foreign_key_under_the_same_hash_is_a_miss() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let key = CacheKey::new("a");
+    let policy = Policy::ttl(TTL);
+    cache.store(&key, fill("v"), &policy);
+    // Same hash slot, different full key: what a collision would look like.
+    let l1 = &cache.inner_for_tests().l1;
+    let foreign = Entry::new(
+        "not-a".into(),
+        Default::default(),
+        Value::from_body("evil"),
+        Times {
+            created_at: clock.now(),
+            fresh_until: clock.now() + TTL,
+            hard_until: clock.now() + TTL,
+        },
+        Duration::ZERO,
+    );
+    l1.insert(key.hash(), foreign);
+    assert!(matches!(cache.lookup(&key, |_| true), Lookup::Miss));
+}
+
+#[test]
+fn a_sweeper_without_a_runtime_is_a_clear_error() {
+    let err = TieredCache::builder().build().unwrap_err();
+    assert!(err.to_string().contains("sweep_interval(None)"), "{err}");
+    assert!(TieredCache::builder().sweep_interval(None).build().is_ok());
+}
+
+#[test]
+fn bad_builder_settings_are_named() {
+    let err = TieredCache::builder()
+        .l1_capacity(0)
+        .sweep_interval(None)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("`l1_capacity`"), "{err}");
+}
+
+#[test]
+fn stats_serialise_with_the_contract_names() {
+    let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
+    let json = serde_json::to_value(cache.stats()).unwrap();
+    for field in [
+        "hits_l1",
+        "hits_l2",
+        "misses",
+        "stale_served",
+        "origin_loads",
+        "coalesced",
+        "lock_timeouts",
+        "l2_errors",
+        "expired",
+        "evicted",
+        "sweeps",
+        "bypassed",
+        "hit_ratio",
+        "origin_latency",
+    ] {
+        assert!(json.get(field).is_some(), "missing {field}");
+    }
+}

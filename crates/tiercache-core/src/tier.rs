@@ -1,0 +1,145 @@
+//! The shared-tier trait the Valkey tier implements.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use crate::{CacheKey, Entry};
+
+/// A boxed, sendable future (the `Tier` trait is used as `dyn Tier`).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// An entry read from a shared tier, with the server's remaining lifetime.
+#[derive(Debug, Clone)]
+pub struct TierHit {
+    /// The decoded entry.
+    pub entry: Entry,
+    /// The tier's own remaining TTL for the key (Valkey's `PTTL`): the server's
+    /// clock decides how long a promoted copy may live, never this process's.
+    pub remaining: Duration,
+}
+
+/// A second cache tier shared by many processes (Valkey, or a fake in tests).
+///
+/// Every method fails open: the engine counts an error and goes on to the
+/// origin, so an implementation should bound its own latency.
+pub trait Tier: Send + Sync + fmt::Debug + 'static {
+    /// Reads `key` in one round trip. `Ok(None)` is a miss, including bytes
+    /// that do not decode or belong to another key.
+    fn get<'a>(&'a self, key: &'a CacheKey) -> BoxFuture<'a, Result<Option<TierHit>, TierError>>;
+
+    /// Stores `entry` under `key` for `ttl`, off the caller's path: it queues
+    /// and returns at once; a full queue drops the write (and counts it).
+    fn put(&self, key: &CacheKey, entry: &Entry, ttl: Duration);
+
+    /// Removes `key`.
+    fn delete<'a>(&'a self, key: &'a CacheKey) -> BoxFuture<'a, Result<(), TierError>>;
+}
+
+/// A shared tier failed (unreachable, timed out, refused).
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct TierError {
+    message: String,
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+impl TierError {
+    /// An error with a message and an optional cause.
+    pub fn new(
+        message: impl Into<String>,
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self {
+            message: message.into(),
+            source,
+        }
+    }
+}
+
+impl fmt::Display for TierError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "shared cache tier failed: {}", self.message)
+    }
+}
+
+impl std::error::Error for TierError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|e| e as _)
+    }
+}
+
+#[cfg(any(test, feature = "test-util"))]
+pub use memory::MemoryTier;
+
+#[cfg(any(test, feature = "test-util"))]
+mod memory {
+    use super::*;
+    use crate::Clock;
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+    use std::time::SystemTime;
+
+    /// An in-memory [`Tier`] for unit tests of the engine (never a stand-in
+    /// for Valkey where Valkey is the point). Its expiry follows the given clock.
+    #[derive(Debug, Clone)]
+    pub struct MemoryTier {
+        clock: Arc<dyn Clock>,
+        map: Arc<Mutex<HashMap<bytes::Bytes, (Entry, SystemTime)>>>,
+    }
+
+    impl MemoryTier {
+        /// An empty tier on `clock`.
+        pub fn new(clock: Arc<dyn Clock>) -> Self {
+            Self {
+                clock,
+                map: Arc::default(),
+            }
+        }
+
+        /// Number of stored keys, dead or alive.
+        pub fn len(&self) -> usize {
+            self.map.lock().unwrap().len()
+        }
+
+        /// Whether nothing is stored.
+        pub fn is_empty(&self) -> bool {
+            self.len() == 0
+        }
+    }
+
+    impl Tier for MemoryTier {
+        fn get<'a>(
+            &'a self,
+            key: &'a CacheKey,
+        ) -> BoxFuture<'a, Result<Option<TierHit>, TierError>> {
+            let now = self.clock.now();
+            let hit = self
+                .map
+                .lock()
+                .unwrap()
+                .get(key.full())
+                .and_then(|(e, until)| {
+                    until.duration_since(now).ok().map(|remaining| TierHit {
+                        entry: e.clone(),
+                        remaining,
+                    })
+                });
+            Box::pin(async move { Ok(hit) })
+        }
+
+        fn put(&self, key: &CacheKey, entry: &Entry, ttl: Duration) {
+            let until = self.clock.now() + ttl;
+            self.map
+                .lock()
+                .unwrap()
+                .insert(key.full().clone(), (entry.clone(), until));
+        }
+
+        fn delete<'a>(&'a self, key: &'a CacheKey) -> BoxFuture<'a, Result<(), TierError>> {
+            self.map.lock().unwrap().remove(key.full());
+            Box::pin(async { Ok(()) })
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! The response body type of [`crate::ResponseCache`].
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+
+/// An error from the origin's body, boxed.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+pin_project! {
+    /// A response body: a cached one, or the origin's streaming through.
+    #[project = CacheBodyProj]
+    #[derive(Debug)]
+    pub struct CacheBody<B> {
+        #[pin]
+        kind: Kind<B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    #[derive(Debug)]
+    enum Kind<B> {
+        Full { data: Option<Bytes> },
+        Stream { #[pin] body: B },
+        // Frames already read while deciding whether to store, then the rest.
+        Replay {
+            prefix: VecDeque<Frame<Bytes>>,
+            error: Option<BoxError>,
+            // Boxed so the origin's body need not be `Unpin`: it was polled
+            // in place while the cache read it.
+            rest: Option<Pin<Box<B>>>,
+        },
+    }
+}
+
+impl<B> CacheBody<B> {
+    /// A complete body (a cached one, or one read in full).
+    pub fn full(data: Bytes) -> Self {
+        let data = (!data.is_empty()).then_some(data);
+        Self {
+            kind: Kind::Full { data },
+        }
+    }
+
+    /// No body (HEAD).
+    pub fn empty() -> Self {
+        Self {
+            kind: Kind::Full { data: None },
+        }
+    }
+
+    /// The origin's body, untouched.
+    pub fn stream(body: B) -> Self {
+        Self {
+            kind: Kind::Stream { body },
+        }
+    }
+
+    /// Frames already read, then an error or the rest of the origin's body.
+    pub(crate) fn replay(
+        prefix: VecDeque<Frame<Bytes>>,
+        error: Option<BoxError>,
+        rest: Option<Pin<Box<B>>>,
+    ) -> Self {
+        Self {
+            kind: Kind::Replay {
+                prefix,
+                error,
+                rest,
+            },
+        }
+    }
+}
+
+impl<B> Body for CacheBody<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.project().kind.project() {
+            KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            KindProj::Stream { body } => body.poll_frame(cx).map_err(Into::into),
+            KindProj::Replay {
+                prefix,
+                error,
+                rest,
+            } => {
+                if let Some(frame) = prefix.pop_front() {
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                if let Some(e) = error.take() {
+                    return Poll::Ready(Some(Err(e)));
+                }
+                match rest {
+                    Some(rest) => rest.as_mut().poll_frame(cx).map_err(Into::into),
+                    None => Poll::Ready(None),
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            Kind::Full { data } => data.is_none(),
+            Kind::Stream { body } => body.is_end_stream(),
+            Kind::Replay {
+                prefix,
+                error,
+                rest,
+            } => {
+                prefix.is_empty()
+                    && error.is_none()
+                    && rest.as_ref().is_none_or(|r| r.is_end_stream())
+            }
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            Kind::Full { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            Kind::Stream { body } => body.size_hint(),
+            Kind::Replay { prefix, rest, .. } => {
+                let buffered: u64 = prefix
+                    .iter()
+                    .filter_map(|f| f.data_ref())
+                    .map(|d| d.len() as u64)
+                    .sum();
+                let inner = rest
+                    .as_ref()
+                    .map(|r| r.size_hint())
+                    .unwrap_or_else(|| SizeHint::with_exact(0));
+                let mut hint = SizeHint::new();
+                hint.set_lower(inner.lower() + buffered);
+                if let Some(upper) = inner.upper() {
+                    hint.set_upper(upper + buffered);
+                }
+                hint
+            }
+        }
+    }
+}

@@ -1,0 +1,246 @@
+//! The cache's response headers (`x-cache`, `x-cache-tier`, `x-cache-hit-ratio`,
+//! `cache-status`, `age`) and the conversion between stored values and responses.
+
+use std::fmt::Write as _;
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use http::header::{AGE, CONNECTION};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+use tiercache_core::{Entry, Freshness, Source, Value};
+
+use crate::body::CacheBody;
+use crate::cacheable::Reason;
+
+/// `x-cache`: `HIT`, `MISS`, `STALE`, `BYPASS`.
+pub const X_CACHE: HeaderName = HeaderName::from_static("x-cache");
+/// `x-cache-tier`: `l1`, `l2`, `origin`.
+pub const X_CACHE_TIER: HeaderName = HeaderName::from_static("x-cache-tier");
+/// `x-cache-hit-ratio`: this instance's hit ratio so far, `0.0000`..`1.0000`.
+pub const X_CACHE_HIT_RATIO: HeaderName = HeaderName::from_static("x-cache-hit-ratio");
+/// RFC 9211 `cache-status`.
+pub const CACHE_STATUS: HeaderName = HeaderName::from_static("cache-status");
+
+/// The cache name in `cache-status`.
+pub const CACHE_NAME: &str = "tiercache";
+
+/// What the cache did for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// Answered from a tier; `collapsed` when it waited on another request's load.
+    Hit {
+        /// `l1` or `l2`.
+        tier: Source,
+        /// Fresh seconds left.
+        ttl: u64,
+        /// Whether it waited on another request's load.
+        collapsed: bool,
+    },
+    /// Answered by the origin; `stored` tells whether the response was cached,
+    /// `reason` why not.
+    Miss {
+        /// Whether the response was stored.
+        stored: bool,
+        /// Why it was not stored.
+        reason: Option<Reason>,
+        /// Whether it waited on another request's load.
+        collapsed: bool,
+    },
+    /// The cache was skipped.
+    Bypass(Reason),
+}
+
+impl Outcome {
+    fn x_cache(&self) -> &'static str {
+        match self {
+            Outcome::Hit { .. } => "HIT",
+            Outcome::Miss { .. } => "MISS",
+            Outcome::Bypass(_) => "BYPASS",
+        }
+    }
+
+    fn tier(&self) -> Source {
+        match self {
+            Outcome::Hit { tier, .. } => *tier,
+            _ => Source::Origin,
+        }
+    }
+
+    /// The RFC 9211 `cache-status` value (never the key).
+    pub fn cache_status(&self) -> String {
+        let mut s = String::with_capacity(48);
+        s.push_str(CACHE_NAME);
+        match self {
+            Outcome::Hit {
+                tier,
+                ttl,
+                collapsed,
+            } => {
+                let _ = write!(s, "; hit; ttl={ttl}; detail={}", tier.as_str());
+                if *collapsed {
+                    s.push_str("; collapsed");
+                }
+            }
+            Outcome::Miss {
+                stored,
+                reason,
+                collapsed,
+            } => {
+                s.push_str("; fwd=miss");
+                if *stored {
+                    s.push_str("; stored");
+                }
+                if *collapsed {
+                    s.push_str("; collapsed");
+                }
+                if let Some(r) = reason {
+                    let _ = write!(s, "; detail={}", r.as_str());
+                }
+            }
+            Outcome::Bypass(reason) => {
+                let _ = write!(s, "; fwd=bypass; detail={}", reason.as_str());
+            }
+        }
+        s
+    }
+}
+
+/// Writes the cache headers for `outcome` into `headers`.
+pub fn apply(headers: &mut HeaderMap, outcome: &Outcome, hit_ratio: f64) {
+    headers.insert(X_CACHE, HeaderValue::from_static(outcome.x_cache()));
+    headers.insert(
+        X_CACHE_TIER,
+        HeaderValue::from_static(outcome.tier().as_str()),
+    );
+    let ratio = format!("{:.4}", hit_ratio.clamp(0.0, 1.0));
+    if let Ok(v) = HeaderValue::try_from(ratio) {
+        headers.insert(X_CACHE_HIT_RATIO, v);
+    }
+    if let Ok(v) = HeaderValue::try_from(outcome.cache_status()) {
+        headers.insert(CACHE_STATUS, v);
+    }
+}
+
+/// The hop-by-hop fields (RFC 9110 §7.6.1), never stored or forwarded.
+pub const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+];
+
+/// Removes hop-by-hop fields, `upgrade`, and every field named in `Connection`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let listed: Vec<HeaderName> = headers
+        .get_all(CONNECTION)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim_ascii()).ok())
+        .collect();
+    for name in listed {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+    headers.remove(http::header::UPGRADE);
+}
+
+/// The stored form of a response's head and body: hop-by-hop fields and
+/// `Age` (recomputed on every hit) left out, every other field byte-exact.
+pub fn to_value(status: StatusCode, headers: &HeaderMap, body: Bytes) -> Value {
+    let mut kept = headers.clone();
+    strip_hop_by_hop(&mut kept);
+    kept.remove(AGE);
+    let headers = kept
+        .iter()
+        .map(|(n, v)| {
+            (
+                Bytes::copy_from_slice(n.as_str().as_bytes()),
+                Bytes::copy_from_slice(v.as_bytes()),
+            )
+        })
+        .collect();
+    Value {
+        status: status.as_u16(),
+        headers,
+        body,
+    }
+}
+
+/// A response from a stored entry, with `age` as of `now`. `head` leaves the
+/// body out (the headers, `Content-Length` included, stay those of the GET).
+pub fn from_entry<B>(entry: &Entry, now: SystemTime, head: bool) -> Response<CacheBody<B>> {
+    let value = entry.value();
+    let body = if head {
+        CacheBody::empty()
+    } else {
+        CacheBody::full(value.body.clone())
+    };
+    let mut res = Response::new(body);
+    *res.status_mut() = StatusCode::from_u16(value.status).unwrap_or(StatusCode::OK);
+    let headers = res.headers_mut();
+    headers.reserve(value.headers.len() + 5);
+    for (name, v) in &value.headers {
+        // Stored values were valid header fields when they were stored; one
+        // that is not (a foreign or damaged entry) is dropped, not emitted.
+        if let (Ok(name), Ok(v)) = (
+            HeaderName::from_bytes(name),
+            HeaderValue::from_maybe_shared(v.clone()),
+        ) {
+            headers.append(name, v);
+        }
+    }
+    headers.insert(AGE, HeaderValue::from(entry.age(now)));
+    res
+}
+
+/// Fresh seconds left in `entry` as of `now` (0 once stale).
+pub fn ttl_left(entry: &Entry, now: SystemTime) -> u64 {
+    match entry.freshness(now) {
+        Freshness::Fresh(left) => left.as_secs(),
+        _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_status_forms() {
+        let hit = Outcome::Hit {
+            tier: Source::L1,
+            ttl: 37,
+            collapsed: false,
+        };
+        assert_eq!(hit.cache_status(), "tiercache; hit; ttl=37; detail=l1");
+        let miss = Outcome::Miss {
+            stored: true,
+            reason: None,
+            collapsed: false,
+        };
+        assert_eq!(miss.cache_status(), "tiercache; fwd=miss; stored");
+        assert_eq!(
+            Outcome::Bypass(Reason::Authorization).cache_status(),
+            "tiercache; fwd=bypass; detail=authorization"
+        );
+    }
+
+    #[test]
+    fn connection_listed_fields_are_stripped() {
+        let mut h = HeaderMap::new();
+        h.insert("connection", "x-secret, close".parse().unwrap());
+        h.insert("x-secret", "1".parse().unwrap());
+        h.insert("transfer-encoding", "chunked".parse().unwrap());
+        h.insert("etag", "\"a\"".parse().unwrap());
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("etag"));
+    }
+}

@@ -1,0 +1,169 @@
+//! HTTP cache keys and `Vary` variants.
+//!
+//! The primary key is built from length-prefixed parts: a schema version, the
+//! method class (HEAD shares GET's entry), scheme, lower-cased authority, raw
+//! path and raw query. The `Vary`'d request header values are not in the
+//! primary key: they form the entry's *variant*, stored with it and compared
+//! on every read, so a request with other values never gets that response.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::header::{HOST, VARY};
+use http::{HeaderMap, HeaderName, request};
+use tiercache_core::{CacheKey, Entry};
+
+/// Builds the cache key of a request.
+///
+/// ```
+/// use http::Request;
+/// use tiercache_http::key::request_key;
+///
+/// let a = Request::get("/p?x=1").header("host", "Example.com").body(()).unwrap().into_parts().0;
+/// let b = Request::head("/p?x=1").header("host", "example.com").body(()).unwrap().into_parts().0;
+/// assert_eq!(request_key(&a), request_key(&b));
+/// ```
+pub fn request_key(req: &request::Parts) -> CacheKey {
+    let mut key = CacheKey::builder();
+    key.push(b"http/v1");
+    // GET and HEAD share one entry; only they reach here.
+    key.push(b"GET");
+    key.push(req.uri.scheme_str().unwrap_or("http").as_bytes());
+    let authority = req
+        .headers
+        .get(HOST)
+        .map(|h| h.as_bytes())
+        .or_else(|| req.uri.authority().map(|a| a.as_str().as_bytes()))
+        .unwrap_or_default();
+    if authority.iter().any(u8::is_ascii_uppercase) {
+        key.push(&authority.to_ascii_lowercase());
+    } else {
+        key.push(authority);
+    }
+    key.push(req.uri.path().as_bytes());
+    match req.uri.query() {
+        // `/a?` and `/a` differ; the leading byte keeps them apart.
+        Some(q) => key.push_concat(&[b"?", q.as_bytes()]),
+        None => key.push(b""),
+    }
+    key.finish()
+}
+
+/// The variant a response with these headers has for this request: the
+/// names in its `Vary` and the request's values for them.
+pub fn variant_for(response: &HeaderMap, request: &HeaderMap) -> Bytes {
+    let mut names: Vec<HeaderName> = Vec::new();
+    for value in response.get_all(VARY) {
+        for name in value.as_bytes().split(|&b| b == b',') {
+            if let Ok(name) = HeaderName::from_bytes(name.trim_ascii())
+                && !names.contains(&name)
+            {
+                names.push(name);
+            }
+        }
+    }
+    if names.is_empty() {
+        return Bytes::new();
+    }
+    let mut out = BytesMut::new();
+    for name in &names {
+        put_part(&mut out, name.as_str().as_bytes());
+        put_part(&mut out, &joined(request, name));
+    }
+    out.freeze()
+}
+
+/// Whether `entry` was stored for requests with the same `Vary`'d values as `request`.
+pub fn variant_matches(entry: &Entry, request: &HeaderMap) -> bool {
+    let mut rest = &entry.variant()[..];
+    while !rest.is_empty() {
+        let (Some(name), Some(value)) = (take_part(&mut rest), take_part(&mut rest)) else {
+            return false;
+        };
+        let Ok(name) = HeaderName::from_bytes(name) else {
+            return false;
+        };
+        if joined(request, &name) != value {
+            return false;
+        }
+    }
+    true
+}
+
+/// All values of `name`, joined by `", "` (RFC 9110 §5.3 field combination).
+fn joined(headers: &HeaderMap, name: &HeaderName) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (i, v) in headers.get_all(name).iter().enumerate() {
+        if i > 0 {
+            out.extend_from_slice(b", ");
+        }
+        out.extend_from_slice(v.as_bytes());
+    }
+    out
+}
+
+fn put_part(out: &mut BytesMut, part: &[u8]) {
+    out.put_u32_le(part.len() as u32);
+    out.put_slice(part);
+}
+
+fn take_part<'a>(rest: &mut &'a [u8]) -> Option<&'a [u8]> {
+    let len = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+    let part = rest.get(4..4 + len)?;
+    *rest = &rest[4 + len..];
+    Some(part)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::Request;
+    use std::time::{Duration, SystemTime};
+    use tiercache_core::{Times, Value};
+
+    fn parts(uri: &str, host: &str) -> request::Parts {
+        Request::get(uri)
+            .header("host", host)
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0
+    }
+
+    #[test]
+    fn query_path_and_host_are_keyed() {
+        let base = request_key(&parts("/a?x=1", "h"));
+        assert_ne!(base, request_key(&parts("/a?x=2", "h")));
+        assert_ne!(base, request_key(&parts("/a", "h")));
+        assert_ne!(
+            request_key(&parts("/a", "h")),
+            request_key(&parts("/a?", "h"))
+        );
+        assert_ne!(base, request_key(&parts("/a?x=1", "h:8080")));
+        assert_ne!(base, request_key(&parts("/b?x=1", "h")));
+        assert_eq!(base, request_key(&parts("/a?x=1", "H")));
+    }
+
+    fn entry_with(variant: Bytes) -> Entry {
+        let now = SystemTime::now();
+        let t = Times {
+            created_at: now,
+            fresh_until: now,
+            hard_until: now,
+        };
+        Entry::new(Bytes::new(), variant, Value::default(), t, Duration::ZERO)
+    }
+
+    #[test]
+    fn variants_compare_the_named_request_headers() {
+        let mut res = HeaderMap::new();
+        res.insert(VARY, "Accept-Language, accept-language".parse().unwrap());
+        let mut en = HeaderMap::new();
+        en.insert("accept-language", "en".parse().unwrap());
+        let mut fr = HeaderMap::new();
+        fr.insert("accept-language", "fr".parse().unwrap());
+        let entry = entry_with(variant_for(&res, &en));
+        assert!(variant_matches(&entry, &en));
+        assert!(!variant_matches(&entry, &fr));
+        assert!(!variant_matches(&entry, &HeaderMap::new()));
+        assert!(variant_matches(&entry_with(Bytes::new()), &fr));
+    }
+}

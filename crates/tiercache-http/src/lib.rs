@@ -1,0 +1,45 @@
+//! The tiercache tower layer: caches HTTP responses of any tower service.
+//!
+//! [`ResponseCacheLayer`] wraps an axum route (or any
+//! `Service<http::Request<B>>`) in [`ResponseCache`], which answers cacheable
+//! requests from the engine's L1 (and L2, when configured), coalesces
+//! concurrent misses into one origin call, and labels every response it
+//! handles with `x-cache`, `x-cache-tier`, `x-cache-hit-ratio`,
+//! `cache-status` (RFC 9211) and, on hits, `age`.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use axum::{Router, routing::get};
+//! use tiercache_core::{Policy, TieredCache};
+//! use tiercache_http::ResponseCacheLayer;
+//!
+//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let cache = ResponseCacheLayer::new(TieredCache::builder().build()?);
+//! let app: Router = Router::new()
+//!     .route("/products/{id}", get(|| async { "p" }).layer(cache.route(Policy::ttl(Duration::from_secs(30)))?))
+//!     .route("/live", get(|| async { "never cached" }));
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//! axum::serve(listener, app).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Safe by default: requests with `Authorization` or `Cookie` bypass the cache;
+//! responses with `Set-Cookie`, `private`, `no-store`, `Vary: *` or a status a
+//! shared cache may not store are never stored, and followers of such a load
+//! go to the origin themselves. `Vary` is honoured: an entry answers only
+//! requests with the same values of the headers it names.
+//!
+//! This crate has no features.
+
+pub mod body;
+pub mod cache_control;
+pub mod cacheable;
+pub mod future;
+pub mod headers;
+pub mod key;
+mod layer;
+mod service;
+
+pub use body::CacheBody;
+pub use layer::ResponseCacheLayer;
+pub use service::ResponseCache;

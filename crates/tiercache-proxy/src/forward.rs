@@ -1,0 +1,128 @@
+//! Forwarding to the upstream: a tower service that proxies one request.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use http::header::{HOST, HeaderName, HeaderValue};
+use http::uri::{PathAndQuery, Scheme};
+use http::{Request, Response, StatusCode, Uri};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tiercache_http::headers::strip_hop_by_hop;
+
+/// The upstream's answer: its body streams through, or the proxy's own error page.
+pub type UpstreamBody = http_body_util::Either<Incoming, Body>;
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+
+/// Forwards each request to `upstream`, as a reverse proxy should: hop-by-hop
+/// fields (and those named in `Connection`) removed both ways, `Host` kept,
+/// `X-Forwarded-For/Host/Proto` set by the proxy itself (what a client sent in
+/// them is discarded), bodies streamed. An unreachable upstream is a 502.
+#[derive(Debug, Clone)]
+pub struct Forward {
+    client: Client<HttpConnector, Body>,
+    scheme: Scheme,
+    authority: http::uri::Authority,
+}
+
+impl Forward {
+    /// A forwarder to `upstream` (`http://host:port`; a path in it is ignored).
+    pub fn new(upstream: &Uri) -> Result<Self, String> {
+        let scheme = upstream.scheme().cloned().unwrap_or(Scheme::HTTP);
+        if scheme != Scheme::HTTP {
+            return Err(format!(
+                "upstream `{upstream}`: only http:// upstreams are supported"
+            ));
+        }
+        let authority = upstream
+            .authority()
+            .cloned()
+            .ok_or_else(|| format!("upstream `{upstream}` has no host: write http://HOST:PORT"))?;
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new()).build(connector);
+        Ok(Self {
+            client,
+            scheme,
+            authority,
+        })
+    }
+
+    fn upstream_request(&self, req: Request<Body>) -> Request<Body> {
+        let (mut parts, body) = req.into_parts();
+        let client_ip = parts
+            .extensions
+            .get::<ConnectInfo<SocketAddr>>()
+            .map(|ConnectInfo(addr)| addr.ip().to_string());
+        let host = parts.headers.get(HOST).cloned();
+        strip_hop_by_hop(&mut parts.headers);
+        for name in [&X_FORWARDED_FOR, &X_FORWARDED_HOST, &X_FORWARDED_PROTO] {
+            parts.headers.remove(name);
+        }
+        if let Some(ip) = client_ip.and_then(|ip| HeaderValue::try_from(ip).ok()) {
+            parts.headers.insert(X_FORWARDED_FOR, ip);
+        }
+        if let Some(host) = host {
+            parts.headers.insert(X_FORWARDED_HOST, host);
+        }
+        parts
+            .headers
+            .insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+        let path = parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        parts.uri = Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(path)
+            .build()
+            .expect("scheme, authority and path are each valid");
+        Request::from_parts(parts, body)
+    }
+}
+
+impl tower::Service<Request<Body>> for Forward {
+    type Response = Response<UpstreamBody>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let upstream = self.upstream_request(req);
+        let client = self.client.clone();
+        Box::pin(async move {
+            match client.request(upstream).await {
+                Ok(res) => {
+                    let (mut parts, body) = res.into_parts();
+                    strip_hop_by_hop(&mut parts.headers);
+                    Ok(Response::from_parts(
+                        parts,
+                        http_body_util::Either::Left(body),
+                    ))
+                }
+                Err(e) => {
+                    let mut res = Response::new(http_body_util::Either::Right(Body::from(
+                        format!("tiercache-proxy: upstream unreachable: {e}\n"),
+                    )));
+                    *res.status_mut() = StatusCode::BAD_GATEWAY;
+                    Ok(res)
+                }
+            }
+        })
+    }
+}

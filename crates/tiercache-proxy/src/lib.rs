@@ -1,0 +1,238 @@
+//! `tiercache-proxy`: a caching reverse proxy built from the tiercache layer.
+//!
+//! ```text
+//! tiercache-proxy --upstream http://127.0.0.1:9000 [--listen 127.0.0.1:8080] [--ttl 10s]
+//!                 [--jitter 0.1] [--max-body 8MiB] [--admin 127.0.0.1:8081]
+//! ```
+//!
+//! Every GET and HEAD is cached under the `--ttl` policy with the layer's safe
+//! defaults; the admin address serves `GET /stats`. The same proxy runs in
+//! process through [`Proxy::start`]:
+//!
+//! ```no_run
+//! use tiercache_proxy::{Proxy, ProxyConfig};
+//!
+//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let config = ProxyConfig::new("http://127.0.0.1:9000".parse()?);
+//! let proxy = Proxy::start(config).await?;
+//! println!("proxying on {}", proxy.addr());
+//! # Ok(()) }
+//! ```
+//!
+//! This crate has no features.
+
+pub mod forward;
+pub mod units;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::routing::get;
+use http::Uri;
+use tiercache_core::{Policy, TieredCache};
+use tiercache_http::ResponseCacheLayer;
+
+use crate::forward::Forward;
+
+/// The proxy's settings (the command-line flags).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ProxyConfig {
+    /// Where requests go: `http://HOST:PORT`.
+    pub upstream: Uri,
+    /// Where the proxy listens.
+    pub listen: SocketAddr,
+    /// Where the admin endpoints listen (none when `None`).
+    pub admin: Option<SocketAddr>,
+    /// The fresh lifetime applied to responses.
+    pub ttl: Duration,
+    /// The symmetric jitter fraction.
+    pub jitter: f64,
+    /// Largest body stored; larger ones stream through.
+    pub max_body: u64,
+    /// L1 byte budget.
+    pub l1_capacity: u64,
+}
+
+impl ProxyConfig {
+    /// Defaults: listen on `127.0.0.1:8080`, ttl 10 s, jitter 0.1, max body 8 MiB, L1 256 MiB.
+    pub fn new(upstream: Uri) -> Self {
+        Self {
+            upstream,
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            admin: None,
+            ttl: Duration::from_secs(10),
+            jitter: Policy::DEFAULT_JITTER,
+            max_body: ResponseCacheLayer::DEFAULT_MAX_BODY as u64,
+            l1_capacity: tiercache_core::TieredCacheBuilder::DEFAULT_L1_CAPACITY,
+        }
+    }
+
+    /// Sets the listen address.
+    pub fn listen(mut self, addr: SocketAddr) -> Self {
+        self.listen = addr;
+        self
+    }
+
+    /// Sets the admin address.
+    pub fn admin(mut self, addr: SocketAddr) -> Self {
+        self.admin = Some(addr);
+        self
+    }
+
+    /// Sets the ttl.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// Sets the jitter fraction.
+    pub fn jitter(mut self, jitter: f64) -> Self {
+        self.jitter = jitter;
+        self
+    }
+
+    /// Sets the body cap.
+    pub fn max_body(mut self, bytes: u64) -> Self {
+        self.max_body = bytes;
+        self
+    }
+}
+
+/// A running proxy; stops when dropped.
+#[derive(Debug)]
+pub struct Proxy {
+    addr: SocketAddr,
+    admin: Option<SocketAddr>,
+    engine: TieredCache,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Proxy {
+    /// Binds the listen (and admin) addresses and starts serving.
+    pub async fn start(config: ProxyConfig) -> Result<Self, ProxyError> {
+        let policy = Policy::ttl(config.ttl).jitter(config.jitter);
+        let engine = TieredCache::builder()
+            .l1_capacity(config.l1_capacity)
+            .build()
+            .map_err(|e| ProxyError::Config(e.to_string()))?;
+        let layer = ResponseCacheLayer::new(engine.clone())
+            .max_body(usize::try_from(config.max_body).unwrap_or(usize::MAX))
+            .route(policy)
+            .map_err(|e| ProxyError::Config(e.to_string()))?;
+        let forward = Forward::new(&config.upstream).map_err(ProxyError::Config)?;
+        let app = Router::new().fallback_service(tower::Layer::layer(&layer, forward));
+
+        let (listener, addr) = bind(config.listen).await?;
+        let mut tasks = vec![tokio::spawn(async move {
+            let make = app.into_make_service_with_connect_info::<SocketAddr>();
+            if let Err(e) = axum::serve(listener, make).await {
+                eprintln!("tiercache-proxy: server stopped: {e}");
+            }
+        })];
+
+        let mut admin = None;
+        if let Some(admin_addr) = config.admin {
+            let (listener, bound) = bind(admin_addr).await?;
+            admin = Some(bound);
+            let router = admin_router(engine.clone());
+            tasks.push(tokio::spawn(async move {
+                if let Err(e) = axum::serve(listener, router).await {
+                    eprintln!("tiercache-proxy: admin server stopped: {e}");
+                }
+            }));
+        }
+        Ok(Self {
+            addr,
+            admin,
+            engine,
+            tasks,
+        })
+    }
+
+    /// The proxy's bound address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The admin endpoint's bound address, if any.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin
+    }
+
+    /// The engine behind the proxy.
+    pub fn engine(&self) -> &TieredCache {
+        &self.engine
+    }
+
+    /// Serves until the process is stopped.
+    pub async fn wait(mut self) {
+        for task in self.tasks.drain(..) {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), ProxyError> {
+    let bind_error = |source| ProxyError::Bind { addr, source };
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(bind_error)?;
+    let bound = listener.local_addr().map_err(bind_error)?;
+    Ok((listener, bound))
+}
+
+/// The proxy could not start.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ProxyError {
+    /// A setting is invalid; the message names it.
+    Config(String),
+    /// An address could not be bound.
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+impl std::fmt::Display for ProxyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ProxyError::Config(msg) => f.write_str(msg),
+            ProxyError::Bind { addr, source } => write!(
+                f,
+                "cannot listen on {addr}: {source} (is another process using it? pick another with --listen/--admin)"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ProxyError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ProxyError::Config(_) => None,
+            ProxyError::Bind { source, .. } => Some(source),
+        }
+    }
+}
+
+fn admin_router(engine: TieredCache) -> Router {
+    Router::new()
+        .route(
+            "/stats",
+            get(|State(engine): State<TieredCache>| async move { axum::Json(engine.stats()) }),
+        )
+        .with_state(engine)
+}

@@ -1,0 +1,68 @@
+//! The `tiercache-proxy` command.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use tiercache_proxy::units::{parse_duration, parse_size};
+use tiercache_proxy::{Proxy, ProxyConfig};
+
+/// A caching reverse proxy (tiercache) in front of one HTTP origin.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// The origin: http://HOST:PORT.
+    #[arg(long)]
+    upstream: http::Uri,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Fresh lifetime of stored responses (ms, s, m, h).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    ttl: Duration,
+    /// Jitter fraction: each fill lives ttl ± ttl·jitter (0.0..=0.5).
+    #[arg(long, default_value_t = 0.1)]
+    jitter: f64,
+    /// Largest body stored (bytes, KiB, MiB, GiB); larger ones stream through unstored.
+    #[arg(long, default_value = "8MiB", value_parser = parse_size)]
+    max_body: u64,
+    /// L1 byte budget (bytes, KiB, MiB, GiB).
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    l1_capacity: u64,
+    /// Admin address serving GET /stats.
+    #[arg(long)]
+    admin: Option<SocketAddr>,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    let mut config = ProxyConfig::new(args.upstream)
+        .listen(args.listen)
+        .ttl(args.ttl)
+        .jitter(args.jitter)
+        .max_body(args.max_body);
+    config.l1_capacity = args.l1_capacity;
+    if let Some(admin) = args.admin {
+        config = config.admin(admin);
+    }
+    match Proxy::start(config).await {
+        Ok(proxy) => {
+            eprintln!(
+                "tiercache-proxy listening on http://{}{}",
+                proxy.addr(),
+                proxy
+                    .admin_addr()
+                    .map(|a| format!(", admin on http://{a}"))
+                    .unwrap_or_default()
+            );
+            proxy.wait().await;
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tiercache-proxy: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,238 @@
+//! The proxy over real sockets, in front of a real upstream.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, Method, Request, StatusCode};
+use axum::routing::{any, get};
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tiercache_proxy::{Proxy, ProxyConfig};
+use tiercache_testkit::{Counter, Gate, Server, bounded, eventually};
+
+#[derive(Clone, Default)]
+struct Upstream {
+    calls: Counter,
+    gate: Gate,
+}
+
+/// `/slow` waits for the gate; `/echo` answers with what it received.
+async fn upstream() -> (Server, Upstream) {
+    let state = Upstream::default();
+    let app = Router::new()
+        .route(
+            "/slow",
+            get(|State(u): State<Upstream>| async move {
+                let n = u.calls.bump();
+                u.gate.passed().await;
+                format!("slow {n}")
+            }),
+        )
+        .route(
+            "/echo",
+            any(
+                |State(u): State<Upstream>,
+                 method: Method,
+                 headers: HeaderMap,
+                 body: axum::body::Bytes| async move {
+                    u.calls.bump();
+                    let mut out = format!("{method}\n");
+                    let mut names: Vec<_> = headers
+                        .iter()
+                        .map(|(n, v)| format!("{n}: {}", v.to_str().unwrap_or("?")))
+                        .collect();
+                    names.sort();
+                    out.push_str(&names.join("\n"));
+                    out.push_str("\n\n");
+                    out.push_str(&String::from_utf8_lossy(&body));
+                    (
+                        [("x-upstream-hop", "kept"), ("connection", "x-upstream-hop")],
+                        out,
+                    )
+                },
+            ),
+        )
+        .with_state(state.clone());
+    (Server::start(app).await, state)
+}
+
+async fn proxy_for(upstream: &Server) -> Proxy {
+    let config = ProxyConfig::new(upstream.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .admin(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .ttl(Duration::from_secs(60));
+    Proxy::start(config).await.unwrap()
+}
+
+fn client() -> Client<HttpConnector, Body> {
+    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+async fn fetch(req: Request<Body>) -> (StatusCode, HeaderMap, String) {
+    let res = client().request(req).await.expect("the proxy answers");
+    let (parts, body) = res.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    (
+        parts.status,
+        parts.headers,
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+fn get_req(addr: SocketAddr, path: &str) -> Request<Body> {
+    Request::get(format!("http://{addr}{path}"))
+        .body(Body::empty())
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_concurrent_cold_requests_reach_the_upstream_once() {
+    let (server, state) = upstream().await;
+    let proxy = proxy_for(&server).await;
+    let addr = proxy.addr();
+    let tasks: Vec<_> = (0..100)
+        .map(|_| tokio::spawn(fetch(get_req(addr, "/slow"))))
+        .collect();
+    let engine = proxy.engine().clone();
+    eventually("99 coalesced requests", || engine.stats().coalesced == 99).await;
+    state.gate.open();
+    for t in tasks {
+        let (status, _, body) = bounded("a proxied request", t).await.unwrap();
+        assert_eq!((status, body.as_str()), (StatusCode::OK, "slow 1"));
+    }
+    assert_eq!(state.calls.get(), 1);
+    let (_, headers, body) = fetch(get_req(addr, "/slow")).await;
+    assert_eq!(
+        (headers["x-cache"].to_str().unwrap(), body.as_str()),
+        ("HIT", "slow 1")
+    );
+}
+
+#[tokio::test]
+async fn forwards_as_a_proxy_should() {
+    let (server, _) = upstream().await;
+    let proxy = proxy_for(&server).await;
+    let req = Request::post(format!("http://{}/echo", proxy.addr()))
+        .header("host", "shop.test")
+        .header("x-forwarded-for", "6.6.6.6")
+        .header("x-forwarded-host", "evil.test")
+        .header("x-forwarded-proto", "https")
+        .header("connection", "x-hop-secret")
+        .header("x-hop-secret", "drop me")
+        .header("te", "trailers")
+        .body(Body::from("request body"))
+        .unwrap();
+    let (status, headers, body) = fetch(req).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.starts_with("POST\n"), "{body}");
+    assert!(body.contains("host: shop.test\n"), "{body}");
+    assert!(body.contains("x-forwarded-for: 127.0.0.1\n"), "{body}");
+    assert!(body.contains("x-forwarded-host: shop.test\n"), "{body}");
+    assert!(body.contains("x-forwarded-proto: http\n"), "{body}");
+    assert!(
+        !body.contains("6.6.6.6") && !body.contains("evil.test"),
+        "{body}"
+    );
+    assert!(
+        !body.contains("x-hop-secret") && !body.contains("te: "),
+        "{body}"
+    );
+    assert!(body.ends_with("\n\nrequest body"), "{body}");
+    // The upstream's Connection-listed field does not reach the client.
+    assert!(headers.get("x-upstream-hop").is_none());
+    assert_eq!(headers["x-cache"], "BYPASS");
+}
+
+#[tokio::test]
+async fn miss_then_hit_and_stats_on_the_admin_address() {
+    let (server, state) = upstream().await;
+    let proxy = proxy_for(&server).await;
+    let (_, headers, first) = fetch(get_req(proxy.addr(), "/echo?x=1")).await;
+    assert_eq!(headers["x-cache"], "MISS");
+    let (_, headers, second) = fetch(get_req(proxy.addr(), "/echo?x=1")).await;
+    assert_eq!(headers["x-cache"], "HIT");
+    assert_eq!(headers["x-cache-tier"], "l1");
+    assert!(headers.contains_key("age"));
+    assert_eq!(first, second);
+    assert_eq!(state.calls.get(), 1);
+    let admin = proxy.admin_addr().unwrap();
+    let (status, _, stats) = fetch(get_req(admin, "/stats")).await;
+    assert_eq!(status, StatusCode::OK);
+    let stats: serde_json::Value = serde_json::from_str(&stats).unwrap();
+    assert_eq!(stats["hits_l1"], 1);
+    assert_eq!(stats["misses"], 1);
+    assert_eq!(stats["origin_loads"], 1);
+}
+
+#[tokio::test]
+async fn an_unreachable_upstream_is_a_502() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead = listener.local_addr().unwrap();
+    drop(listener);
+    let config = ProxyConfig::new(format!("http://{dead}").parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let proxy = Proxy::start(config).await.unwrap();
+    let (status, headers, _) = fetch(get_req(proxy.addr(), "/x")).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert_eq!(headers["x-cache"], "MISS");
+    assert!(proxy.engine().l1_entry_count() == 0, "a 502 is not stored");
+}
+
+#[tokio::test]
+async fn the_binary_serves_and_rejects_bad_flags() {
+    use tokio::io::AsyncBufReadExt;
+    let (server, state) = upstream().await;
+    let bin = env!("CARGO_BIN_EXE_tiercache-proxy");
+
+    let bad = tokio::process::Command::new(bin)
+        .args(["--upstream", &server.url(), "--jitter", "0.7"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!bad.status.success());
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(stderr.contains("`jitter`"), "{stderr}");
+
+    let mut child = tokio::process::Command::new(bin)
+        .args([
+            "--upstream",
+            &server.url(),
+            "--listen",
+            "127.0.0.1:0",
+            "--ttl",
+            "30s",
+        ])
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let line = bounded("the proxy's first line", lines.next_line())
+        .await
+        .unwrap()
+        .unwrap();
+    let addr: SocketAddr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|s| s.split(',').next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    let (_, h1, b1) = fetch(get_req(addr, "/echo")).await;
+    let (_, h2, b2) = fetch(get_req(addr, "/echo")).await;
+    assert_eq!(
+        (
+            h1["x-cache"].to_str().unwrap(),
+            h2["x-cache"].to_str().unwrap()
+        ),
+        ("MISS", "HIT")
+    );
+    assert_eq!(b1, b2);
+    assert_eq!(state.calls.get(), 1);
+    child.kill().await.unwrap();
+}

@@ -1,0 +1,55 @@
+//! The quickstart: an axum service with one cached route.
+//!
+//! ```text
+//! cargo run --release --example quickstart
+//! curl -si http://127.0.0.1:3000/products/7   # x-cache: MISS, ~50 ms
+//! curl -si http://127.0.0.1:3000/products/7   # x-cache: HIT, x-cache-tier: l1
+//! curl -s  http://127.0.0.1:3000/stats
+//! ```
+//!
+//! Listens on `$ADDR` (default `127.0.0.1:3000`), L1 only.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::extract::{Path, State};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::{Value, json};
+use tiercache::{Policy, ResponseCacheLayer, TieredCache};
+
+/// The simulated origin: about 50 ms of work per product.
+async fn product(Path(id): Path<u64>) -> Json<Value> {
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let generated_at_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis() as u64;
+    Json(json!({ "id": id, "name": format!("product {id}"), "generated_at_ms": generated_at_ms }))
+}
+
+async fn stats(State(cache): State<TieredCache>) -> Json<tiercache::Stats> {
+    Json(cache.stats())
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
+    let engine = TieredCache::builder().build()?;
+    let cache = ResponseCacheLayer::new(engine.clone());
+
+    let app = Router::new()
+        .route(
+            "/products/{id}",
+            get(product).layer(cache.route(Policy::ttl(Duration::from_secs(30)).jitter(0.1))?),
+        )
+        .route("/stats", get(stats))
+        .with_state(engine);
+
+    let listener = tokio::net::TcpListener::bind(&addr).await?;
+    println!(
+        "tiercache quickstart listening on http://{}",
+        listener.local_addr()?
+    );
+    axum::serve(listener, app).await?;
+    Ok(())
+}

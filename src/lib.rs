@@ -1,0 +1,19 @@
+#![doc = include_str!("../README.md")]
+//!
+//! ## Crates
+//!
+//! | re-export | crate | what it holds |
+//! | --- | --- | --- |
+//! | [`core`] | `tiercache-core` | the engine: keys, entries, policy, L1, single flight, clock, stats, the `Tier` trait |
+//! | [`http`] | `tiercache-http` | the tower layer, HTTP keys, cacheability rules, cache headers |
+//!
+//! This crate has no features of its own.
+
+pub use tiercache_core as core;
+pub use tiercache_http as http;
+
+pub use tiercache_core::{
+    BuildError, CacheKey, Clock, Jitter, Policy, PolicyError, Source, Stats, SystemClock,
+    TieredCache, TieredCacheBuilder,
+};
+pub use tiercache_http::{ResponseCache, ResponseCacheLayer};

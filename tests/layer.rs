@@ -1,0 +1,526 @@
+//! The layer on an axum app, driven in process with `oneshot`.
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, Request, Response, StatusCode};
+use axum::routing::get;
+use http_body_util::BodyExt;
+use tiercache::{Policy, ResponseCacheLayer, TieredCache};
+use tiercache_testkit::{Counter, Gate, bounded, eventually};
+use tower::ServiceExt;
+
+const TTL: Duration = Duration::from_secs(30);
+
+#[derive(Clone, Default)]
+struct Origin {
+    calls: Counter,
+    gate: Option<Gate>,
+}
+
+fn cache() -> ResponseCacheLayer {
+    ResponseCacheLayer::new(TieredCache::builder().sweep_interval(None).build().unwrap())
+}
+
+fn policy() -> Policy {
+    Policy::ttl(TTL)
+}
+
+/// An app whose `/r` route is cached with `layer` and answered by `respond`.
+fn app<F>(layer: &ResponseCacheLayer, origin: Origin, respond: F) -> Router
+where
+    F: Fn(usize) -> Response<Body> + Clone + Send + Sync + 'static,
+{
+    let handler = move |State(o): State<Origin>| {
+        let respond = respond.clone();
+        async move {
+            let n = o.calls.bump();
+            if let Some(gate) = &o.gate {
+                gate.passed().await;
+            }
+            respond(n)
+        }
+    };
+    Router::new()
+        .route(
+            "/r",
+            get(handler.clone()).layer(layer.route(policy()).unwrap()),
+        )
+        .route("/plain", get(handler))
+        .with_state(origin)
+}
+
+fn body_of(n: usize) -> Response<Body> {
+    Response::new(Body::from(format!("body {n}")))
+}
+
+async fn send(app: &Router, req: Request<Body>) -> (StatusCode, HeaderMap, String) {
+    let res = app.clone().oneshot(req).await.unwrap();
+    let (parts, body) = res.into_parts();
+    let bytes = body.collect().await.unwrap().to_bytes();
+    (
+        parts.status,
+        parts.headers,
+        String::from_utf8_lossy(&bytes).into_owned(),
+    )
+}
+
+fn get_req(uri: &str) -> Request<Body> {
+    Request::get(uri)
+        .header("host", "shop.test")
+        .body(Body::empty())
+        .unwrap()
+}
+
+fn h<'a>(headers: &'a HeaderMap, name: &str) -> &'a str {
+    headers.get(name).map(|v| v.to_str().unwrap()).unwrap_or("")
+}
+
+#[tokio::test]
+async fn miss_hit_and_bypass_carry_the_cache_headers() {
+    let layer = cache();
+    let origin = Origin::default();
+    let app = app(&layer, origin.clone(), body_of);
+
+    let (status, headers, body) = send(&app, get_req("/r")).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "body 1"));
+    assert_eq!(h(&headers, "x-cache"), "MISS");
+    assert_eq!(h(&headers, "x-cache-tier"), "origin");
+    assert_eq!(h(&headers, "x-cache-hit-ratio"), "0.0000");
+    assert_eq!(h(&headers, "cache-status"), "tiercache; fwd=miss; stored");
+    assert_eq!(h(&headers, "age"), "0");
+
+    let (_, headers, body) = send(&app, get_req("/r")).await;
+    assert_eq!(body, "body 1");
+    assert_eq!(h(&headers, "x-cache"), "HIT");
+    assert_eq!(h(&headers, "x-cache-tier"), "l1");
+    assert_eq!(h(&headers, "x-cache-hit-ratio"), "0.5000");
+    let status = h(&headers, "cache-status");
+    assert!(status.starts_with("tiercache; hit; ttl="), "{status}");
+    assert!(status.ends_with("; detail=l1"), "{status}");
+    let ttl: u64 = status
+        .split("ttl=")
+        .nth(1)
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((26..=33).contains(&ttl), "ttl {ttl} outside 30 s ± 10 %");
+    assert_eq!(h(&headers, "age"), "0");
+
+    let req = Request::get("/r")
+        .header("authorization", "Bearer alice")
+        .body(Body::empty())
+        .unwrap();
+    let (_, headers, body) = send(&app, req).await;
+    assert_eq!(
+        body, "body 2",
+        "an Authorization request reaches the origin"
+    );
+    assert_eq!(h(&headers, "x-cache"), "BYPASS");
+    assert_eq!(h(&headers, "x-cache-tier"), "origin");
+    assert_eq!(
+        h(&headers, "cache-status"),
+        "tiercache; fwd=bypass; detail=authorization"
+    );
+    assert_eq!(origin.calls.get(), 2);
+    let stats = layer.engine().stats();
+    assert_eq!((stats.hits_l1, stats.misses, stats.origin_loads), (1, 1, 1));
+    assert_eq!(stats.bypassed.get("authorization"), Some(&1));
+}
+
+#[tokio::test]
+async fn unannotated_routes_are_untouched() {
+    let layer = cache();
+    let origin = Origin::default();
+    let app = app(&layer, origin.clone(), body_of);
+    for n in 1..=2 {
+        let (_, headers, body) = send(&app, get_req("/plain")).await;
+        assert_eq!(body, format!("body {n}"));
+        assert!(headers.get("x-cache").is_none());
+        assert!(headers.get("cache-status").is_none());
+    }
+    assert_eq!(layer.engine().stats().origin_loads, 0);
+}
+
+#[tokio::test]
+async fn a_bad_route_policy_is_refused_with_the_field_named() {
+    let err = cache().route(Policy::ttl(TTL).jitter(0.7)).unwrap_err();
+    assert!(err.to_string().contains("`jitter`"), "{err}");
+    let err = cache().route(Policy::ttl(Duration::ZERO)).unwrap_err();
+    assert!(err.to_string().contains("`ttl`"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_concurrent_misses_make_one_origin_call() {
+    let layer = cache();
+    let gate = Gate::new();
+    let origin = Origin {
+        gate: Some(gate.clone()),
+        ..Origin::default()
+    };
+    let app = app(&layer, origin.clone(), body_of);
+    let tasks: Vec<_> = (0..1000)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, get_req("/r")).await })
+        })
+        .collect();
+    // Every request but the leader is waiting on the flight before the origin answers.
+    let engine = layer.engine().clone();
+    eventually("999 followers", || engine.stats().coalesced == 999).await;
+    gate.open();
+    for t in tasks {
+        let (status, _, body) = bounded("a coalesced request", t).await.unwrap();
+        assert_eq!((status, body.as_str()), (StatusCode::OK, "body 1"));
+    }
+    assert_eq!(origin.calls.get(), 1);
+    let stats = layer.engine().stats();
+    assert_eq!(
+        (stats.origin_loads, stats.coalesced, stats.misses),
+        (1, 999, 1000)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_leader_does_not_strand_its_followers() {
+    let layer = cache();
+    let gate = Gate::new();
+    let origin = Origin {
+        gate: Some(gate.clone()),
+        ..Origin::default()
+    };
+    let app = app(&layer, origin.clone(), body_of);
+    let leader = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, get_req("/r")).await })
+    };
+    origin.calls.reached(1).await;
+    let followers: Vec<_> = (0..10)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, get_req("/r")).await })
+        })
+        .collect();
+    let engine = layer.engine().clone();
+    eventually("10 followers", || engine.stats().coalesced == 10).await;
+    // The leader's client goes away mid-fill.
+    leader.abort();
+    assert!(leader.await.unwrap_err().is_cancelled());
+    gate.open();
+    for f in followers {
+        let (_, _, body) = bounded("a follower", f).await.unwrap();
+        assert_eq!(body, "body 1");
+    }
+    let (_, headers, body) = send(&app, get_req("/r")).await;
+    assert_eq!((h(&headers, "x-cache"), body.as_str()), ("HIT", "body 1"));
+    assert_eq!(origin.calls.get(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_origin_panic_wakes_followers_with_an_error() {
+    let layer = cache();
+    let gate = Gate::new();
+    let origin = Origin {
+        gate: Some(gate.clone()),
+        ..Origin::default()
+    };
+    let app = app(&layer, origin.clone(), |_| panic!("origin bug"));
+    let leader = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, get_req("/r")).await })
+    };
+    origin.calls.reached(1).await;
+    let followers: Vec<_> = (0..5)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, get_req("/r")).await })
+        })
+        .collect();
+    let engine = layer.engine().clone();
+    eventually("5 followers", || engine.stats().coalesced == 5).await;
+    gate.open();
+    // The leader sees the panic as it would without the cache.
+    assert!(bounded("the leader", leader).await.unwrap_err().is_panic());
+    for f in followers {
+        let (status, _, _) = bounded("a follower", f).await.unwrap();
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    }
+    assert_eq!(origin.calls.get(), 1);
+    assert_eq!(layer.engine().in_flight(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followers_of_a_set_cookie_response_each_reach_the_origin() {
+    let layer = cache();
+    let gate = Gate::new();
+    let origin = Origin {
+        gate: Some(gate.clone()),
+        ..Origin::default()
+    };
+    let app = app(&layer, origin.clone(), |n| {
+        Response::builder()
+            .header("set-cookie", format!("session=user{n}"))
+            .body(Body::from(format!("private page {n}")))
+            .unwrap()
+    });
+    let leader = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, get_req("/r")).await })
+    };
+    origin.calls.reached(1).await;
+    let followers: Vec<_> = (0..5)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, get_req("/r")).await })
+        })
+        .collect();
+    let engine = layer.engine().clone();
+    eventually("5 followers", || engine.stats().coalesced == 5).await;
+    gate.open();
+    let (_, headers, body) = leader.await.unwrap();
+    assert_eq!(body, "private page 1");
+    assert_eq!(h(&headers, "set-cookie"), "session=user1");
+    assert_eq!(
+        h(&headers, "cache-status"),
+        "tiercache; fwd=miss; detail=set-cookie"
+    );
+    let mut seen = Vec::new();
+    for f in followers {
+        let (_, headers, body) = bounded("a follower", f).await.unwrap();
+        assert_ne!(body, "private page 1", "a follower saw the leader's body");
+        assert_ne!(h(&headers, "set-cookie"), "session=user1");
+        seen.push(body);
+    }
+    seen.sort();
+    seen.dedup();
+    assert_eq!(seen.len(), 5, "each follower got its own response");
+    assert_eq!(origin.calls.get(), 6);
+    // Hit-for-miss: the next request goes straight to the origin, unqueued.
+    let (_, headers, _) = send(&app, get_req("/r")).await;
+    assert_eq!(h(&headers, "x-cache"), "BYPASS");
+    assert_eq!(
+        h(&headers, "cache-status"),
+        "tiercache; fwd=bypass; detail=hit-for-miss"
+    );
+    assert_eq!(origin.calls.get(), 7);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_follower_gives_up_after_the_lock_timeout() {
+    let engine = TieredCache::builder().sweep_interval(None).build().unwrap();
+    let layer = ResponseCacheLayer::new(engine);
+    let gate = Gate::new();
+    let origin = Origin {
+        gate: Some(gate.clone()),
+        ..Origin::default()
+    };
+    let calls = origin.calls.clone();
+    let handler = move |State(o): State<Origin>| async move {
+        let n = o.calls.bump();
+        if n == 1 {
+            // Only the leader's call hangs.
+            o.gate.as_ref().unwrap().passed().await;
+        }
+        body_of(n)
+    };
+    let route = layer
+        .route(policy().lock_timeout(Duration::from_millis(200)))
+        .unwrap();
+    let app = Router::new()
+        .route("/r", get(handler).layer(route))
+        .with_state(origin);
+    let leader = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, get_req("/r")).await })
+    };
+    calls.reached(1).await;
+    let started = tokio::time::Instant::now();
+    let (_, headers, body) = send(&app, get_req("/r")).await;
+    assert!(started.elapsed() >= Duration::from_millis(200));
+    assert_eq!(body, "body 2", "the follower went to the origin itself");
+    assert_eq!(h(&headers, "x-cache"), "MISS");
+    let stats = layer.engine().stats();
+    assert_eq!((stats.lock_timeouts, stats.coalesced), (1, 1));
+    gate.open();
+    let (_, _, body) = leader.await.unwrap();
+    assert_eq!(body, "body 1");
+}
+
+#[tokio::test]
+async fn head_then_get_returns_the_full_body() {
+    let layer = cache();
+    let origin = Origin::default();
+    let app = app(&layer, origin.clone(), body_of);
+    let head = Request::head("/r")
+        .header("host", "shop.test")
+        .body(Body::empty())
+        .unwrap();
+    let (status, headers, body) = send(&app, head).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, ""));
+    assert_eq!(h(&headers, "x-cache"), "MISS");
+    let (_, headers, body) = send(&app, get_req("/r")).await;
+    assert_eq!(body, "body 1", "HEAD filled the GET entry with its body");
+    assert_eq!(h(&headers, "x-cache"), "HIT");
+    let head = Request::head("/r")
+        .header("host", "shop.test")
+        .body(Body::empty())
+        .unwrap();
+    let (_, headers, body) = send(&app, head).await;
+    assert_eq!((h(&headers, "x-cache"), body.as_str()), ("HIT", ""));
+    assert_eq!(origin.calls.get(), 1);
+}
+
+#[tokio::test]
+async fn a_body_over_the_cap_streams_through_unstored() {
+    const SIZE: usize = 20 * 1024 * 1024;
+    let layer = cache();
+    let origin = Origin::default();
+    // Streamed in 64 KiB chunks with no Content-Length, so the cap is found while reading.
+    let app = app(&layer, origin.clone(), |n| {
+        let chunks = (0..SIZE / 65536)
+            .map(move |i| Ok::<_, std::io::Error>(bytes::Bytes::from(vec![(n + i) as u8; 65536])));
+        Response::new(Body::from_stream(futures_stream(chunks)))
+    });
+    for n in 1..=2usize {
+        let res = app.clone().oneshot(get_req("/r")).await.unwrap();
+        // The first finds the body too large; the second skips the flight (hit-for-miss).
+        let (x_cache, detail) = if n == 1 {
+            ("MISS", "too-large")
+        } else {
+            ("BYPASS", "hit-for-miss")
+        };
+        assert_eq!(res.headers()["x-cache"], x_cache);
+        let status = res.headers()["cache-status"].to_str().unwrap();
+        assert!(status.ends_with(&format!("detail={detail}")), "{status}");
+        let bytes = res.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(bytes.len(), SIZE);
+        assert!(
+            bytes
+                .chunks(65536)
+                .enumerate()
+                .all(|(i, c)| c.iter().all(|&b| b == (n + i) as u8))
+        );
+    }
+    assert_eq!(origin.calls.get(), 2);
+    assert_eq!(layer.engine().l1_entry_count(), 0);
+}
+
+fn futures_stream<I>(iter: I) -> impl futures_core::Stream<Item = I::Item> + Send + 'static
+where
+    I: Iterator + Send + Unpin + 'static,
+{
+    struct Iter<I>(I);
+    impl<I: Iterator + Unpin> futures_core::Stream for Iter<I> {
+        type Item = I::Item;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<I::Item>> {
+            std::task::Poll::Ready(self.0.next())
+        }
+    }
+    Iter(iter)
+}
+
+type Respond = fn(usize) -> Response<Body>;
+
+#[tokio::test]
+async fn unshareable_and_error_responses_are_not_stored() {
+    let cases: Vec<(&str, Respond)> = vec![
+        ("private", |n| {
+            Response::builder()
+                .header("cache-control", "private")
+                .body(Body::from(n.to_string()))
+                .unwrap()
+        }),
+        ("no-store", |n| {
+            Response::builder()
+                .header("cache-control", "max-age=60, NO-STORE")
+                .body(Body::from(n.to_string()))
+                .unwrap()
+        }),
+        ("status", |n| {
+            Response::builder()
+                .status(503)
+                .body(Body::from(n.to_string()))
+                .unwrap()
+        }),
+        ("vary-star", |n| {
+            Response::builder()
+                .header("vary", "*")
+                .body(Body::from(n.to_string()))
+                .unwrap()
+        }),
+    ];
+    for (reason, respond) in cases {
+        let layer = cache();
+        let origin = Origin::default();
+        let app = app(&layer, origin.clone(), respond);
+        let (_, headers, body) = send(&app, get_req("/r")).await;
+        assert_eq!(body, "1");
+        assert_eq!(
+            h(&headers, "cache-status"),
+            format!("tiercache; fwd=miss; detail={reason}")
+        );
+        let (_, _, body) = send(&app, get_req("/r")).await;
+        assert_eq!(body, "2", "{reason} was stored");
+        assert_eq!(layer.engine().l1_entry_count(), 0, "{reason}");
+    }
+}
+
+#[tokio::test]
+async fn vary_keeps_variants_apart() {
+    let layer = cache();
+    let origin = Origin::default();
+    let app = Router::new()
+        .route(
+            "/r",
+            get(|State(o): State<Origin>, headers: HeaderMap| async move {
+                o.calls.bump();
+                let lang = headers
+                    .get("accept-language")
+                    .map(|v| v.to_str().unwrap().to_owned());
+                Response::builder()
+                    .header("vary", "Accept-Language")
+                    .body(Body::from(lang.unwrap_or_default()))
+                    .unwrap()
+            })
+            .layer(layer.route(policy()).unwrap()),
+        )
+        .with_state(origin.clone());
+    let lang = |l: &str| {
+        Request::get("/r")
+            .header("host", "shop.test")
+            .header("accept-language", l)
+            .body(Body::empty())
+            .unwrap()
+    };
+    assert_eq!(send(&app, lang("en")).await.2, "en");
+    assert_eq!(send(&app, lang("en")).await.2, "en");
+    assert_eq!(
+        send(&app, lang("fr")).await.2,
+        "fr",
+        "fr never gets the en variant"
+    );
+    assert_eq!(origin.calls.get(), 2);
+}
+
+#[tokio::test]
+async fn the_query_and_host_are_part_of_the_key() {
+    let layer = cache();
+    let origin = Origin::default();
+    let app = app(&layer, origin.clone(), body_of);
+    assert_eq!(send(&app, get_req("/r?a=1")).await.2, "body 1");
+    assert_eq!(send(&app, get_req("/r?a=2")).await.2, "body 2");
+    let other = Request::get("/r?a=1")
+        .header("host", "evil.test")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(send(&app, other).await.2, "body 3");
+    assert_eq!(send(&app, get_req("/r?a=1")).await.2, "body 1");
+}
