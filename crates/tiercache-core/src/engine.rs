@@ -197,7 +197,6 @@ impl TieredCache {
             hit.entry.origin_latency(),
         );
         self.inner.l1.insert(key.hash(), promoted.clone());
-        bump(&self.inner.counters.hits_l2);
         Some(promoted)
     }
 
