@@ -6,7 +6,9 @@
 //! rounds (A B A B …, 15 rounds of 20,000 requests each) and prints the median
 //! ratio with its min–max, which is the figure the README reports.
 //!
-//! Last measured (2 cores, shared machine, 2026-12-02): see README "Benchmarks".
+//! Last measured (2 cores, shared machine, 2026-12-02): bare handler 0.66 µs,
+//! layer L1 hit 1.33 µs, raw moka get 0.12 µs, key build 0.11 µs; ratio
+//! layer/bare median 2.05 (min 2.00, max 2.12).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -25,11 +27,15 @@ const BODY: &[u8] = &[b'x'; 2048];
 
 fn apps(rt: &tokio::runtime::Runtime) -> (Router, Router) {
     let handler = || async { Bytes::from_static(BODY) };
-    let bare = Router::new().route("/p/{id}", get(handler));
+    // `with_state` turns handlers into routes once, as `axum::serve` does;
+    // without it axum rebuilds (and re-layers) each route per request.
+    let bare = Router::new().route("/p/{id}", get(handler)).with_state(());
     let cached = rt.block_on(async {
         let cache = ResponseCacheLayer::new(TieredCache::builder().build().unwrap());
         let policy = Policy::ttl(Duration::from_secs(3600));
-        Router::new().route("/p/{id}", get(handler).layer(cache.route(policy).unwrap()))
+        Router::new()
+            .route("/p/{id}", get(handler).layer(cache.route(policy).unwrap()))
+            .with_state(())
     });
     (bare, cached)
 }

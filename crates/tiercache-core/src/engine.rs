@@ -119,7 +119,17 @@ impl TieredCache {
     /// is returned if `accept` agrees (the HTTP layer checks the variant there)
     /// and counted as an L1 hit.
     pub fn lookup(&self, key: &CacheKey, accept: impl FnOnce(&Entry) -> bool) -> Lookup {
-        let now = self.now();
+        self.lookup_at(key, self.now(), accept)
+    }
+
+    /// [`lookup`](Self::lookup) as of `now` (a reading of [`now`](Self::now)
+    /// the caller already took, so one request reads the clock once).
+    pub fn lookup_at(
+        &self,
+        key: &CacheKey,
+        now: SystemTime,
+        accept: impl FnOnce(&Entry) -> bool,
+    ) -> Lookup {
         let Some(entry) = self.inner.l1.get(&key.hash(), now) else {
             return Lookup::Miss;
         };

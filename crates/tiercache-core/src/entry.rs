@@ -1,6 +1,7 @@
 //! Stored entries: a response-shaped value plus the times that decide its freshness.
 
-use std::sync::Arc;
+use std::any::Any;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -95,6 +96,9 @@ struct EntryInner {
     value: Value,
     times: Times,
     origin_latency: Duration,
+    /// A representation of the value built once by a reader and reused on
+    /// every later hit (the HTTP layer keeps a ready `HeaderMap` here).
+    view: OnceLock<Box<dyn Any + Send + Sync>>,
 }
 
 impl Entry {
@@ -115,7 +119,28 @@ impl Entry {
             value,
             times,
             origin_latency,
+            view: OnceLock::new(),
         }))
+    }
+
+    /// A reader's view of this entry, built by `init` on first use and shared
+    /// by every later hit. `None` when another reader already stored a view
+    /// of a different type (the caller then builds its own each time).
+    ///
+    /// ```
+    /// # use std::time::{Duration, SystemTime};
+    /// # use tiercache_core::{Entry, Times, Value};
+    /// # let now = SystemTime::now();
+    /// # let times = Times { created_at: now, fresh_until: now, hard_until: now };
+    /// let entry = Entry::new("k".into(), Default::default(), Value::from_body("v"), times, Duration::ZERO);
+    /// let len = entry.view(|e| e.value().body.len());
+    /// assert_eq!(len, Some(&1));
+    /// ```
+    pub fn view<T: Any + Send + Sync>(&self, init: impl FnOnce(&Entry) -> T) -> Option<&T> {
+        self.0
+            .view
+            .get_or_init(|| Box::new(init(self)))
+            .downcast_ref::<T>()
     }
 
     /// The full key this entry was stored under.

@@ -11,6 +11,7 @@ use tiercache_core::{Entry, Freshness, Source, Value};
 
 use crate::body::CacheBody;
 use crate::cacheable::Reason;
+use crate::values;
 
 /// `x-cache`: `HIT`, `MISS`, `STALE`, `BYPASS`.
 pub const X_CACHE: HeaderName = HeaderName::from_static("x-cache");
@@ -113,11 +114,16 @@ pub fn apply(headers: &mut HeaderMap, outcome: &Outcome, hit_ratio: f64) {
         X_CACHE_TIER,
         HeaderValue::from_static(outcome.tier().as_str()),
     );
-    let ratio = format!("{:.4}", hit_ratio.clamp(0.0, 1.0));
-    if let Ok(v) = HeaderValue::try_from(ratio) {
-        headers.insert(X_CACHE_HIT_RATIO, v);
-    }
-    if let Ok(v) = HeaderValue::try_from(outcome.cache_status()) {
+    headers.insert(X_CACHE_HIT_RATIO, values::hit_ratio(hit_ratio));
+    let tabled = match outcome {
+        Outcome::Hit {
+            tier: Source::L1,
+            ttl,
+            collapsed: false,
+        } => values::l1_hit_status(*ttl),
+        _ => None,
+    };
+    if let Some(v) = tabled.or_else(|| HeaderValue::try_from(outcome.cache_status()).ok()) {
         headers.insert(CACHE_STATUS, v);
     }
 }
@@ -173,19 +179,15 @@ pub fn to_value(status: StatusCode, headers: &HeaderMap, body: Bytes) -> Value {
     }
 }
 
-/// A response from a stored entry, with `age` as of `now`. `head` leaves the
-/// body out (the headers, `Content-Length` included, stay those of the GET).
-pub fn from_entry<B>(entry: &Entry, now: SystemTime, head: bool) -> Response<CacheBody<B>> {
+/// A stored value as a response head, built once per entry (see [`Entry::view`]).
+struct HeadView {
+    status: StatusCode,
+    headers: HeaderMap,
+}
+
+fn head_view(entry: &Entry) -> HeadView {
     let value = entry.value();
-    let body = if head {
-        CacheBody::empty()
-    } else {
-        CacheBody::full(value.body.clone())
-    };
-    let mut res = Response::new(body);
-    *res.status_mut() = StatusCode::from_u16(value.status).unwrap_or(StatusCode::OK);
-    let headers = res.headers_mut();
-    headers.reserve(value.headers.len() + 5);
+    let mut headers = HeaderMap::with_capacity(value.headers.len() + OWN_FIELDS.len());
     for (name, v) in &value.headers {
         // Stored values were valid header fields when they were stored; one
         // that is not (a foreign or damaged entry) is dropped, not emitted.
@@ -196,7 +198,53 @@ pub fn from_entry<B>(entry: &Entry, now: SystemTime, head: bool) -> Response<Cac
             headers.append(name, v);
         }
     }
-    headers.insert(AGE, HeaderValue::from(entry.age(now)));
+    // Placeholders for the cache's own fields: a hit then overwrites values in
+    // place instead of regrowing the cloned map (a clone has no spare room).
+    for name in OWN_FIELDS {
+        headers.insert(name, HeaderValue::from_static(""));
+    }
+    HeadView {
+        status: StatusCode::from_u16(value.status).unwrap_or(StatusCode::OK),
+        headers,
+    }
+}
+
+/// The fields the cache writes on a hit: `age` and the four `emit_headers` ones.
+const OWN_FIELDS: [HeaderName; 5] = [AGE, X_CACHE, X_CACHE_TIER, X_CACHE_HIT_RATIO, CACHE_STATUS];
+
+/// A response from a stored entry, with `age` as of `now`, and the cache's
+/// own fields labelled by `outcome` (or left out when `None`). `head` leaves
+/// the body out (the headers, `Content-Length` included, stay those of the GET).
+pub fn from_entry<B>(
+    entry: &Entry,
+    now: SystemTime,
+    head: bool,
+    label: Option<(&Outcome, f64)>,
+) -> Response<CacheBody<B>> {
+    let body = if head {
+        CacheBody::empty()
+    } else {
+        CacheBody::full(entry.value().body.clone())
+    };
+    let mut res = Response::new(body);
+    let (status, mut headers) = match entry.view(head_view) {
+        Some(view) => (view.status, view.headers.clone()),
+        None => {
+            let view = head_view(entry);
+            (view.status, view.headers)
+        }
+    };
+    headers.insert(AGE, values::age(entry.age(now)));
+    match label {
+        Some((outcome, hit_ratio)) => apply(&mut headers, outcome, hit_ratio),
+        None => {
+            for name in &OWN_FIELDS[1..] {
+                headers.remove(name);
+            }
+        }
+    }
+    *res.status_mut() = status;
+    *res.headers_mut() = headers;
     res
 }
 

@@ -39,6 +39,7 @@ pub mod headers;
 pub mod key;
 mod layer;
 mod service;
+mod values;
 
 pub use body::CacheBody;
 pub use layer::ResponseCacheLayer;

@@ -30,13 +30,21 @@ use crate::layer::{HttpConfig, ResponseCacheLayer};
 #[derive(Debug, Clone)]
 pub struct ResponseCache<S> {
     inner: S,
-    layer: ResponseCacheLayer,
+    // One Arc: routers clone the service per request.
+    ctx: Option<Arc<Ctx>>,
 }
 
 impl<S> ResponseCache<S> {
     /// Wraps `inner` with `layer`'s engine, policy and settings.
     pub fn new(inner: S, layer: ResponseCacheLayer) -> Self {
-        Self { inner, layer }
+        let ctx = layer.policy.map(|policy| {
+            Arc::new(Ctx {
+                engine: layer.engine,
+                policy,
+                config: layer.config,
+            })
+        });
+        Self { inner, ctx }
     }
 
     /// The wrapped service.
@@ -45,7 +53,8 @@ impl<S> ResponseCache<S> {
     }
 }
 
-/// Everything a miss needs, cloned into its task.
+/// The engine, the route's policy and the layer's settings.
+#[derive(Debug)]
 struct Ctx {
     engine: TieredCache,
     policy: Arc<Policy>,
@@ -57,6 +66,20 @@ impl Ctx {
         if self.config.emit_headers {
             headers::apply(headers, outcome, self.engine.hit_ratio());
         }
+    }
+
+    fn entry_response<B>(
+        &self,
+        entry: &Entry,
+        now: std::time::SystemTime,
+        head: bool,
+        outcome: &Outcome,
+    ) -> Response<CacheBody<B>> {
+        let label = self
+            .config
+            .emit_headers
+            .then(|| (outcome, self.engine.hit_ratio()));
+        headers::from_entry(entry, now, head, label)
     }
 }
 
@@ -92,15 +115,14 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
-        let Some(policy) = &self.layer.policy else {
+        let Some(ctx) = &self.ctx else {
             return ResponseFuture::inner(self.inner.call(req), None);
         };
-        let engine = &self.layer.engine;
+        let engine = &ctx.engine;
         let (parts, body) = req.into_parts();
         if let Err(reason) = request_cacheable(&parts) {
             engine.record_bypass(reason.as_str());
-            let label = self
-                .layer
+            let label = ctx
                 .config
                 .emit_headers
                 .then(|| (Outcome::Bypass(reason), engine.clone()));
@@ -108,33 +130,27 @@ where
         }
         let key = request_key(&parts);
         let head = parts.method == Method::HEAD;
-        let ctx = Ctx {
-            engine: engine.clone(),
-            policy: policy.clone(),
-            config: self.layer.config.clone(),
-        };
+        let now = engine.now();
         if let Lookup::Fresh { entry, remaining } =
-            engine.lookup(&key, |e| variant_matches(e, &parts.headers))
+            engine.lookup_at(&key, now, |e| variant_matches(e, &parts.headers))
         {
-            let mut res = headers::from_entry(&entry, engine.now(), head);
             let outcome = Outcome::Hit {
                 tier: Source::L1,
                 ttl: remaining.as_secs(),
                 collapsed: false,
             };
-            ctx.label(res.headers_mut(), &outcome);
-            return ResponseFuture::ready(res);
+            return ResponseFuture::ready(ctx.entry_response(&entry, now, head, &outcome));
         }
         // The ready service goes with the request; a clone stays for the next.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let req = Request::from_parts(parts, body);
-        ResponseFuture::boxed(Box::pin(miss(ctx, inner, req, key, head)))
+        ResponseFuture::boxed(Box::pin(miss(ctx.clone(), inner, req, key, head)))
     }
 }
 
 async fn miss<S, ReqB, ResB>(
-    ctx: Ctx,
+    ctx: Arc<Ctx>,
     inner: S,
     req: Request<ReqB>,
     key: CacheKey,
@@ -161,11 +177,7 @@ where
     }
     match ctx.engine.join(&key) {
         Join::Leader(leader) => {
-            let task_ctx = Ctx {
-                engine: ctx.engine.clone(),
-                policy: ctx.policy.clone(),
-                config: ctx.config.clone(),
-            };
+            let task_ctx = ctx.clone();
             // Detached: if this request is dropped (client gone), the fill still
             // completes, stores, and wakes the followers.
             let task = tokio::spawn(fill(task_ctx, inner, as_get(req), key, leader));
@@ -206,7 +218,7 @@ where
 
 /// The leader's fill: L2 first, then the origin; completes the flight.
 async fn fill<S, ReqB, ResB>(
-    ctx: Ctx,
+    ctx: Arc<Ctx>,
     inner: S,
     req: Request<ReqB>,
     key: CacheKey,
@@ -355,7 +367,6 @@ fn respond_entry<B>(
 ) -> Response<CacheBody<B>> {
     ctx.engine.record_served(source);
     let now = ctx.engine.now();
-    let mut res = headers::from_entry(entry, now, head);
     let outcome = match source {
         Source::Origin => Outcome::Miss {
             stored: !collapsed,
@@ -368,8 +379,7 @@ fn respond_entry<B>(
             collapsed,
         },
     };
-    ctx.label(res.headers_mut(), &outcome);
-    res
+    ctx.entry_response(entry, now, head, &outcome)
 }
 
 fn respond_loaded<B>(
