@@ -7,7 +7,8 @@
 //! curl -s  http://127.0.0.1:3000/stats
 //! ```
 //!
-//! Listens on `$ADDR` (default `127.0.0.1:3000`), L1 only.
+//! Listens on `$ADDR` (default `127.0.0.1:3000`). L1 only, unless `$VALKEY_URL`
+//! is set (e.g. `redis://127.0.0.1:6379`): then Valkey is the shared L2.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -15,6 +16,7 @@ use axum::extract::{Path, State};
 use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::{Value, json};
+use tiercache::valkey::{ValkeyConfig, ValkeyTier};
 use tiercache::{Policy, ResponseCacheLayer, TieredCache};
 
 /// The simulated origin: about 50 ms of work per product.
@@ -34,7 +36,13 @@ async fn stats(State(cache): State<TieredCache>) -> Json<tiercache::Stats> {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
-    let engine = TieredCache::builder().build()?;
+    let mut builder = TieredCache::builder();
+    if let Ok(url) = std::env::var("VALKEY_URL") {
+        let l2 = ValkeyTier::connect(ValkeyConfig::from_url(&url)?).await?;
+        builder = builder.l2(l2);
+        println!("L2: Valkey at {url}");
+    }
+    let engine = builder.build()?;
     let cache = ResponseCacheLayer::new(engine.clone());
 
     let app = Router::new()

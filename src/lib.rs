@@ -6,11 +6,16 @@
 //! | --- | --- | --- |
 //! | [`core`] | `tiercache-core` | the engine: keys, entries, policy, L1, single flight, clock, stats, the `Tier` trait |
 //! | [`http`] | `tiercache-http` | the tower layer, HTTP keys, cacheability rules, cache headers |
+//! | [`valkey`] | `tiercache-valkey` | the L2 on Valkey through fred (feature `valkey`) |
 //!
-//! This crate has no features of its own.
+//! | feature | default | what it adds |
+//! | --- | --- | --- |
+//! | `valkey` | yes | [`valkey`]: `ValkeyTier`, `ValkeyConfig` |
 
 pub use tiercache_core as core;
 pub use tiercache_http as http;
+#[cfg(feature = "valkey")]
+pub use tiercache_valkey as valkey;
 
 pub use tiercache_core::{
     BuildError, CacheKey, Clock, Jitter, Policy, PolicyError, Source, Stats, SystemClock,

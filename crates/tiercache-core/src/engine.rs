@@ -181,8 +181,11 @@ impl TieredCache {
         let hit = match l2.get(key).await {
             Ok(Some(hit)) => hit,
             Ok(None) => return None,
-            Err(_) => {
+            Err(e) => {
                 bump(&self.inner.counters.l2_errors);
+                if e.is_timeout() {
+                    bump(&self.inner.counters.l2_timeouts);
+                }
                 return None;
             }
         };
@@ -292,7 +295,13 @@ impl TieredCache {
 
     /// A snapshot of every counter.
     pub fn stats(&self) -> Stats {
-        self.inner.counters.snapshot()
+        let l2 = self
+            .inner
+            .l2
+            .as_ref()
+            .map(|t| t.report())
+            .unwrap_or_default();
+        self.inner.counters.snapshot(l2)
     }
 
     /// Runs one sweep now: reclaims every entry past its hard expiry on the

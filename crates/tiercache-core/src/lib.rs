@@ -56,7 +56,7 @@ pub use policy::{Jitter, MAX_JITTER, MAX_LOCK_TIMEOUT, MAX_TTL, Policy, PolicyEr
 pub use stats::{LatencyStats, Stats};
 #[cfg(any(test, feature = "test-util"))]
 pub use tier::MemoryTier;
-pub use tier::{BoxFuture, Tier, TierError, TierHit};
+pub use tier::{BoxFuture, Tier, TierError, TierHit, TierReport};
 
 #[cfg(test)]
 mod tests;

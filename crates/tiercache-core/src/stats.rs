@@ -25,8 +25,12 @@ pub struct Stats {
     pub coalesced: u64,
     /// Followers that gave up waiting after `lock_timeout` and went to the origin.
     pub lock_timeouts: u64,
-    /// Failed or timed-out L2 operations (each fell through to the origin).
+    /// Failed or timed-out L2 reads (each fell through to the origin) and failed L2 writes.
     pub l2_errors: u64,
+    /// Of the L2 read errors, those that were timeouts.
+    pub l2_timeouts: u64,
+    /// The shared tier's own counters (zero without one).
+    pub l2: crate::TierReport,
     /// Entries reclaimed because they outlived their hard expiry (sweeper, read, or moka's bound).
     pub expired: u64,
     /// Entries pushed out of L1 by its byte budget.
@@ -65,6 +69,7 @@ pub(crate) struct Counters {
     pub(crate) coalesced: AtomicU64,
     pub(crate) lock_timeouts: AtomicU64,
     pub(crate) l2_errors: AtomicU64,
+    pub(crate) l2_timeouts: AtomicU64,
     pub(crate) expired: AtomicU64,
     pub(crate) evicted: AtomicU64,
     pub(crate) sweeps: AtomicU64,
@@ -103,7 +108,7 @@ impl Counters {
         }
     }
 
-    pub(crate) fn snapshot(&self) -> Stats {
+    pub(crate) fn snapshot(&self, l2: crate::TierReport) -> Stats {
         let count = self.origin_loads.load(Relaxed);
         let ms = |n: u64| n as f64 / 1e6;
         Stats {
@@ -114,7 +119,9 @@ impl Counters {
             origin_loads: count,
             coalesced: self.coalesced.load(Relaxed),
             lock_timeouts: self.lock_timeouts.load(Relaxed),
-            l2_errors: self.l2_errors.load(Relaxed),
+            l2_errors: self.l2_errors.load(Relaxed) + l2.write_errors,
+            l2_timeouts: self.l2_timeouts.load(Relaxed),
+            l2,
             expired: self.expired.load(Relaxed),
             evicted: self.evicted.load(Relaxed),
             sweeps: self.sweeps.load(Relaxed),

@@ -35,6 +35,30 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
 
     /// Removes `key`.
     fn delete<'a>(&'a self, key: &'a CacheKey) -> BoxFuture<'a, Result<(), TierError>>;
+
+    /// The tier's own counters, merged into the engine's [`crate::Stats`].
+    fn report(&self) -> TierReport {
+        TierReport::default()
+    }
+}
+
+/// What a tier counts by itself (writes happen off the request path, decode
+/// failures are misses to the engine).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct TierReport {
+    /// Writes dropped because the write queue was full.
+    pub write_drops: u64,
+    /// Writes that failed or timed out.
+    pub write_errors: u64,
+    /// Reads whose bytes did not decode (corrupt, truncated, foreign, unknown version).
+    pub corrupt: u64,
+    /// Operations skipped because the circuit breaker was open.
+    pub skipped: u64,
+    /// Times the breaker opened.
+    pub breaker_trips: u64,
+    /// Whether the breaker is open now.
+    pub breaker_open: bool,
 }
 
 /// A shared tier failed (unreachable, timed out, refused).
@@ -42,10 +66,25 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
 #[non_exhaustive]
 pub struct TierError {
     message: String,
+    timeout: bool,
     source: Option<Box<dyn std::error::Error + Send + Sync>>,
 }
 
 impl TierError {
+    /// The operation ran past the tier's timeout.
+    pub fn timeout(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            timeout: true,
+            source: None,
+        }
+    }
+
+    /// Whether this is a timeout.
+    pub fn is_timeout(&self) -> bool {
+        self.timeout
+    }
+
     /// An error with a message and an optional cause.
     pub fn new(
         message: impl Into<String>,
@@ -53,6 +92,7 @@ impl TierError {
     ) -> Self {
         Self {
             message: message.into(),
+            timeout: false,
             source,
         }
     }

@@ -3,6 +3,7 @@
 //! ```text
 //! tiercache-proxy --upstream http://127.0.0.1:9000 [--listen 127.0.0.1:8080] [--ttl 10s]
 //!                 [--jitter 0.1] [--max-body 8MiB] [--admin 127.0.0.1:8081]
+//!                 [--valkey redis://127.0.0.1:6379]
 //! ```
 //!
 //! Every GET and HEAD is cached under the `--ttl` policy with the layer's safe
@@ -33,6 +34,7 @@ use axum::routing::get;
 use http::Uri;
 use tiercache_core::{Policy, TieredCache};
 use tiercache_http::ResponseCacheLayer;
+use tiercache_valkey::{ValkeyConfig, ValkeyTier};
 
 use crate::forward::Forward;
 
@@ -54,6 +56,8 @@ pub struct ProxyConfig {
     pub max_body: u64,
     /// L1 byte budget.
     pub l1_capacity: u64,
+    /// The shared L2, as a `redis://` / `rediss://` URL (none: L1 only).
+    pub valkey: Option<String>,
 }
 
 impl ProxyConfig {
@@ -67,6 +71,7 @@ impl ProxyConfig {
             jitter: Policy::DEFAULT_JITTER,
             max_body: ResponseCacheLayer::DEFAULT_MAX_BODY as u64,
             l1_capacity: tiercache_core::TieredCacheBuilder::DEFAULT_L1_CAPACITY,
+            valkey: None,
         }
     }
 
@@ -94,6 +99,12 @@ impl ProxyConfig {
         self
     }
 
+    /// Uses Valkey at `url` as the shared L2.
+    pub fn valkey(mut self, url: impl Into<String>) -> Self {
+        self.valkey = Some(url.into());
+        self
+    }
+
     /// Sets the body cap.
     pub fn max_body(mut self, bytes: u64) -> Self {
         self.max_body = bytes;
@@ -114,8 +125,16 @@ impl Proxy {
     /// Binds the listen (and admin) addresses and starts serving.
     pub async fn start(config: ProxyConfig) -> Result<Self, ProxyError> {
         let policy = Policy::ttl(config.ttl).jitter(config.jitter);
-        let engine = TieredCache::builder()
-            .l1_capacity(config.l1_capacity)
+        let mut builder = TieredCache::builder().l1_capacity(config.l1_capacity);
+        if let Some(url) = &config.valkey {
+            let config =
+                ValkeyConfig::from_url(url).map_err(|e| ProxyError::Config(e.to_string()))?;
+            let l2 = ValkeyTier::connect(config)
+                .await
+                .map_err(|e| ProxyError::Config(e.to_string()))?;
+            builder = builder.l2(l2);
+        }
+        let engine = builder
             .build()
             .map_err(|e| ProxyError::Config(e.to_string()))?;
         let layer = ResponseCacheLayer::new(engine.clone())

@@ -30,6 +30,9 @@ struct Args {
     /// L1 byte budget (bytes, KiB, MiB, GiB).
     #[arg(long, default_value = "256MiB", value_parser = parse_size)]
     l1_capacity: u64,
+    /// Valkey as the shared L2: redis://[user:password@]host:port[/db], rediss:// for TLS.
+    #[arg(long)]
+    valkey: Option<String>,
     /// Admin address serving GET /stats.
     #[arg(long)]
     admin: Option<SocketAddr>,
@@ -44,6 +47,9 @@ async fn main() -> ExitCode {
         .jitter(args.jitter)
         .max_body(args.max_body);
     config.l1_capacity = args.l1_capacity;
+    if let Some(url) = args.valkey {
+        config = config.valkey(url);
+    }
     if let Some(admin) = args.admin {
         config = config.admin(admin);
     }

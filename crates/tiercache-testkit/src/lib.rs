@@ -3,7 +3,15 @@
 //! - [`Counter`]: counts calls and lets a test wait until a count is reached;
 //! - [`Gate`]: holds origin handlers until the test opens it;
 //! - [`Server`]: an axum app on a free loopback port, stopped on drop;
-//! - [`eventually`]: waits for a condition with a deadline, yielding, never sleeping.
+//! - [`eventually`]: waits for a condition with a deadline, yielding, never sleeping;
+//! - [`valkey`]: real `valkey-server` processes, provisioned with no manual step;
+//! - [`fault`]: a TCP fault proxy (latency, blackhole, reset).
+
+pub mod fault;
+pub mod valkey;
+
+pub use fault::{Fault, FaultProxy};
+pub use valkey::ValkeyServer;
 
 use std::future::Future;
 use std::net::SocketAddr;

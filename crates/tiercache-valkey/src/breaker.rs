@@ -1,0 +1,107 @@
+//! A circuit breaker: after repeated failures Valkey is left alone for an
+//! interval, then one probe decides whether it is back.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+#[derive(Debug)]
+pub(crate) struct Breaker {
+    threshold: u32,
+    interval: Duration,
+    state: Mutex<State>,
+    pub(crate) trips: AtomicU64,
+}
+
+#[derive(Debug)]
+enum State {
+    Closed {
+        failures: u32,
+    },
+    Open {
+        until: Instant,
+    },
+    /// One probe is out; everyone else is refused until it answers.
+    Probing,
+}
+
+impl Breaker {
+    pub(crate) fn new(threshold: u32, interval: Duration) -> Self {
+        Self {
+            threshold: threshold.max(1),
+            interval,
+            state: Mutex::new(State::Closed { failures: 0 }),
+            trips: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether an operation may go to Valkey now.
+    pub(crate) fn allow(&self) -> bool {
+        let mut state = self.state.lock().unwrap();
+        match *state {
+            State::Closed { .. } => true,
+            State::Open { until } if Instant::now() >= until => {
+                *state = State::Probing;
+                true
+            }
+            State::Open { .. } | State::Probing => false,
+        }
+    }
+
+    pub(crate) fn success(&self) {
+        *self.state.lock().unwrap() = State::Closed { failures: 0 };
+    }
+
+    pub(crate) fn failure(&self) {
+        let mut state = self.state.lock().unwrap();
+        let trip = match *state {
+            State::Closed { failures } if failures + 1 < self.threshold => {
+                *state = State::Closed {
+                    failures: failures + 1,
+                };
+                false
+            }
+            State::Open { .. } => false,
+            _ => true,
+        };
+        if trip {
+            *state = State::Open {
+                until: Instant::now() + self.interval,
+            };
+            self.trips.fetch_add(1, Relaxed);
+        }
+    }
+
+    pub(crate) fn is_open(&self) -> bool {
+        !matches!(*self.state.lock().unwrap(), State::Closed { .. })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn opens_probes_once_and_closes() {
+        let b = Breaker::new(3, Duration::from_secs(1));
+        b.failure();
+        b.failure();
+        assert!(b.allow(), "two failures keep it closed");
+        b.failure();
+        assert!(!b.allow(), "the third opens it");
+        assert_eq!(b.trips.load(Relaxed), 1);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(b.allow(), "one probe after the interval");
+        assert!(!b.allow(), "and only one");
+        b.failure();
+        assert!(!b.allow(), "a failed probe reopens");
+        assert_eq!(b.trips.load(Relaxed), 2);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(b.allow());
+        b.success();
+        assert!(b.allow() && b.allow(), "a good probe closes it");
+        assert!(!b.is_open());
+    }
+}

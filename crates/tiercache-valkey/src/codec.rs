@@ -1,0 +1,341 @@
+//! The L2 envelope: how an entry is laid out in a Valkey value.
+//!
+//! ```text
+//! "TCE" version:u8 payload_len:u32le payload checksum:[u8; 8]
+//! payload = created_at_ms:u64 fresh_until_ms:u64 hard_until_ms:u64 origin_latency_us:u64
+//!           status:u16 key:(u32 len, bytes) variant:(u32 len, bytes)
+//!           header_count:u16 { name:(u16 len, bytes) value:(u32 len, bytes) }*
+//!           body:(u32 len, bytes)
+//! checksum = first 8 bytes of BLAKE3(payload)
+//! ```
+//!
+//! All integers little-endian. Anything else (another magic, an unknown
+//! version, a wrong length, a bad checksum, an invalid header field, trailing
+//! bytes) is a [`DecodeError`]: the caller treats it as a miss.
+
+use std::fmt;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use tiercache_core::{Entry, Times, Value};
+
+/// The envelope's first bytes.
+pub const MAGIC: &[u8; 3] = b"TCE";
+/// The format version this build writes and reads.
+pub const VERSION: u8 = 1;
+const HEADER_LEN: usize = 3 + 1 + 4;
+const CHECKSUM_LEN: usize = 8;
+
+/// Encodes `entry` into an envelope.
+///
+/// ```
+/// # use std::time::{Duration, SystemTime, UNIX_EPOCH};
+/// # use tiercache_core::{Entry, Times, Value};
+/// use tiercache_valkey::codec::{decode, encode};
+///
+/// let t = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+/// let times = Times { created_at: t, fresh_until: t + Duration::from_secs(30), hard_until: t + Duration::from_secs(30) };
+/// let entry = Entry::new("key".into(), Default::default(), Value::from_body("hello"), times, Duration::from_millis(5));
+/// let bytes = encode(&entry);
+/// let back = decode(bytes).unwrap();
+/// assert_eq!(back.value(), entry.value());
+/// assert_eq!(back.times(), entry.times());
+/// ```
+pub fn encode(entry: &Entry) -> Bytes {
+    let value = entry.value();
+    let headers_len: usize = value
+        .headers
+        .iter()
+        .map(|(n, v)| 6 + n.len() + v.len())
+        .sum();
+    let payload_len = 8 * 4
+        + 2
+        + 4
+        + entry.key().len()
+        + 4
+        + entry.variant().len()
+        + 2
+        + headers_len
+        + 4
+        + value.body.len();
+    let mut out = BytesMut::with_capacity(HEADER_LEN + payload_len + CHECKSUM_LEN);
+    out.put_slice(MAGIC);
+    out.put_u8(VERSION);
+    out.put_u32_le(payload_len as u32);
+    let times = entry.times();
+    out.put_u64_le(millis(times.created_at));
+    out.put_u64_le(millis(times.fresh_until));
+    out.put_u64_le(millis(times.hard_until));
+    out.put_u64_le(entry.origin_latency().as_micros().min(u64::MAX as u128) as u64);
+    out.put_u16_le(value.status);
+    put_long(&mut out, entry.key());
+    put_long(&mut out, entry.variant());
+    out.put_u16_le(value.headers.len().min(u16::MAX as usize) as u16);
+    for (name, v) in value.headers.iter().take(u16::MAX as usize) {
+        out.put_u16_le(name.len() as u16);
+        out.put_slice(name);
+        put_long(&mut out, v);
+    }
+    put_long(&mut out, &value.body);
+    let checksum = blake3::hash(&out[HEADER_LEN..]);
+    out.put_slice(&checksum.as_bytes()[..CHECKSUM_LEN]);
+    out.freeze()
+}
+
+/// Decodes an envelope; the body is a zero-copy slice of `bytes`.
+pub fn decode(bytes: Bytes) -> Result<Entry, DecodeError> {
+    if bytes.len() < HEADER_LEN + CHECKSUM_LEN || &bytes[..3] != MAGIC {
+        return Err(DecodeError::Foreign);
+    }
+    if bytes[3] != VERSION {
+        return Err(DecodeError::Version(bytes[3]));
+    }
+    let payload_len = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes")) as usize;
+    if bytes.len() != HEADER_LEN + payload_len + CHECKSUM_LEN {
+        return Err(DecodeError::Length);
+    }
+    let payload = bytes.slice(HEADER_LEN..HEADER_LEN + payload_len);
+    let checksum = &bytes[HEADER_LEN + payload_len..];
+    if &blake3::hash(&payload).as_bytes()[..CHECKSUM_LEN] != checksum {
+        return Err(DecodeError::Checksum);
+    }
+    let mut r = Reader {
+        buf: payload,
+        pos: 0,
+    };
+    let created_at = r.time()?;
+    let fresh_until = r.time()?;
+    let hard_until = r.time()?;
+    let origin_latency = Duration::from_micros(r.u64()?);
+    let status = r.u16()?;
+    if !(100..=999).contains(&status) {
+        return Err(DecodeError::Field("status"));
+    }
+    let key = r.long()?;
+    let variant = r.long()?;
+    let count = r.u16()?;
+    let mut headers = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let len = r.u16()? as usize;
+        let name = r.take(len)?;
+        let value = r.long()?;
+        if !valid_name(&name) {
+            return Err(DecodeError::Field("header name"));
+        }
+        if !valid_value(&value) {
+            return Err(DecodeError::Field("header value"));
+        }
+        headers.push((name, value));
+    }
+    let body = r.long()?;
+    if r.pos != r.buf.len() {
+        return Err(DecodeError::Length);
+    }
+    if !(created_at <= fresh_until && fresh_until <= hard_until) {
+        return Err(DecodeError::Field("times"));
+    }
+    Ok(Entry::new(
+        key,
+        variant,
+        Value {
+            status,
+            headers,
+            body,
+        },
+        Times {
+            created_at,
+            fresh_until,
+            hard_until,
+        },
+        origin_latency,
+    ))
+}
+
+/// Why bytes read from L2 are not an entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// Not an envelope (another application's value, or garbage).
+    Foreign,
+    /// An envelope of a format version this build does not read.
+    Version(u8),
+    /// Truncated, padded, or a length field that does not add up.
+    Length,
+    /// The payload does not match its checksum.
+    Checksum,
+    /// A field holds a value no encoder writes.
+    Field(&'static str),
+}
+
+impl fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DecodeError::Foreign => f.write_str("not a tiercache envelope"),
+            DecodeError::Version(v) => write!(
+                f,
+                "envelope format version {v}, this build reads version {VERSION}"
+            ),
+            DecodeError::Length => f.write_str("envelope truncated or its lengths do not add up"),
+            DecodeError::Checksum => f.write_str("envelope checksum mismatch"),
+            DecodeError::Field(name) => write!(f, "envelope field `{name}` is invalid"),
+        }
+    }
+}
+
+impl std::error::Error for DecodeError {}
+
+fn millis(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
+}
+
+fn put_long(out: &mut BytesMut, part: &[u8]) {
+    out.put_u32_le(part.len() as u32);
+    out.put_slice(part);
+}
+
+/// RFC 9110 `token`.
+fn valid_name(name: &[u8]) -> bool {
+    !name.is_empty()
+        && name
+            .iter()
+            .all(|&b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+/// RFC 9110 `field-value`: visible ASCII, SP, HTAB, obs-text; no CR, LF, NUL.
+fn valid_value(value: &[u8]) -> bool {
+    value
+        .iter()
+        .all(|&b| b == b'\t' || (0x20..0x7f).contains(&b) || b >= 0x80)
+}
+
+struct Reader {
+    buf: Bytes,
+    pos: usize,
+}
+
+impl Reader {
+    fn take(&mut self, n: usize) -> Result<Bytes, DecodeError> {
+        let end = self.pos.checked_add(n).ok_or(DecodeError::Length)?;
+        if end > self.buf.len() {
+            return Err(DecodeError::Length);
+        }
+        let out = self.buf.slice(self.pos..end);
+        self.pos = end;
+        Ok(out)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        Ok(self.take(N)?[..].try_into().expect("N bytes"))
+    }
+
+    fn u16(&mut self) -> Result<u16, DecodeError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    fn time(&mut self) -> Result<SystemTime, DecodeError> {
+        let ms = self.u64()?;
+        UNIX_EPOCH
+            .checked_add(Duration::from_millis(ms))
+            .ok_or(DecodeError::Field("times"))
+    }
+
+    fn long(&mut self) -> Result<Bytes, DecodeError> {
+        let len = u32::from_le_bytes(self.array()?) as usize;
+        self.take(len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry() -> Entry {
+        let t = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let value = Value {
+            status: 404,
+            headers: vec![
+                ("content-type".into(), "text/plain; charset=utf-8".into()),
+                ("x-odd".into(), Bytes::from_static(b"caf\xc3\xa9 \t x")),
+            ],
+            body: Bytes::from(vec![7u8; 5000]),
+        };
+        let times = Times {
+            created_at: t,
+            fresh_until: t + Duration::from_secs(30),
+            hard_until: t + Duration::from_secs(90),
+        };
+        Entry::new(
+            "k".into(),
+            "v".into(),
+            value,
+            times,
+            Duration::from_micros(1234),
+        )
+    }
+
+    #[test]
+    fn round_trips_byte_exact() {
+        let e = entry();
+        let back = decode(encode(&e)).unwrap();
+        assert_eq!(back.value(), e.value());
+        assert_eq!(back.times(), e.times());
+        assert_eq!(back.key(), e.key());
+        assert_eq!(back.variant(), e.variant());
+        assert_eq!(back.origin_latency(), e.origin_latency());
+    }
+
+    #[test]
+    fn every_damage_is_an_error_never_a_panic() {
+        let good = encode(&entry());
+        assert_eq!(
+            decode(Bytes::from_static(b"hello world, not ours")).err(),
+            Some(DecodeError::Foreign)
+        );
+        assert_eq!(decode(Bytes::new()).err(), Some(DecodeError::Foreign));
+        let mut v2 = good.to_vec();
+        v2[3] = 2;
+        assert_eq!(decode(v2.into()).err(), Some(DecodeError::Version(2)));
+        for cut in [9, good.len() / 2, good.len() - 1] {
+            assert!(decode(good.slice(..cut)).is_err(), "truncated at {cut}");
+        }
+        let mut padded = good.to_vec();
+        padded.push(0);
+        assert_eq!(decode(padded.into()).err(), Some(DecodeError::Length));
+        // Flip every byte of the payload in turn: the checksum catches each.
+        for i in HEADER_LEN..good.len() - CHECKSUM_LEN {
+            let mut bad = good.to_vec();
+            bad[i] ^= 0x40;
+            assert!(decode(bad.into()).is_err(), "flip at {i} decoded");
+        }
+    }
+
+    #[test]
+    fn invalid_header_fields_are_refused_even_with_a_good_checksum() {
+        let t = UNIX_EPOCH + Duration::from_secs(1);
+        let times = Times {
+            created_at: t,
+            fresh_until: t,
+            hard_until: t,
+        };
+        for (name, value) in [
+            ("bad name", "v"),
+            ("x-ok", "line\r\nInjected: 1"),
+            ("", "v"),
+        ] {
+            let v = Value {
+                status: 200,
+                headers: vec![(name.into(), value.into())],
+                body: Bytes::new(),
+            };
+            let e = Entry::new("k".into(), Bytes::new(), v, times, Duration::ZERO);
+            assert!(
+                matches!(decode(encode(&e)), Err(DecodeError::Field(_))),
+                "{name:?} {value:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,432 @@
+//! The L2 against a real Valkey server that the test starts itself.
+
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, Request, StatusCode};
+use axum::routing::get;
+use http_body_util::BodyExt;
+use tiercache::core::{CacheKey, Fill, Value};
+use tiercache::valkey::{ValkeyConfig, ValkeyTier};
+use tiercache::{Policy, ResponseCacheLayer, TieredCache};
+use tiercache_testkit::{Counter, Fault, FaultProxy, ValkeyServer, bounded, eventually};
+use tower::ServiceExt;
+
+async fn connect(config: ValkeyConfig) -> ValkeyTier {
+    ValkeyTier::connect(config).await.unwrap()
+}
+
+async fn tier(url: &str, prefix: &str) -> ValkeyTier {
+    connect(ValkeyConfig::from_url(url).unwrap().prefix(prefix)).await
+}
+
+fn engine(l2: ValkeyTier) -> TieredCache {
+    TieredCache::builder()
+        .l2(l2)
+        .sweep_interval(None)
+        .build()
+        .unwrap()
+}
+
+/// An app caching `/p/{id}` for 60 s; the origin takes 20 ms and counts calls.
+fn app(engine: &TieredCache, calls: &Counter) -> Router {
+    let layer = ResponseCacheLayer::new(engine.clone());
+    let route = layer.route(Policy::ttl(Duration::from_secs(60))).unwrap();
+    Router::new()
+        .route(
+            "/p/{id}",
+            get(
+                |State(calls): State<Counter>, Path(id): Path<String>| async move {
+                    let n = calls.bump();
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    format!("product {id} (load {n})")
+                },
+            )
+            .layer(route),
+        )
+        .with_state(calls.clone())
+}
+
+async fn send(app: &Router, path: &str) -> (StatusCode, HeaderMap, String) {
+    let req = Request::get(path)
+        .header("host", "shop.test")
+        .body(Body::empty())
+        .unwrap();
+    let res = app.clone().oneshot(req).await.unwrap();
+    let (parts, body) = res.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    (
+        parts.status,
+        parts.headers,
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+fn h<'a>(headers: &'a HeaderMap, name: &str) -> &'a str {
+    headers.get(name).map(|v| v.to_str().unwrap()).unwrap_or("")
+}
+
+async fn wait_for_keys(server: &ValkeyServer, pattern: &str, n: usize) {
+    eventually(&format!("{n} keys matching {pattern}"), || {
+        server.keys(pattern).len() >= n
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_cohort_filled_together_spreads_its_pttls_over_the_band() {
+    let server = ValkeyServer::start();
+    let cache = engine(tier(&server.url(), "tc").await);
+    let policy = Policy::ttl(Duration::from_secs(100)).jitter(0.2);
+    for i in 0..1000 {
+        cache.store(
+            &CacheKey::new(format!("k{i}")),
+            Fill::new(Value::from_body("v")),
+            &policy,
+        );
+    }
+    wait_for_keys(&server, "tc:*", 1000).await;
+    let mut buckets = [0usize; 10];
+    for key in server.keys("tc:*") {
+        assert!(key.starts_with("tc:{") && key.ends_with("}:e"), "{key}");
+        let pttl: u64 = server.cmd(&["PTTL", &key]).parse().unwrap();
+        // The band is 80..=120 s; a few hundred ms have passed since the fill.
+        assert!(
+            (78_000..=120_000).contains(&pttl),
+            "PTTL {pttl} outside 80..120 s"
+        );
+        let i = ((pttl.saturating_sub(80_000)) / 4_000).min(9) as usize;
+        buckets[i] += 1;
+    }
+    assert!(buckets.iter().all(|&b| b > 0), "PTTLs bunched: {buckets:?}");
+    assert!(
+        buckets.iter().all(|&b| b < 250),
+        "PTTLs bunched: {buckets:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_restarted_instance_answers_from_l2_for_no_longer_than_the_servers_pttl() {
+    let server = ValkeyServer::start();
+    let calls = Counter::new();
+    let first = app(&engine(tier(&server.url(), "tc").await), &calls);
+    let (_, headers, body) = send(&first, "/p/7").await;
+    assert_eq!(h(&headers, "x-cache"), "MISS");
+    wait_for_keys(&server, "tc:*", 1).await;
+    let key = server.keys("tc:*").pop().unwrap();
+    // The server's clock decides: shorten the key's life there.
+    server.cmd(&["PEXPIRE", &key, "5000"]);
+
+    let restarted_engine = engine(tier(&server.url(), "tc").await);
+    let restarted = app(&restarted_engine, &calls);
+    let (_, headers, again) = send(&restarted, "/p/7").await;
+    assert_eq!(again, body);
+    assert_eq!(
+        (h(&headers, "x-cache"), h(&headers, "x-cache-tier")),
+        ("HIT", "l2")
+    );
+    let status = h(&headers, "cache-status");
+    let ttl: u64 = status
+        .split("ttl=")
+        .nth(1)
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        ttl <= 5,
+        "promoted for {ttl} s, longer than the server's 5 s PTTL: {status}"
+    );
+    // Now it is in the restarted instance's L1.
+    let (_, headers, _) = send(&restarted, "/p/7").await;
+    assert_eq!(h(&headers, "x-cache-tier"), "l1");
+    assert_eq!(calls.get(), 1);
+    assert_eq!(restarted_engine.stats().hits_l2, 1);
+}
+
+#[tokio::test]
+async fn an_l2_hit_costs_one_get_and_one_pttl_in_one_round_trip() {
+    let server = ValkeyServer::start();
+    let writer = engine(tier(&server.url(), "tc").await);
+    let key = CacheKey::new("counted");
+    writer.store(
+        &key,
+        Fill::new(Value::from_body("v")),
+        &Policy::ttl(Duration::from_secs(60)),
+    );
+    wait_for_keys(&server, "tc:*", 1).await;
+    let reader = engine(tier(&server.url(), "tc").await);
+    let (gets, pttls, sets) = (
+        server.command_calls("get"),
+        server.command_calls("pttl"),
+        server.command_calls("set"),
+    );
+    for _ in 0..50 {
+        let hit = reader.lookup_l2(&key, |_| true).await;
+        assert_eq!(hit.unwrap().value().body, "v");
+    }
+    assert_eq!(server.command_calls("get") - gets, 50);
+    assert_eq!(server.command_calls("pttl") - pttls, 50);
+    assert_eq!(server.command_calls("set") - sets, 0);
+}
+
+#[tokio::test]
+async fn corrupt_and_foreign_bytes_are_a_miss_and_get_repaired() {
+    let server = ValkeyServer::start();
+    let calls = Counter::new();
+    let first = app(&engine(tier(&server.url(), "tc").await), &calls);
+    let (_, _, good_body) = send(&first, "/p/9").await;
+    wait_for_keys(&server, "tc:*", 1).await;
+    let key = server.keys("tc:*").pop().unwrap();
+    let good = {
+        // The stored envelope, to damage in several ways.
+        let reader = tier(&server.url(), "tc").await;
+        let value: Option<bytes::Bytes> = fred::prelude::KeysInterface::get(reader.client(), &key)
+            .await
+            .unwrap();
+        value.unwrap()
+    };
+    let mut flipped = good.to_vec();
+    let mid = flipped.len() / 2;
+    flipped[mid] ^= 0xff;
+    let mut version = good.to_vec();
+    version[3] = 99;
+    let damages: Vec<(&str, Vec<u8>)> = vec![
+        ("garbage", b"not an envelope at all".to_vec()),
+        ("json", br#"{"status":200,"body":"evil"}"#.to_vec()),
+        ("truncated", good[..good.len() - 10].to_vec()),
+        ("flipped", flipped),
+        ("unknown version", version),
+        ("empty", Vec::new()),
+    ];
+    for (what, bytes) in damages {
+        server
+            .cmd_bytes(&[b"SET", key.as_bytes(), &bytes, b"PX", b"60000"])
+            .unwrap();
+        let fresh_engine = engine(tier(&server.url(), "tc").await);
+        let fresh = app(&fresh_engine, &calls);
+        let before = calls.get();
+        let (status, headers, body) = send(&fresh, "/p/9").await;
+        assert_eq!(status, StatusCode::OK, "{what}");
+        assert_eq!(h(&headers, "x-cache"), "MISS", "{what}");
+        assert!(body.starts_with("product 9"), "{what}: {body}");
+        assert_eq!(calls.get(), before + 1, "{what}: the origin answered");
+        if what != "empty" {
+            assert_eq!(fresh_engine.stats().l2.corrupt, 1, "{what}");
+        }
+        // The fill overwrote the damage: another fresh instance reads it from L2.
+        eventually("the repair", || {
+            server
+                .cmd_bytes(&[b"GET", key.as_bytes()])
+                .is_ok_and(|v| v.starts_with("TCE"))
+        })
+        .await;
+        let (_, headers, _) = send(
+            &app(&engine(tier(&server.url(), "tc").await), &calls),
+            "/p/9",
+        )
+        .await;
+        assert_eq!(h(&headers, "x-cache-tier"), "l2", "{what}: not repaired");
+    }
+    assert!(good_body.starts_with("product 9"));
+}
+
+#[tokio::test]
+async fn two_prefixes_on_one_server_stay_apart() {
+    let server = ValkeyServer::start();
+    let (shop_calls, blog_calls) = (Counter::new(), Counter::new());
+    let shop = app(&engine(tier(&server.url(), "shop").await), &shop_calls);
+    send(&shop, "/p/1").await;
+    wait_for_keys(&server, "shop:*", 1).await;
+    let blog = app(&engine(tier(&server.url(), "blog").await), &blog_calls);
+    let (_, headers, _) = send(&blog, "/p/1").await;
+    assert_eq!(h(&headers, "x-cache"), "MISS");
+    assert_eq!(blog_calls.get(), 1);
+    wait_for_keys(&server, "blog:*", 1).await;
+    assert_eq!(server.keys("shop:*").len(), 1);
+}
+
+#[tokio::test]
+async fn valkey_absent_at_start_costs_nothing_but_the_origin() {
+    let dead = tiercache_testkit::valkey::free_port();
+    let calls = Counter::new();
+    let cache = engine(tier(&format!("redis://127.0.0.1:{dead}"), "tc").await);
+    let app = app(&cache, &calls);
+    for i in 0..20 {
+        let started = Instant::now();
+        let (status, _, _) = send(&app, &format!("/p/{i}")).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(
+            started.elapsed() < Duration::from_millis(1500),
+            "request {i} took {:?}",
+            started.elapsed()
+        );
+    }
+    let (_, headers, _) = send(&app, "/p/0").await;
+    assert_eq!(h(&headers, "x-cache"), "HIT", "L1 still works");
+    let stats = cache.stats();
+    assert!(stats.l2.breaker_trips >= 1, "{stats:?}");
+    assert!(
+        stats.l2.skipped > 0,
+        "the breaker spared most requests: {stats:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_run_under_load_fails_no_request_and_l2_returns_within_a_second() {
+    let mut server = ValkeyServer::start();
+    let calls = Counter::new();
+    let cache = engine(tier(&server.url(), "tc").await);
+    let app = app(&cache, &calls);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load: Vec<_> = (0..8)
+        .map(|w| {
+            let (app, stop) = (app.clone(), stop.clone());
+            tokio::spawn(async move {
+                let (mut ok, mut failed) = (0u32, 0u32);
+                let mut i = 0u32;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    i += 1;
+                    // Mostly new keys, so L2 is consulted all the time.
+                    let (status, _, _) = send(&app, &format!("/p/w{w}-{}", i % 500)).await;
+                    if status == StatusCode::OK {
+                        ok += 1
+                    } else {
+                        failed += 1
+                    }
+                }
+                (ok, failed)
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.kill();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    server.restart();
+    let back = Instant::now();
+    // L2 in use again: a fresh key written now shows up in the server.
+    let probe = CacheKey::new("after-restart");
+    loop {
+        cache.store(
+            &probe,
+            Fill::new(Value::from_body("v")),
+            &Policy::ttl(Duration::from_secs(60)),
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        if !server.keys("tc:*").is_empty() {
+            break;
+        }
+        assert!(
+            back.elapsed() < Duration::from_secs(5),
+            "L2 not used 5 s after the restart"
+        );
+    }
+    let returned_after = back.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (mut ok, mut failed) = (0, 0);
+    for t in load {
+        let (o, f) = bounded("a load worker", t).await.unwrap();
+        ok += o;
+        failed += f;
+    }
+    assert_eq!(failed, 0, "{failed} requests failed");
+    assert!(ok > 100, "only {ok} requests ran");
+    assert!(
+        returned_after < Duration::from_secs(1),
+        "L2 came back after {returned_after:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_paused_server_costs_a_request_the_l2_timeout_at_most() {
+    let server = ValkeyServer::start();
+    let calls = Counter::new();
+    let cache = engine(tier(&server.url(), "tc").await);
+    let app = app(&cache, &calls);
+    send(&app, "/p/warm").await;
+    server.pause(3000);
+    for i in 0..5 {
+        let started = Instant::now();
+        let (status, _, _) = send(&app, &format!("/p/paused{i}")).await;
+        assert_eq!(status, StatusCode::OK);
+        // 50 ms L2 timeout + 20 ms origin, with slack for a loaded machine;
+        // the pause itself is 3 s.
+        assert!(
+            started.elapsed() < Duration::from_millis(600),
+            "took {:?}",
+            started.elapsed()
+        );
+    }
+    assert!(cache.stats().l2_errors > 0 || cache.stats().l2.skipped > 0);
+}
+
+#[tokio::test]
+async fn a_full_write_queue_drops_and_counts_without_blocking() {
+    let server = ValkeyServer::start();
+    let proxy = FaultProxy::start(server.addr()).await;
+    let config = ValkeyConfig::from_url(&proxy.redis_url())
+        .unwrap()
+        .write_queue(4);
+    let cache = engine(connect(config).await);
+    // Let the connection come up, then make every write crawl.
+    cache.store(
+        &CacheKey::new("first"),
+        Fill::new(Value::from_body("v")),
+        &Policy::ttl(Duration::from_secs(60)),
+    );
+    wait_for_keys(&server, "tc:*", 1).await;
+    proxy.set(Fault::Latency(Duration::from_millis(200)));
+    let started = Instant::now();
+    for i in 0..200 {
+        cache.store(
+            &CacheKey::new(format!("k{i}")),
+            Fill::new(Value::from_body("v")),
+            &Policy::ttl(Duration::from_secs(60)),
+        );
+    }
+    assert!(
+        started.elapsed() < Duration::from_millis(200),
+        "stores blocked: {:?}",
+        started.elapsed()
+    );
+    assert!(
+        cache.stats().l2.write_drops >= 190,
+        "{:?}",
+        cache.stats().l2
+    );
+}
+
+#[tokio::test]
+async fn a_blackholed_connection_is_bounded_by_the_timeout_and_the_breaker() {
+    let server = ValkeyServer::start();
+    let proxy = FaultProxy::start(server.addr()).await;
+    let calls = Counter::new();
+    let cache = engine(connect(ValkeyConfig::from_url(&proxy.redis_url()).unwrap()).await);
+    let app = app(&cache, &calls);
+    send(&app, "/p/warm").await;
+    wait_for_keys(&server, "tc:*", 1).await;
+    proxy.set(Fault::Blackhole);
+    let started = Instant::now();
+    for i in 0..30 {
+        let (status, _, _) = send(&app, &format!("/p/bh{i}")).await;
+        assert_eq!(status, StatusCode::OK);
+    }
+    // 30 misses × 20 ms origin, plus a few 50 ms timeouts before the breaker opened.
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "took {:?}",
+        started.elapsed()
+    );
+    let stats = cache.stats();
+    assert!(
+        stats.l2_timeouts >= 1 && stats.l2.breaker_trips >= 1,
+        "{stats:?}"
+    );
+    proxy.set(Fault::Reset);
+    let (status, _, _) = send(&app, "/p/reset").await;
+    assert_eq!(status, StatusCode::OK);
+}
