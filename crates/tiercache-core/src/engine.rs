@@ -2,14 +2,15 @@
 //! flight, the clock and the counters together.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use rand::SeedableRng;
 use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
 
-use crate::flight::{Flights, Follower, Join, Waited};
+use crate::flight::{FlightError, FlightResult, Flights, Follower, Join, Leader, Waited};
 use crate::l1::L1;
 use crate::stats::{Counters, bump};
 use crate::{
@@ -28,9 +29,9 @@ use crate::{
 /// let policy = Policy::ttl(Duration::from_secs(30));
 /// let key = CacheKey::new("user:7");
 /// cache.store(&key, Fill::new(Value::from_body("hello")), &policy);
-/// match cache.lookup(&key, |_| true) {
+/// match cache.lookup(&key, &policy, |_| true) {
 ///     Lookup::Fresh { entry, .. } => assert_eq!(entry.value().body, "hello"),
-///     Lookup::Miss => unreachable!(),
+///     _ => unreachable!(),
 /// }
 /// # Ok(()) }
 /// ```
@@ -62,15 +63,57 @@ impl fmt::Debug for TieredCache {
 /// The result of an L1 lookup.
 #[derive(Debug)]
 pub enum Lookup {
-    /// A fresh entry the caller accepted.
+    /// A fresh entry: answer it.
     Fresh {
         /// The entry.
         entry: Entry,
         /// Fresh lifetime left.
         remaining: Duration,
+        /// XFetch fired: answer it and refresh in the background.
+        refresh: bool,
     },
-    /// Nothing usable.
-    Miss,
+    /// Stale, inside stale-while-revalidate: answer it and refresh in the background.
+    Stale {
+        /// The entry.
+        entry: Entry,
+    },
+    /// Nothing to answer with; load it.
+    Miss {
+        /// A stale entry inside stale-if-error: the answer if the load fails.
+        fallback: Option<Entry>,
+    },
+}
+
+/// Why [`TieredCache::get_or_load`] has no value.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum LoadError<E> {
+    /// The loader failed.
+    Loader(E),
+    /// The loader panicked (this caller's, or the one it waited on).
+    Panicked,
+}
+
+impl<E: fmt::Display> fmt::Display for LoadError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LoadError::Loader(e) => write!(f, "loading the value failed: {e}"),
+            LoadError::Panicked => f.write_str("loading the value panicked"),
+        }
+    }
+}
+
+impl<E: fmt::Debug + fmt::Display> std::error::Error for LoadError<E> {}
+
+/// Where a fill's fresh lifetime comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lifetime {
+    /// The route's ttl, jittered both ways.
+    Route,
+    /// The route's negative ttl (404, 410), jittered both ways.
+    Negative,
+    /// Declared by the origin (what is left of it): jitter only shortens it.
+    Declared(Duration),
 }
 
 /// A value to store, with what the engine needs besides the policy.
@@ -79,6 +122,11 @@ pub struct Fill {
     value: Value,
     variant: Bytes,
     origin_latency: Duration,
+    lifetime: Lifetime,
+    stale_while_revalidate: Option<Duration>,
+    stale_if_error: Option<Duration>,
+    no_stale: bool,
+    initial_age: Duration,
 }
 
 impl Fill {
@@ -88,7 +136,42 @@ impl Fill {
             value,
             variant: Bytes::new(),
             origin_latency: Duration::ZERO,
+            lifetime: Lifetime::Route,
+            stale_while_revalidate: None,
+            stale_if_error: None,
+            no_stale: false,
+            initial_age: Duration::ZERO,
         }
+    }
+
+    /// Where the fresh lifetime comes from (default: the route's ttl).
+    pub fn lifetime(mut self, lifetime: Lifetime) -> Self {
+        self.lifetime = lifetime;
+        self
+    }
+
+    /// The origin's own stale windows (RFC 5861), overriding the policy's.
+    pub fn stale_windows(
+        mut self,
+        while_revalidate: Option<Duration>,
+        if_error: Option<Duration>,
+    ) -> Self {
+        self.stale_while_revalidate = while_revalidate;
+        self.stale_if_error = if_error;
+        self
+    }
+
+    /// Never serve this entry stale (the origin said `must-revalidate`,
+    /// `proxy-revalidate` or `no-cache`).
+    pub fn no_stale(mut self, on: bool) -> Self {
+        self.no_stale = on;
+        self
+    }
+
+    /// The age the origin reported (`Age`), so stored ages count from its answer.
+    pub fn initial_age(mut self, age: Duration) -> Self {
+        self.initial_age = age;
+        self
     }
 
     /// The variant bytes a reader must match (see [`Entry::variant`]).
@@ -115,33 +198,81 @@ impl TieredCache {
         self.inner.clock.now()
     }
 
-    /// Looks `key` up in L1. A dead entry is removed (lazy expiry); a fresh one
-    /// is returned if `accept` agrees (the HTTP layer checks the variant there)
-    /// and counted as an L1 hit.
-    pub fn lookup(&self, key: &CacheKey, accept: impl FnOnce(&Entry) -> bool) -> Lookup {
-        self.lookup_at(key, self.now(), accept)
+    /// Looks `key` up in L1 under `policy` (see [`lookup_at`](Self::lookup_at)).
+    pub fn lookup(
+        &self,
+        key: &CacheKey,
+        policy: &Policy,
+        accept: impl FnOnce(&Entry) -> bool,
+    ) -> Lookup {
+        self.lookup_at(key, self.now(), policy, accept)
     }
 
-    /// [`lookup`](Self::lookup) as of `now` (a reading of [`now`](Self::now)
-    /// the caller already took, so one request reads the clock once).
+    /// Looks `key` up in L1 as of `now` (a reading of [`now`](Self::now) the
+    /// caller already took, so one request reads the clock once).
+    ///
+    /// A dead entry is removed (lazy expiry). An entry `accept` refuses (the
+    /// HTTP layer checks the variant there) is a miss. A fresh entry is an L1
+    /// hit, with `refresh` set when XFetch fires; a stale one inside
+    /// stale-while-revalidate is [`Lookup::Stale`] (counted as stale served);
+    /// past that but inside stale-if-error it comes back as the miss's fallback.
     pub fn lookup_at(
         &self,
         key: &CacheKey,
         now: SystemTime,
+        policy: &Policy,
         accept: impl FnOnce(&Entry) -> bool,
     ) -> Lookup {
         let Some(entry) = self.inner.l1.get(&key.hash(), now) else {
-            return Lookup::Miss;
+            return Lookup::Miss { fallback: None };
         };
-        if entry.key() != key.full() {
-            return Lookup::Miss;
+        if entry.key() != key.full() || !accept(&entry) {
+            return Lookup::Miss { fallback: None };
         }
         match entry.freshness(now) {
-            Freshness::Fresh(remaining) if accept(&entry) => {
+            Freshness::Fresh(remaining) => {
                 bump(&self.inner.counters.hits_l1);
-                Lookup::Fresh { entry, remaining }
+                let refresh = self.xfetch_fires(&entry, remaining, policy.beta());
+                if refresh {
+                    bump(&self.inner.counters.early_refreshes);
+                }
+                Lookup::Fresh {
+                    entry,
+                    remaining,
+                    refresh,
+                }
             }
-            _ => Lookup::Miss,
+            Freshness::Stale => Lookup::Stale { entry },
+            Freshness::StaleIfError => Lookup::Miss {
+                fallback: Some(entry),
+            },
+            Freshness::Dead => Lookup::Miss { fallback: None },
+        }
+    }
+
+    /// XFetch (Vattani et al., VLDB 2015): fire when `δ·β·(−ln u) ≥ remaining`,
+    /// `u` uniform in (0, 1]. The probability is `exp(−remaining/(δβ))`; far
+    /// from expiry it is below 1e-17 and no random number is drawn.
+    fn xfetch_fires(&self, entry: &Entry, remaining: Duration, beta: f64) -> bool {
+        let scale = entry.origin_latency().as_secs_f64() * beta;
+        if scale <= 0.0 || remaining.as_secs_f64() > 40.0 * scale {
+            return false;
+        }
+        let u: f64 = 1.0 - self.inner.rng.lock().unwrap().random::<f64>();
+        scale * -u.ln() >= remaining.as_secs_f64()
+    }
+
+    /// Counts a stale entry served (stale-while-revalidate, stale-if-error, soft timeout).
+    pub fn record_stale_served(&self) {
+        bump(&self.inner.counters.stale_served);
+    }
+
+    /// Takes the lead of a background refresh for `key`, if nobody is loading
+    /// it already (not counted as a miss or a coalesced wait).
+    pub fn try_lead(&self, key: &CacheKey) -> Option<Leader> {
+        match self.inner.flights.join(key.hash()) {
+            Join::Leader(leader) => Some(leader),
+            Join::Follower(_) => None,
         }
     }
 
@@ -196,46 +327,193 @@ impl TieredCache {
         {
             return None;
         }
-        let times = hit.entry.times();
-        let server_until = now + hit.remaining;
         let promoted = Entry::new(
             hit.entry.key().clone(),
             hit.entry.variant().clone(),
             hit.entry.value().clone(),
-            Times {
-                created_at: times.created_at,
-                fresh_until: times.fresh_until.min(server_until),
-                hard_until: times.hard_until.min(server_until),
-            },
+            hit.entry.times().capped(now + hit.remaining),
             hit.entry.origin_latency(),
         );
         self.inner.l1.insert(key.hash(), promoted.clone());
         Some(promoted)
     }
 
-    /// Stores a fill in L1 and (queued) in L2, with a fresh lifetime drawn
-    /// from the policy's jitter band now. Clears any hit-for-miss mark.
+    /// Stores a fill in L1 and (queued) in L2. The fresh lifetime is drawn now
+    /// from the policy's jitter band (or, for a lifetime the origin declared,
+    /// from below it); the stale windows follow it; L2's `PX` is the whole
+    /// hard lifetime. Clears any hit-for-miss mark.
     pub fn store(&self, key: &CacheKey, fill: Fill, policy: &Policy) -> Entry {
         let now = self.now();
-        let ttl = policy.draw_ttl(&mut *self.inner.rng.lock().unwrap());
-        let fresh_until = now + ttl;
+        let fresh = {
+            let mut rng = self.inner.rng.lock().unwrap();
+            match fill.lifetime {
+                Lifetime::Route => policy.draw_ttl(&mut *rng),
+                Lifetime::Negative => policy.draw_negative_ttl(&mut *rng),
+                Lifetime::Declared(d) => policy.draw_origin_ttl(d, &mut *rng),
+            }
+        };
+        let (swr, sie) = if fill.no_stale {
+            (Duration::ZERO, Duration::ZERO)
+        } else {
+            (
+                fill.stale_while_revalidate.unwrap_or(policy.swr_window()),
+                fill.stale_if_error.unwrap_or(policy.sie_window()),
+            )
+        };
+        let fresh_until = now + fresh;
+        let times = Times {
+            created_at: now.checked_sub(fill.initial_age).unwrap_or(now),
+            fresh_until,
+            stale_until: fresh_until + swr,
+            error_until: fresh_until + sie,
+            hard_until: fresh_until + swr.max(sie),
+        };
         let entry = Entry::new(
             key.full().clone(),
             fill.variant,
             fill.value,
-            Times {
-                created_at: now,
-                fresh_until,
-                hard_until: fresh_until,
-            },
+            times,
             fill.origin_latency,
         );
-        self.inner.uncacheable.invalidate(&key.hash());
-        self.inner.l1.insert(key.hash(), entry.clone());
-        if let Some(l2) = &self.inner.l2 {
-            l2.put(key, &entry, ttl);
-        }
+        self.insert(key, entry.clone(), fresh + swr.max(sie));
         entry
+    }
+
+    fn insert(&self, key: &CacheKey, entry: Entry, l2_ttl: Duration) {
+        self.inner.uncacheable.invalidate(&key.hash());
+        if let Some(l2) = &self.inner.l2 {
+            l2.put(key, &entry, l2_ttl);
+        }
+        self.inner.l1.insert(key.hash(), entry);
+    }
+
+    /// Reads `key` without loading: a fresh L1 entry, else a fresh L2 one
+    /// (promoted). Not counted as a hit or a miss.
+    pub async fn get(&self, key: &CacheKey) -> Option<Value> {
+        let now = self.now();
+        if let Some(entry) = self.inner.l1.get(&key.hash(), now)
+            && entry.key() == key.full()
+            && matches!(entry.freshness(now), Freshness::Fresh(_))
+        {
+            return Some(entry.value().clone());
+        }
+        self.lookup_l2(key, |_| true)
+            .await
+            .map(|e| e.value().clone())
+    }
+
+    /// Stores `value` under `key` with `policy`'s ttl (the programmatic `put`).
+    pub fn put(&self, key: &CacheKey, value: Value, policy: &Policy) -> Entry {
+        self.store(key, Fill::new(value), policy)
+    }
+
+    /// Sets the time `key` has left to `ttl` from now, in L1 and L2 (stale
+    /// windows dropped). Returns whether there was an entry to expire.
+    pub async fn expire(&self, key: &CacheKey, ttl: Duration) -> bool {
+        let now = self.now();
+        let current = match self.inner.l1.get(&key.hash(), now) {
+            Some(e) if e.key() == key.full() => Some(e),
+            _ => self.lookup_l2(key, |_| true).await,
+        };
+        let Some(entry) = current else {
+            return false;
+        };
+        let times = Times::fresh(entry.times().created_at.min(now), now + ttl);
+        let renewed = Entry::new(
+            entry.key().clone(),
+            entry.variant().clone(),
+            entry.value().clone(),
+            times,
+            entry.origin_latency(),
+        );
+        self.insert(key, renewed, ttl);
+        true
+    }
+
+    /// Returns `key`'s value, loading it with `loader` on a miss: one load per
+    /// key however many callers miss together (they wait, at most
+    /// `lock_timeout`, then load themselves). The load runs in its own task,
+    /// so a caller that goes away does not cancel it; the value is stored
+    /// with `policy`. L2 is read before the loader runs.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tiercache_core::{CacheKey, Policy, TieredCache, Value};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
+    /// let policy = Policy::ttl(Duration::from_secs(60));
+    /// let key = CacheKey::new("report");
+    /// let v = cache.get_or_load(&key, &policy, || async { Ok::<_, ()>(Value::from_body("built")) }).await;
+    /// assert_eq!(v.unwrap().body, "built");
+    /// let again = cache.get_or_load(&key, &policy, || async { Err::<Value, _>("not called") }).await;
+    /// assert_eq!(again.unwrap().body, "built");
+    /// # }
+    /// ```
+    pub async fn get_or_load<F, Fut, E>(
+        &self,
+        key: &CacheKey,
+        policy: &Policy,
+        loader: F,
+    ) -> Result<Value, LoadError<E>>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<Value, E>> + Send + 'static,
+        E: Send + 'static,
+    {
+        if let Lookup::Fresh { entry, .. } | Lookup::Stale { entry } =
+            self.lookup(key, policy, |_| true)
+        {
+            return Ok(entry.value().clone());
+        }
+        let follower = match self.join(key) {
+            Join::Leader(leader) => {
+                let (cache, key, policy) = (self.clone(), key.clone(), policy.clone());
+                let task = tokio::spawn(async move {
+                    if let Some(entry) = cache.lookup_l2(&key, |_| true).await {
+                        cache.record_served(Source::L2);
+                        leader.complete(FlightResult::Shared(entry.clone(), Source::L2));
+                        return Ok(entry.value().clone());
+                    }
+                    cache.record_served(Source::Origin);
+                    let started = tokio::time::Instant::now();
+                    let loaded = loader().await;
+                    cache.record_origin_load(started.elapsed());
+                    match loaded {
+                        Ok(value) => {
+                            let fill = Fill::new(value).origin_latency(started.elapsed());
+                            let entry = cache.store(&key, fill, &policy);
+                            leader.complete(FlightResult::Shared(entry.clone(), Source::Origin));
+                            Ok(entry.value().clone())
+                        }
+                        Err(e) => {
+                            leader.complete(FlightResult::Released);
+                            Err(LoadError::Loader(e))
+                        }
+                    }
+                });
+                return match task.await {
+                    Ok(result) => result,
+                    Err(_) => Err(LoadError::Panicked),
+                };
+            }
+            Join::Follower(follower) => follower,
+        };
+        match self.wait(follower, policy).await {
+            Waited::Done(FlightResult::Shared(entry, source)) => {
+                self.record_served(source);
+                Ok(entry.value().clone())
+            }
+            Waited::Done(FlightResult::Failed(FlightError::Panicked)) => Err(LoadError::Panicked),
+            _ => {
+                self.record_served(Source::Origin);
+                let started = tokio::time::Instant::now();
+                let value = loader().await.map_err(LoadError::Loader)?;
+                self.record_origin_load(started.elapsed());
+                let fill = Fill::new(value).origin_latency(started.elapsed());
+                Ok(self.store(key, fill, policy).value().clone())
+            }
+        }
     }
 
     /// Remembers `key` as uncacheable for the policy's hit-for-miss time.

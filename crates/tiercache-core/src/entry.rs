@@ -68,8 +68,10 @@ impl Source {
 pub enum Freshness {
     /// Inside its fresh lifetime, with this much left.
     Fresh(Duration),
-    /// Past its fresh lifetime, not yet past its hard expiry.
+    /// Past its fresh lifetime, inside stale-while-revalidate: answer it and refresh.
     Stale,
+    /// Past stale-while-revalidate, inside stale-if-error: answer it only if the origin fails.
+    StaleIfError,
     /// Past its hard expiry: must not be served.
     Dead,
 }
@@ -77,12 +79,41 @@ pub enum Freshness {
 /// The times stored with an entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Times {
-    /// When the origin answered (the `Age` anchor).
+    /// When the origin generated the response (the `Age` anchor: the time it
+    /// answered, less any `Age` it reported).
     pub created_at: SystemTime,
     /// End of the (jittered) fresh lifetime.
     pub fresh_until: SystemTime,
-    /// Hard expiry: past it the entry is dead in every tier.
+    /// End of the stale-while-revalidate window (`fresh_until` when none).
+    pub stale_until: SystemTime,
+    /// End of the stale-if-error window (`fresh_until` when none).
+    pub error_until: SystemTime,
+    /// Hard expiry, the latest of the above: past it the entry is dead in every tier.
     pub hard_until: SystemTime,
+}
+
+impl Times {
+    /// Times with no stale windows: fresh until `fresh_until`, then dead.
+    pub fn fresh(created_at: SystemTime, fresh_until: SystemTime) -> Self {
+        Self {
+            created_at,
+            fresh_until,
+            stale_until: fresh_until,
+            error_until: fresh_until,
+            hard_until: fresh_until,
+        }
+    }
+
+    /// Every time capped at `until` (promotion from L2 under the server's TTL).
+    pub fn capped(self, until: SystemTime) -> Self {
+        Self {
+            created_at: self.created_at.min(until),
+            fresh_until: self.fresh_until.min(until),
+            stale_until: self.stale_until.min(until),
+            error_until: self.error_until.min(until),
+            hard_until: self.hard_until.min(until),
+        }
+    }
 }
 
 /// A cached entry; cheap to clone (one shared allocation).
@@ -131,7 +162,7 @@ impl Entry {
     /// # use std::time::{Duration, SystemTime};
     /// # use tiercache_core::{Entry, Times, Value};
     /// # let now = SystemTime::now();
-    /// # let times = Times { created_at: now, fresh_until: now, hard_until: now };
+    /// # let times = Times::fresh(now, now);
     /// let entry = Entry::new("k".into(), Default::default(), Value::from_body("v"), times, Duration::ZERO);
     /// let len = entry.view(|e| e.value().body.len());
     /// assert_eq!(len, Some(&1));
@@ -180,8 +211,10 @@ impl Entry {
         let t = &self.0.times;
         if now < t.fresh_until {
             Freshness::Fresh(t.fresh_until.duration_since(now).unwrap_or_default())
-        } else if now < t.hard_until {
+        } else if now < t.stale_until {
             Freshness::Stale
+        } else if now < t.error_until {
+            Freshness::StaleIfError
         } else {
             Freshness::Dead
         }

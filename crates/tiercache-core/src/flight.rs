@@ -184,11 +184,7 @@ mod tests {
             "k".into(),
             Default::default(),
             Value::from_body("v"),
-            Times {
-                created_at: now,
-                fresh_until: now,
-                hard_until: now,
-            },
+            Times::fresh(now, now),
             Duration::ZERO,
         )
     }

@@ -21,13 +21,13 @@
 //! policy.validate()?;
 //! let key = CacheKey::new("report:2026");
 //!
-//! if let Lookup::Miss = cache.lookup(&key, |_| true) {
+//! if let Lookup::Miss { .. } = cache.lookup(&key, &policy, |_| true) {
 //!     if let Join::Leader(leader) = cache.join(&key) {
 //!         let entry = cache.store(&key, Fill::new(Value::from_body("…")), &policy);
 //!         leader.complete(tiercache_core::FlightResult::Shared(entry, tiercache_core::Source::Origin));
 //!     }
 //! }
-//! assert!(matches!(cache.lookup(&key, |_| true), Lookup::Fresh { .. }));
+//! assert!(matches!(cache.lookup(&key, &policy, |_| true), Lookup::Fresh { .. }));
 //! # Ok(()) }
 //! ```
 //!
@@ -48,7 +48,7 @@ mod tier;
 #[cfg(any(test, feature = "test-util"))]
 pub use clock::MockClock;
 pub use clock::{Clock, SystemClock};
-pub use engine::{BuildError, Fill, Lookup, TieredCache, TieredCacheBuilder};
+pub use engine::{BuildError, Fill, Lifetime, LoadError, Lookup, TieredCache, TieredCacheBuilder};
 pub use entry::{Entry, Freshness, Source, Times, Value};
 pub use flight::{FlightError, FlightResult, Follower, Join, Leader, Waited};
 pub use key::{CacheKey, KeyBuilder, KeyHash};
@@ -60,3 +60,5 @@ pub use tier::{BoxFuture, Tier, TierError, TierHit, TierReport};
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_freshness;

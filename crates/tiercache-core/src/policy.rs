@@ -46,6 +46,12 @@ pub struct Policy {
     jitter: Jitter,
     lock_timeout: Duration,
     hit_for_miss_ttl: Duration,
+    stale_while_revalidate: Duration,
+    stale_if_error: Duration,
+    negative_ttl: Duration,
+    xfetch_beta: f64,
+    origin_soft_timeout: Option<Duration>,
+    override_origin: bool,
 }
 
 impl Policy {
@@ -55,6 +61,12 @@ impl Policy {
     pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
     /// Default time a key whose response could not be shared stays uncacheable.
     pub const DEFAULT_HIT_FOR_MISS_TTL: Duration = Duration::from_secs(10);
+    /// Default lifetime of a 404 or 410 (never longer than the ttl).
+    pub const DEFAULT_NEGATIVE_TTL: Duration = Duration::from_secs(5);
+    /// Default XFetch β.
+    pub const DEFAULT_XFETCH_BETA: f64 = 1.0;
+    /// The largest XFetch β.
+    pub const MAX_XFETCH_BETA: f64 = 10.0;
 
     /// A policy with fresh lifetime `ttl` (must be > 0) and the default jitter.
     pub fn ttl(ttl: Duration) -> Self {
@@ -63,7 +75,86 @@ impl Policy {
             jitter: Jitter::Symmetric(Self::DEFAULT_JITTER),
             lock_timeout: Self::DEFAULT_LOCK_TIMEOUT,
             hit_for_miss_ttl: Self::DEFAULT_HIT_FOR_MISS_TTL,
+            stale_while_revalidate: Duration::ZERO,
+            stale_if_error: Duration::ZERO,
+            negative_ttl: Self::DEFAULT_NEGATIVE_TTL.min(ttl),
+            xfetch_beta: Self::DEFAULT_XFETCH_BETA,
+            origin_soft_timeout: None,
+            override_origin: false,
         }
+    }
+
+    /// Soft/hard TTL: past its fresh time and inside this window an entry is
+    /// answered at once (`STALE`) while one background refresh runs.
+    pub fn stale_while_revalidate(mut self, window: Duration) -> Self {
+        self.stale_while_revalidate = window;
+        self
+    }
+
+    /// Past its fresh time and inside this window an entry answers when the
+    /// origin fails (5xx, an error, a soft timeout), unless the origin said
+    /// `must-revalidate`, `proxy-revalidate` or `no-cache`.
+    pub fn stale_if_error(mut self, window: Duration) -> Self {
+        self.stale_if_error = window;
+        self
+    }
+
+    /// Lifetime of 404 and 410 responses without explicit freshness (default
+    /// 5 s, or the ttl if shorter).
+    pub fn negative_ttl(mut self, ttl: Duration) -> Self {
+        self.negative_ttl = ttl;
+        self
+    }
+
+    /// XFetch β (default 1.0; 0 disables): a fresh hit refreshes early when
+    /// `now − δ·β·ln(rand()) ≥ fresh_until`, δ being the last fill's origin time.
+    pub fn xfetch_beta(mut self, beta: f64) -> Self {
+        self.xfetch_beta = beta;
+        self
+    }
+
+    /// With a stale entry at hand, answer it once the origin has taken this
+    /// long, and let the fill finish in the background.
+    pub fn origin_soft_timeout(mut self, timeout: Duration) -> Self {
+        self.origin_soft_timeout = Some(timeout);
+        self
+    }
+
+    /// Use the route's ttl even when the origin declares a lifetime
+    /// (`s-maxage`, `max-age`, `Expires`).
+    pub fn override_origin(mut self, on: bool) -> Self {
+        self.override_origin = on;
+        self
+    }
+
+    /// The stale-while-revalidate window.
+    pub fn swr_window(&self) -> Duration {
+        self.stale_while_revalidate
+    }
+
+    /// The stale-if-error window.
+    pub fn sie_window(&self) -> Duration {
+        self.stale_if_error
+    }
+
+    /// The negative ttl.
+    pub fn negative(&self) -> Duration {
+        self.negative_ttl
+    }
+
+    /// XFetch β.
+    pub fn beta(&self) -> f64 {
+        self.xfetch_beta
+    }
+
+    /// The origin soft timeout, if any.
+    pub fn soft_timeout(&self) -> Option<Duration> {
+        self.origin_soft_timeout
+    }
+
+    /// Whether the route's ttl overrides an origin-declared lifetime.
+    pub fn overrides_origin(&self) -> bool {
+        self.override_origin
     }
 
     /// Symmetric jitter: each fill lives `ttl ± ttl·fraction`, `fraction` in `0.0..=0.5`.
@@ -123,16 +214,48 @@ impl Policy {
 
     /// Draws one fresh lifetime from the band. Jitter 0 gives exactly `ttl`.
     pub fn draw_ttl<R: Rng + ?Sized>(&self, rng: &mut R) -> Duration {
+        self.draw_around(self.ttl, rng)
+    }
+
+    /// Draws a negative (404/410) lifetime, jittered like the ttl.
+    pub fn draw_negative_ttl<R: Rng + ?Sized>(&self, rng: &mut R) -> Duration {
+        let scaled = match self.jitter {
+            Jitter::Additive(max) => Jitter::Additive(
+                max.mul_f64(self.negative_ttl.as_secs_f64() / self.ttl.as_secs_f64()),
+            ),
+            j => j,
+        };
+        Self {
+            jitter: scaled,
+            ..self.clone()
+        }
+        .draw_around(self.negative_ttl, rng)
+    }
+
+    /// Draws a lifetime for one the origin declared: jitter only shortens it,
+    /// into `[declared·(1−jitter), declared]` (additive: by up to `J`, at most half).
+    pub fn draw_origin_ttl<R: Rng + ?Sized>(&self, declared: Duration, rng: &mut R) -> Duration {
+        match self.jitter {
+            Jitter::Symmetric(j) if j > 0.0 => declared.mul_f64(1.0 - rng.random_range(0.0..=j)),
+            Jitter::Additive(max) if !max.is_zero() && !declared.is_zero() => {
+                let cap = max.min(declared / 2).as_nanos() as u64;
+                declared - Duration::from_nanos(rng.random_range(0..=cap))
+            }
+            _ => declared,
+        }
+    }
+
+    fn draw_around<R: Rng + ?Sized>(&self, ttl: Duration, rng: &mut R) -> Duration {
         match self.jitter {
             Jitter::Symmetric(j) if j > 0.0 => {
                 let u: f64 = rng.random_range(-j..=j);
-                self.ttl.mul_f64(1.0 + u)
+                ttl.mul_f64(1.0 + u)
             }
             Jitter::Additive(max) if !max.is_zero() => {
                 let extra = rng.random_range(0..=max.as_nanos() as u64);
-                self.ttl + Duration::from_nanos(extra)
+                ttl + Duration::from_nanos(extra)
             }
-            _ => self.ttl,
+            _ => ttl,
         }
     }
 
@@ -166,6 +289,41 @@ impl Policy {
             return Err(PolicyError::new(
                 "lock_timeout",
                 format!("{:?}", self.lock_timeout),
+                "greater than 0 and at most 600 s",
+            ));
+        }
+        for (field, window) in [
+            ("stale_while_revalidate", self.stale_while_revalidate),
+            ("stale_if_error", self.stale_if_error),
+        ] {
+            if window > MAX_TTL {
+                return Err(PolicyError::new(
+                    field,
+                    format!("{window:?}"),
+                    "at most 365 days",
+                ));
+            }
+        }
+        if self.negative_ttl.is_zero() || self.negative_ttl > self.ttl {
+            return Err(PolicyError::new(
+                "negative_ttl",
+                format!("{:?}", self.negative_ttl),
+                "greater than 0 and at most the ttl",
+            ));
+        }
+        if !(0.0..=Self::MAX_XFETCH_BETA).contains(&self.xfetch_beta) {
+            return Err(PolicyError::new(
+                "xfetch_beta",
+                self.xfetch_beta.to_string(),
+                "0.0..=10.0 (0 disables early refresh)",
+            ));
+        }
+        if let Some(t) = self.origin_soft_timeout
+            && (t.is_zero() || t > MAX_LOCK_TIMEOUT)
+        {
+            return Err(PolicyError::new(
+                "origin_soft_timeout",
+                format!("{t:?}"),
                 "greater than 0 and at most 600 s",
             ));
         }
@@ -243,6 +401,25 @@ mod tests {
                 Policy::ttl(TTL).hit_for_miss_ttl(MAX_TTL * 2),
                 "hit_for_miss_ttl",
             ),
+            (
+                Policy::ttl(TTL).stale_while_revalidate(MAX_TTL * 2),
+                "stale_while_revalidate",
+            ),
+            (
+                Policy::ttl(TTL).stale_if_error(MAX_TTL * 2),
+                "stale_if_error",
+            ),
+            (
+                Policy::ttl(TTL).negative_ttl(Duration::ZERO),
+                "negative_ttl",
+            ),
+            (Policy::ttl(TTL).negative_ttl(TTL * 2), "negative_ttl"),
+            (Policy::ttl(TTL).xfetch_beta(-1.0), "xfetch_beta"),
+            (Policy::ttl(TTL).xfetch_beta(f64::INFINITY), "xfetch_beta"),
+            (
+                Policy::ttl(TTL).origin_soft_timeout(Duration::ZERO),
+                "origin_soft_timeout",
+            ),
         ];
         for (policy, field) in cases {
             let err = policy.validate().unwrap_err();
@@ -279,6 +456,21 @@ mod tests {
         assert_eq!(policy.band(), (TTL, TTL + Duration::from_secs(60)));
         let counts = histogram(&policy, 10_000, 20);
         assert!(counts.iter().all(|&c| c > 0), "{counts:?}");
+    }
+
+    #[test]
+    fn jitter_only_shortens_an_origin_lifetime() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let declared = Duration::from_secs(100);
+        let policy = Policy::ttl(TTL).jitter(0.5);
+        let (mut lo, mut hi) = (declared, Duration::ZERO);
+        for _ in 0..10_000 {
+            let d = policy.draw_origin_ttl(declared, &mut rng);
+            assert!(d >= declared / 2 && d <= declared, "{d:?}");
+            lo = lo.min(d);
+            hi = hi.max(d);
+        }
+        assert!(lo < Duration::from_secs(52) && hi > Duration::from_secs(98));
     }
 
     #[test]

@@ -17,8 +17,10 @@ pub struct Stats {
     pub hits_l2: u64,
     /// Lookups that found nothing usable and waited on, or made, an origin load.
     pub misses: u64,
-    /// Stale entries served (stale-while-revalidate, stale-if-error).
+    /// Stale entries served (stale-while-revalidate, stale-if-error, soft timeout).
     pub stale_served: u64,
+    /// Fresh hits that started an early refresh (XFetch).
+    pub early_refreshes: u64,
     /// Calls that reached the origin on behalf of the cache.
     pub origin_loads: u64,
     /// Requests that waited on another request's origin load instead of making their own.
@@ -65,6 +67,7 @@ pub(crate) struct Counters {
     pub(crate) hits_l2: AtomicU64,
     pub(crate) misses: AtomicU64,
     pub(crate) stale_served: AtomicU64,
+    pub(crate) early_refreshes: AtomicU64,
     pub(crate) origin_loads: AtomicU64,
     pub(crate) coalesced: AtomicU64,
     pub(crate) lock_timeouts: AtomicU64,
@@ -116,6 +119,7 @@ impl Counters {
             hits_l2: self.hits_l2.load(Relaxed),
             misses: self.misses.load(Relaxed),
             stale_served: self.stale_served.load(Relaxed),
+            early_refreshes: self.early_refreshes.load(Relaxed),
             origin_loads: count,
             coalesced: self.coalesced.load(Relaxed),
             lock_timeouts: self.lock_timeouts.load(Relaxed),

@@ -25,14 +25,20 @@ async fn fresh_then_dead_on_the_engine_clock() {
     let key = CacheKey::new("a");
     let policy = Policy::ttl(TTL).jitter(0.0);
     cache.store(&key, fill("v"), &policy);
-    match cache.lookup(&key, |_| true) {
+    match cache.lookup(&key, &Policy::ttl(TTL), |_| true) {
         Lookup::Fresh { remaining, .. } => assert_eq!(remaining, TTL),
-        Lookup::Miss => panic!("expected a hit"),
+        _ => panic!("expected a hit"),
     }
     clock.advance(TTL - Duration::from_millis(1));
-    assert!(matches!(cache.lookup(&key, |_| true), Lookup::Fresh { .. }));
+    assert!(matches!(
+        cache.lookup(&key, &Policy::ttl(TTL), |_| true),
+        Lookup::Fresh { .. }
+    ));
     clock.advance(Duration::from_millis(1));
-    assert!(matches!(cache.lookup(&key, |_| true), Lookup::Miss));
+    assert!(matches!(
+        cache.lookup(&key, &Policy::ttl(TTL), |_| true),
+        Lookup::Miss { .. }
+    ));
     // Lazy expiry removed it and counted it.
     assert_eq!(cache.stats().expired, 1);
     assert_eq!(cache.l1_entry_count(), 0);
@@ -44,7 +50,10 @@ async fn accept_can_refuse_an_entry() {
     let cache = engine(&clock);
     let key = CacheKey::new("a");
     cache.store(&key, fill("v"), &Policy::ttl(TTL));
-    assert!(matches!(cache.lookup(&key, |_| false), Lookup::Miss));
+    assert!(matches!(
+        cache.lookup(&key, &Policy::ttl(TTL), |_| false),
+        Lookup::Miss { .. }
+    ));
     assert_eq!(cache.stats().hits_l1, 0);
 }
 
@@ -112,9 +121,9 @@ async fn a_replaced_entry_is_not_swept_early() {
     cache.store(&key, fill("new"), &Policy::ttl(TTL).jitter(0.0));
     clock.advance(Duration::from_secs(2));
     assert_eq!(cache.sweep(), 0);
-    match cache.lookup(&key, |_| true) {
+    match cache.lookup(&key, &Policy::ttl(TTL), |_| true) {
         Lookup::Fresh { entry, .. } => assert_eq!(entry.value().body, "new"),
-        Lookup::Miss => panic!("the new entry was swept"),
+        _ => panic!("the new entry was swept"),
     }
 }
 
@@ -173,16 +182,19 @@ async fn l2_hits_are_promoted_for_at_most_the_tiers_remaining_ttl() {
     let key = CacheKey::new("a");
     writer.store(&key, fill("v"), &Policy::ttl(TTL).jitter(0.0));
     clock.advance(Duration::from_secs(20));
-    assert!(matches!(reader.lookup(&key, |_| true), Lookup::Miss));
+    assert!(matches!(
+        reader.lookup(&key, &Policy::ttl(TTL), |_| true),
+        Lookup::Miss { .. }
+    ));
     let promoted = reader.lookup_l2(&key, |_| true).await.expect("l2 hit");
     assert_eq!(promoted.value().body, "v");
     assert_eq!(
         promoted.remaining_hard(clock.now()),
         Duration::from_secs(40)
     );
-    match reader.lookup(&key, |_| true) {
+    match reader.lookup(&key, &Policy::ttl(TTL), |_| true) {
         Lookup::Fresh { remaining, .. } => assert_eq!(remaining, Duration::from_secs(40)),
-        Lookup::Miss => panic!("not promoted"),
+        _ => panic!("not promoted"),
     }
     reader.record_served(Source::L2);
     let stats = reader.stats();
@@ -202,15 +214,14 @@ async fn a_foreign_key_under_the_same_hash_is_a_miss() {
         "not-a".into(),
         Default::default(),
         Value::from_body("evil"),
-        Times {
-            created_at: clock.now(),
-            fresh_until: clock.now() + TTL,
-            hard_until: clock.now() + TTL,
-        },
+        Times::fresh(clock.now(), clock.now() + TTL),
         Duration::ZERO,
     );
     l1.insert(key.hash(), foreign);
-    assert!(matches!(cache.lookup(&key, |_| true), Lookup::Miss));
+    assert!(matches!(
+        cache.lookup(&key, &Policy::ttl(TTL), |_| true),
+        Lookup::Miss { .. }
+    ));
 }
 
 #[test]

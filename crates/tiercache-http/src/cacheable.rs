@@ -34,6 +34,10 @@ pub enum Reason {
     TooLarge,
     /// The body failed or carried trailers while it was being read.
     Body,
+    /// `Cache-Control: no-cache` (stored-but-revalidated is not supported yet).
+    NoCache,
+    /// The origin declared it already stale (`max-age=0`, an `Age` past its lifetime).
+    NotFresh,
 }
 
 impl Reason {
@@ -52,6 +56,8 @@ impl Reason {
             Reason::VaryStar => "vary-star",
             Reason::TooLarge => "too-large",
             Reason::Body => "body",
+            Reason::NoCache => "no-cache",
+            Reason::NotFresh => "not-fresh",
         }
     }
 }

@@ -48,6 +48,11 @@ pub enum Outcome {
         /// Whether it waited on another request's load.
         collapsed: bool,
     },
+    /// A stale entry answered (stale-while-revalidate, or the origin failed or was slow).
+    Stale {
+        /// Why, when not stale-while-revalidate: `origin-error`, `origin-timeout`.
+        detail: Option<&'static str>,
+    },
     /// The cache was skipped.
     Bypass(Reason),
 }
@@ -57,6 +62,7 @@ impl Outcome {
         match self {
             Outcome::Hit { .. } => "HIT",
             Outcome::Miss { .. } => "MISS",
+            Outcome::Stale { .. } => "STALE",
             Outcome::Bypass(_) => "BYPASS",
         }
     }
@@ -64,6 +70,7 @@ impl Outcome {
     fn tier(&self) -> Source {
         match self {
             Outcome::Hit { tier, .. } => *tier,
+            Outcome::Stale { .. } => Source::L1,
             _ => Source::Origin,
         }
     }
@@ -97,6 +104,12 @@ impl Outcome {
                 }
                 if let Some(r) = reason {
                     let _ = write!(s, "; detail={}", r.as_str());
+                }
+            }
+            Outcome::Stale { detail } => {
+                s.push_str("; fwd=stale");
+                if let Some(d) = detail {
+                    let _ = write!(s, "; detail={d}");
                 }
             }
             Outcome::Bypass(reason) => {

@@ -144,11 +144,7 @@ mod tests {
 
     fn entry_with(variant: Bytes) -> Entry {
         let now = SystemTime::now();
-        let t = Times {
-            created_at: now,
-            fresh_until: now,
-            hard_until: now,
-        };
+        let t = Times::fresh(now, now);
         Entry::new(Bytes::new(), variant, Value::default(), t, Duration::ZERO)
     }
 

@@ -34,6 +34,7 @@
 pub mod body;
 pub mod cache_control;
 pub mod cacheable;
+pub mod freshness;
 pub mod future;
 pub mod headers;
 pub mod key;

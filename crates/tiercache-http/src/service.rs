@@ -4,21 +4,28 @@ use std::collections::VecDeque;
 use std::panic::resume_unwind;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::SystemTime;
 
 use bytes::{Bytes, BytesMut};
-use http::{Method, Request, Response, StatusCode};
+use http::header::{
+    ETAG, HeaderName, HeaderValue, IF_MATCH, IF_MODIFIED_SINCE, IF_NONE_MATCH, IF_RANGE,
+    IF_UNMODIFIED_SINCE, LAST_MODIFIED,
+};
+use http::{HeaderMap, Method, Request, Response, StatusCode, request};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use tiercache_core::{
-    CacheKey, Entry, Fill, FlightError, FlightResult, Join, Leader, Lookup, Policy, Source,
-    TieredCache, Waited,
+    CacheKey, Entry, Fill, FlightError, FlightResult, Freshness, Join, Leader, Lifetime, Lookup,
+    Policy, Source, TieredCache, Waited,
 };
 use tower::{Service, ServiceExt};
 
 use crate::body::{BoxError, CacheBody};
+use crate::cache_control::has_directive;
 use crate::cacheable::{Reason, content_length, request_cacheable, response_storable};
+use crate::freshness::OriginFreshness;
 use crate::future::ResponseFuture;
-use crate::headers::{self, Outcome};
+use crate::headers::{self, Outcome, strip_hop_by_hop};
 use crate::key::{request_key, variant_for, variant_matches};
 use crate::layer::{HttpConfig, ResponseCacheLayer};
 
@@ -26,7 +33,9 @@ use crate::layer::{HttpConfig, ResponseCacheLayer};
 ///
 /// Never changes `S`'s error type. GET and HEAD are cached (HEAD is answered
 /// from the GET entry, and a HEAD miss is loaded as a GET so it never stores an
-/// empty body); everything else passes through labelled `BYPASS`.
+/// empty body); everything else passes through labelled `BYPASS`. Background
+/// refreshes (stale-while-revalidate, XFetch) send a copy of the request's
+/// head with an empty body, hence `ReqB: Default`.
 #[derive(Debug, Clone)]
 pub struct ResponseCache<S> {
     inner: S,
@@ -62,7 +71,7 @@ struct Ctx {
 }
 
 impl Ctx {
-    fn label(&self, headers: &mut http::HeaderMap, outcome: &Outcome) {
+    fn label(&self, headers: &mut HeaderMap, outcome: &Outcome) {
         if self.config.emit_headers {
             headers::apply(headers, outcome, self.engine.hit_ratio());
         }
@@ -71,7 +80,7 @@ impl Ctx {
     fn entry_response<B>(
         &self,
         entry: &Entry,
-        now: std::time::SystemTime,
+        now: SystemTime,
         head: bool,
         outcome: &Outcome,
     ) -> Response<CacheBody<B>> {
@@ -85,15 +94,19 @@ impl Ctx {
 
 /// What a load produced.
 enum Loaded<B> {
-    /// Stored; answer from the entry.
+    /// Stored (or renewed by a 304); answer from the entry.
     Stored(Entry),
     /// Not stored; the origin's response, body streaming.
     Passed(Response<CacheBody<B>>, Reason),
 }
 
-/// What the leader's fill produced.
+/// What a fill (the leader's task) produced.
 enum Filled<B> {
+    /// A shareable entry from L2 or the origin.
     Entry(Entry, Source),
+    /// The origin failed and this stale entry answers instead (stale-if-error).
+    Stale(Entry),
+    /// The origin's response, not stored.
     Passed(Response<CacheBody<B>>, Reason),
 }
 
@@ -102,7 +115,7 @@ where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
-    ReqB: Send + 'static,
+    ReqB: Default + Send + 'static,
     ResB: Body<Data = Bytes> + Send + 'static,
     ResB::Error: Into<BoxError>,
 {
@@ -118,6 +131,7 @@ where
         let Some(ctx) = &self.ctx else {
             return ResponseFuture::inner(self.inner.call(req), None);
         };
+        let ctx = ctx.clone();
         let engine = &ctx.engine;
         let (parts, body) = req.into_parts();
         if let Err(reason) = request_cacheable(&parts) {
@@ -131,21 +145,80 @@ where
         let key = request_key(&parts);
         let head = parts.method == Method::HEAD;
         let now = engine.now();
-        if let Lookup::Fresh { entry, remaining } =
-            engine.lookup_at(&key, now, |e| variant_matches(e, &parts.headers))
-        {
-            let outcome = Outcome::Hit {
-                tier: Source::L1,
-                ttl: remaining.as_secs(),
-                collapsed: false,
-            };
-            return ResponseFuture::ready(ctx.entry_response(&entry, now, head, &outcome));
-        }
-        // The ready service goes with the request; a clone stays for the next.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
+        let fallback = match engine.lookup_at(&key, now, &ctx.policy, |e| {
+            variant_matches(e, &parts.headers)
+        }) {
+            Lookup::Fresh {
+                entry,
+                remaining,
+                refresh,
+            } => {
+                if refresh {
+                    self.refresh_in_background(&ctx, &parts, &key, &entry);
+                }
+                let outcome = Outcome::Hit {
+                    tier: Source::L1,
+                    ttl: remaining.as_secs(),
+                    collapsed: false,
+                };
+                return ResponseFuture::ready(ctx.entry_response(&entry, now, head, &outcome));
+            }
+            Lookup::Stale { entry } => {
+                engine.record_stale_served();
+                self.refresh_in_background(&ctx, &parts, &key, &entry);
+                let outcome = Outcome::Stale { detail: None };
+                return ResponseFuture::ready(ctx.entry_response(&entry, now, head, &outcome));
+            }
+            Lookup::Miss { fallback } => fallback,
+        };
+        let inner = self.take_ready();
         let req = Request::from_parts(parts, body);
-        ResponseFuture::boxed(Box::pin(miss(ctx.clone(), inner, req, key, head)))
+        ResponseFuture::boxed(Box::pin(miss(ctx, inner, req, key, head, fallback)))
+    }
+}
+
+impl<S: Clone> ResponseCache<S> {
+    /// The service `poll_ready` readied; a clone stays for the next call.
+    fn take_ready(&mut self) -> S {
+        let clone = self.inner.clone();
+        std::mem::replace(&mut self.inner, clone)
+    }
+
+    /// Starts one background refresh of `stale` (nothing when a load for the
+    /// key is already running). It revalidates with the entry's validators,
+    /// reads L2 first, and goes through the single flight.
+    fn refresh_in_background<ReqB, ResB>(
+        &mut self,
+        ctx: &Arc<Ctx>,
+        parts: &request::Parts,
+        key: &CacheKey,
+        stale: &Entry,
+    ) where
+        S: Service<Request<ReqB>, Response = Response<ResB>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ReqB: Default + Send + 'static,
+        ResB: Body<Data = Bytes> + Send + 'static,
+        ResB::Error: Into<BoxError>,
+    {
+        let Some(leader) = ctx.engine.try_lead(key) else {
+            return;
+        };
+        let mut head = parts.clone();
+        head.method = Method::GET;
+        let req = Request::from_parts(head, ReqB::default());
+        let inner = self.take_ready();
+        let task = fill(
+            ctx.clone(),
+            inner,
+            req,
+            key.clone(),
+            leader,
+            Some(stale.clone()),
+        );
+        tokio::spawn(async move {
+            let _ = task.await;
+        });
     }
 }
 
@@ -155,6 +228,7 @@ async fn miss<S, ReqB, ResB>(
     req: Request<ReqB>,
     key: CacheKey,
     head: bool,
+    fallback: Option<Entry>,
 ) -> Result<Response<CacheBody<ResB>>, S::Error>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Send + 'static,
@@ -166,7 +240,7 @@ where
 {
     if ctx.engine.is_uncacheable(&key) {
         ctx.engine.record_bypass(Reason::HitForMiss.as_str());
-        let loaded = load(&ctx, inner, as_get(req), &key).await?;
+        let loaded = load(&ctx, inner, as_get(req), &key, None).await?;
         return Ok(respond_loaded(
             &ctx,
             loaded,
@@ -177,17 +251,35 @@ where
     }
     match ctx.engine.join(&key) {
         Join::Leader(leader) => {
-            let task_ctx = ctx.clone();
             // Detached: if this request is dropped (client gone), the fill still
             // completes, stores, and wakes the followers.
-            let task = tokio::spawn(fill(task_ctx, inner, as_get(req), key, leader));
-            let filled = match task.await {
+            let mut task = tokio::spawn(fill(
+                ctx.clone(),
+                inner,
+                as_get(req),
+                key,
+                leader,
+                fallback.clone(),
+            ));
+            let joined = match (&fallback, ctx.policy.soft_timeout()) {
+                (Some(stale), Some(soft)) => {
+                    match tokio::time::timeout(soft, &mut task).await {
+                        Ok(joined) => joined,
+                        // The origin is slow and a stale answer is at hand:
+                        // give it now; the fill goes on in the background.
+                        Err(_) => return Ok(respond_stale(&ctx, stale, head, "origin-timeout")),
+                    }
+                }
+                _ => task.await,
+            };
+            let filled = match joined {
                 Ok(filled) => filled?,
                 Err(e) if e.is_panic() => resume_unwind(e.into_panic()),
                 Err(_) => return Ok(error_response(&ctx, StatusCode::SERVICE_UNAVAILABLE)),
             };
             Ok(match filled {
                 Filled::Entry(entry, source) => respond_entry(&ctx, &entry, source, head, false),
+                Filled::Stale(entry) => respond_stale(&ctx, &entry, head, "origin-error"),
                 Filled::Passed(res, reason) => {
                     respond_loaded(&ctx, Loaded::Passed(res, reason), head, false, None)
                 }
@@ -208,7 +300,7 @@ where
                 // Released (not shareable), another variant, a timeout or an
                 // abandoned load: this request goes to the origin itself.
                 _ => {
-                    let loaded = load(&ctx, inner, as_get(req), &key).await?;
+                    let loaded = load(&ctx, inner, as_get(req), &key, None).await?;
                     Ok(respond_loaded(&ctx, loaded, head, true, None))
                 }
             }
@@ -216,13 +308,15 @@ where
     }
 }
 
-/// The leader's fill: L2 first, then the origin; completes the flight.
+/// The leader's fill: L2 first, then the origin (revalidating `stale` when
+/// given, and falling back to it when the origin fails); completes the flight.
 async fn fill<S, ReqB, ResB>(
     ctx: Arc<Ctx>,
     inner: S,
     req: Request<ReqB>,
     key: CacheKey,
     leader: Leader,
+    stale: Option<Entry>,
 ) -> Result<Filled<ResB>, S::Error>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
@@ -239,29 +333,92 @@ where
         leader.complete(FlightResult::Shared(entry.clone(), Source::L2));
         return Ok(Filled::Entry(entry, Source::L2));
     }
-    match load(&ctx, inner, req, &key).await {
+    let req = match &stale {
+        Some(stale) => with_validators(req, stale),
+        None => req,
+    };
+    let usable_on_error = |stale: &Option<Entry>| {
+        stale.clone().filter(|e| {
+            matches!(
+                e.freshness(ctx.engine.now()),
+                Freshness::Stale | Freshness::StaleIfError
+            )
+        })
+    };
+    match load(&ctx, inner, req, &key, stale.as_ref()).await {
         Ok(Loaded::Stored(entry)) => {
             leader.complete(FlightResult::Shared(entry.clone(), Source::Origin));
             Ok(Filled::Entry(entry, Source::Origin))
         }
-        Ok(Loaded::Passed(res, reason)) => {
-            leader.complete(FlightResult::Released);
-            Ok(Filled::Passed(res, reason))
-        }
-        Err(e) => {
-            leader.complete(FlightResult::Released);
-            Err(e)
-        }
+        Ok(Loaded::Passed(res, reason)) => match usable_on_error(&stale) {
+            Some(stale) if is_origin_error(res.status()) => {
+                leader.complete(FlightResult::Shared(stale.clone(), Source::L1));
+                Ok(Filled::Stale(stale))
+            }
+            _ => {
+                leader.complete(FlightResult::Released);
+                Ok(Filled::Passed(res, reason))
+            }
+        },
+        Err(e) => match usable_on_error(&stale) {
+            Some(stale) => {
+                leader.complete(FlightResult::Shared(stale.clone(), Source::L1));
+                Ok(Filled::Stale(stale))
+            }
+            None => {
+                leader.complete(FlightResult::Released);
+                Err(e)
+            }
+        },
     }
 }
 
-/// Calls the origin and stores the response if it may be shared; a response
-/// that may not marks the key uncacheable for a while (hit-for-miss).
+/// 500, 502, 503, 504: the statuses stale-if-error answers for (RFC 5861 §4).
+fn is_origin_error(status: StatusCode) -> bool {
+    matches!(status.as_u16(), 500 | 502 | 503 | 504)
+}
+
+/// The request with the client's conditionals replaced by the stale entry's
+/// validators, so a 304 can renew it without a body.
+fn with_validators<B>(req: Request<B>, stale: &Entry) -> Request<B> {
+    let (mut parts, body) = req.into_parts();
+    for name in [
+        IF_NONE_MATCH,
+        IF_MODIFIED_SINCE,
+        IF_MATCH,
+        IF_UNMODIFIED_SINCE,
+        IF_RANGE,
+    ] {
+        parts.headers.remove(name);
+    }
+    let stored = |name: &HeaderName| {
+        stale
+            .value()
+            .headers
+            .iter()
+            .find(|(n, _)| n.as_ref() == name.as_str().as_bytes())
+            .and_then(|(_, v)| HeaderValue::from_maybe_shared(v.clone()).ok())
+    };
+    if let Some(etag) = stored(&ETAG) {
+        parts.headers.insert(IF_NONE_MATCH, etag);
+    }
+    if let Some(modified) = stored(&LAST_MODIFIED) {
+        parts.headers.insert(IF_MODIFIED_SINCE, modified);
+    }
+    Request::from_parts(parts, body)
+}
+
+/// Calls the origin and stores the response if it may be shared, with the
+/// lifetime the origin declares (unless the route overrides it), the route's
+/// ttl, or the negative ttl for 404/410. A 304 to a revalidation renews
+/// `revalidating`. A response that may not be shared marks the key
+/// uncacheable for a while (hit-for-miss).
 async fn load<S, ReqB, ResB>(
     ctx: &Ctx,
     inner: S,
     req: Request<ReqB>,
     key: &CacheKey,
+    revalidating: Option<&Entry>,
 ) -> Result<Loaded<ResB>, S::Error>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
@@ -279,6 +436,13 @@ where
         }
     };
     let (parts, body) = res.into_parts();
+    if parts.status == StatusCode::NOT_MODIFIED
+        && let Some(stale) = revalidating
+    {
+        let took = started.elapsed();
+        ctx.engine.record_origin_load(took);
+        return Ok(Loaded::Stored(renew(ctx, key, stale, &parts.headers, took)));
+    }
     let pass = |parts, body: CacheBody<ResB>, reason: Reason| {
         ctx.engine.record_origin_load(started.elapsed());
         ctx.engine.mark_uncacheable(key, &ctx.policy);
@@ -287,6 +451,12 @@ where
     if let Err(reason) = response_storable(&parts) {
         return pass(parts, CacheBody::stream(body), reason);
     }
+    if has_directive(&parts.headers, "no-cache") {
+        return pass(parts, CacheBody::stream(body), Reason::NoCache);
+    }
+    let Some(plan) = fill_for(ctx, &parts.headers, parts.status) else {
+        return pass(parts, CacheBody::stream(body), Reason::NotFresh);
+    };
     let max = ctx.config.max_body;
     if content_length(&parts.headers).is_some_and(|len| len > max as u64) {
         return pass(parts, CacheBody::stream(body), Reason::TooLarge);
@@ -330,8 +500,85 @@ where
     let body = concat(frames, total);
     let variant = variant_for(&parts.headers, &request_headers);
     let value = headers::to_value(parts.status, &parts.headers, body);
-    let fill = Fill::new(value).variant(variant).origin_latency(took);
+    let fill = plan.fill(value).variant(variant).origin_latency(took);
     Ok(Loaded::Stored(ctx.engine.store(key, fill, &ctx.policy)))
+}
+
+/// How a response is stored: its lifetime and what the origin said.
+#[derive(Clone, Copy)]
+struct Plan {
+    lifetime: Lifetime,
+    origin: OriginFreshness,
+}
+
+impl Plan {
+    fn fill(self, value: tiercache_core::Value) -> Fill {
+        Fill::new(value)
+            .lifetime(self.lifetime)
+            .stale_windows(
+                self.origin.stale_while_revalidate,
+                self.origin.stale_if_error,
+            )
+            .no_stale(self.origin.no_stale)
+            .initial_age(self.origin.age)
+    }
+}
+
+/// How a response with these headers is stored, or `None` when the origin
+/// declared it already stale.
+fn fill_for(ctx: &Ctx, headers: &HeaderMap, status: StatusCode) -> Option<Plan> {
+    let origin = OriginFreshness::parse(headers, ctx.engine.now());
+    let lifetime = match origin.remaining() {
+        Some(left) if !ctx.policy.overrides_origin() => {
+            if left.is_zero() {
+                return None;
+            }
+            Lifetime::Declared(left)
+        }
+        _ if matches!(status.as_u16(), 404 | 410) => Lifetime::Negative,
+        _ => Lifetime::Route,
+    };
+    Some(Plan { lifetime, origin })
+}
+
+/// A 304 renews `stale`: its headers updated from the 304's (RFC 9111
+/// §4.3.4; framing fields kept), its body unchanged, a new lifetime drawn.
+fn renew(
+    ctx: &Ctx,
+    key: &CacheKey,
+    stale: &Entry,
+    not_modified: &HeaderMap,
+    took: std::time::Duration,
+) -> Entry {
+    let old = stale.value();
+    let mut merged = HeaderMap::with_capacity(old.headers.len());
+    for (n, v) in &old.headers {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(n),
+            HeaderValue::from_maybe_shared(v.clone()),
+        ) {
+            merged.append(n, v);
+        }
+    }
+    let mut update = not_modified.clone();
+    strip_hop_by_hop(&mut update);
+    for framing in [http::header::CONTENT_LENGTH, http::header::CONTENT_ENCODING] {
+        update.remove(framing);
+    }
+    for name in update.keys() {
+        merged.remove(name);
+    }
+    for (n, v) in update.iter() {
+        merged.append(n.clone(), v.clone());
+    }
+    let status = StatusCode::from_u16(old.status).unwrap_or(StatusCode::OK);
+    let value = headers::to_value(status, &merged, old.body.clone());
+    let fill = match fill_for(ctx, &merged, status) {
+        Some(plan) => plan.fill(value),
+        None => Fill::new(value).lifetime(Lifetime::Declared(std::time::Duration::from_millis(1))),
+    };
+    let fill = fill.variant(stale.variant().clone()).origin_latency(took);
+    ctx.engine.store(key, fill, &ctx.policy)
 }
 
 fn concat(frames: VecDeque<Frame<Bytes>>, total: usize) -> Bytes {
@@ -365,21 +612,38 @@ fn respond_entry<B>(
     head: bool,
     collapsed: bool,
 ) -> Response<CacheBody<B>> {
-    ctx.engine.record_served(source);
     let now = ctx.engine.now();
-    let outcome = match source {
-        Source::Origin => Outcome::Miss {
+    let outcome = match (source, entry.freshness(now)) {
+        // A follower handed the leader's stale-if-error answer.
+        (_, Freshness::Stale | Freshness::StaleIfError | Freshness::Dead) => {
+            return respond_stale(ctx, entry, head, "origin-error");
+        }
+        (Source::Origin, _) => Outcome::Miss {
             stored: !collapsed,
             reason: None,
             collapsed,
         },
-        tier => Outcome::Hit {
+        (tier, _) => Outcome::Hit {
             tier,
             ttl: headers::ttl_left(entry, now),
             collapsed,
         },
     };
+    ctx.engine.record_served(source);
     ctx.entry_response(entry, now, head, &outcome)
+}
+
+fn respond_stale<B>(
+    ctx: &Ctx,
+    entry: &Entry,
+    head: bool,
+    detail: &'static str,
+) -> Response<CacheBody<B>> {
+    ctx.engine.record_stale_served();
+    let outcome = Outcome::Stale {
+        detail: Some(detail),
+    };
+    ctx.entry_response(entry, ctx.engine.now(), head, &outcome)
 }
 
 fn respond_loaded<B>(

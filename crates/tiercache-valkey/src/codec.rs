@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! "TCE" version:u8 payload_len:u32le payload checksum:[u8; 8]
-//! payload = created_at_ms:u64 fresh_until_ms:u64 hard_until_ms:u64 origin_latency_us:u64
+//! payload = created_at_ms:u64 fresh_until_ms:u64 stale_until_ms:u64 error_until_ms:u64
+//!           hard_until_ms:u64 origin_latency_us:u64
 //!           status:u16 key:(u32 len, bytes) variant:(u32 len, bytes)
 //!           header_count:u16 { name:(u16 len, bytes) value:(u32 len, bytes) }*
 //!           body:(u32 len, bytes)
@@ -34,7 +35,7 @@ const CHECKSUM_LEN: usize = 8;
 /// use tiercache_valkey::codec::{decode, encode};
 ///
 /// let t = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
-/// let times = Times { created_at: t, fresh_until: t + Duration::from_secs(30), hard_until: t + Duration::from_secs(30) };
+/// let times = Times::fresh(t, t + Duration::from_secs(30));
 /// let entry = Entry::new("key".into(), Default::default(), Value::from_body("hello"), times, Duration::from_millis(5));
 /// let bytes = encode(&entry);
 /// let back = decode(bytes).unwrap();
@@ -48,7 +49,7 @@ pub fn encode(entry: &Entry) -> Bytes {
         .iter()
         .map(|(n, v)| 6 + n.len() + v.len())
         .sum();
-    let payload_len = 8 * 4
+    let payload_len = 8 * 6
         + 2
         + 4
         + entry.key().len()
@@ -65,6 +66,8 @@ pub fn encode(entry: &Entry) -> Bytes {
     let times = entry.times();
     out.put_u64_le(millis(times.created_at));
     out.put_u64_le(millis(times.fresh_until));
+    out.put_u64_le(millis(times.stale_until));
+    out.put_u64_le(millis(times.error_until));
     out.put_u64_le(millis(times.hard_until));
     out.put_u64_le(entry.origin_latency().as_micros().min(u64::MAX as u128) as u64);
     out.put_u16_le(value.status);
@@ -105,6 +108,8 @@ pub fn decode(bytes: Bytes) -> Result<Entry, DecodeError> {
     };
     let created_at = r.time()?;
     let fresh_until = r.time()?;
+    let stale_until = r.time()?;
+    let error_until = r.time()?;
     let hard_until = r.time()?;
     let origin_latency = Duration::from_micros(r.u64()?);
     let status = r.u16()?;
@@ -131,7 +136,11 @@ pub fn decode(bytes: Bytes) -> Result<Entry, DecodeError> {
     if r.pos != r.buf.len() {
         return Err(DecodeError::Length);
     }
-    if !(created_at <= fresh_until && fresh_until <= hard_until) {
+    let ordered = created_at <= fresh_until
+        && fresh_until <= stale_until
+        && fresh_until <= error_until
+        && hard_until == stale_until.max(error_until);
+    if !ordered {
         return Err(DecodeError::Field("times"));
     }
     Ok(Entry::new(
@@ -145,6 +154,8 @@ pub fn decode(bytes: Bytes) -> Result<Entry, DecodeError> {
         Times {
             created_at,
             fresh_until,
+            stale_until,
+            error_until,
             hard_until,
         },
         origin_latency,
@@ -266,6 +277,8 @@ mod tests {
         let times = Times {
             created_at: t,
             fresh_until: t + Duration::from_secs(30),
+            stale_until: t + Duration::from_secs(60),
+            error_until: t + Duration::from_secs(90),
             hard_until: t + Duration::from_secs(90),
         };
         Entry::new(
@@ -316,11 +329,7 @@ mod tests {
     #[test]
     fn invalid_header_fields_are_refused_even_with_a_good_checksum() {
         let t = UNIX_EPOCH + Duration::from_secs(1);
-        let times = Times {
-            created_at: t,
-            fresh_until: t,
-            hard_until: t,
-        };
+        let times = Times::fresh(t, t);
         for (name, value) in [
             ("bad name", "v"),
             ("x-ok", "line\r\nInjected: 1"),
