@@ -352,12 +352,18 @@ impl TieredCache {
                 Lifetime::Declared(d) => policy.draw_origin_ttl(d, &mut *rng),
             }
         };
+        // A negative entry is not served stale on the route's say-so: the
+        // resource may exist by now. Only the origin's own windows apply.
+        let (route_swr, route_sie) = match fill.lifetime {
+            Lifetime::Negative => (Duration::ZERO, Duration::ZERO),
+            _ => (policy.swr_window(), policy.sie_window()),
+        };
         let (swr, sie) = if fill.no_stale {
             (Duration::ZERO, Duration::ZERO)
         } else {
             (
-                fill.stale_while_revalidate.unwrap_or(policy.swr_window()),
-                fill.stale_if_error.unwrap_or(policy.sie_window()),
+                fill.stale_while_revalidate.unwrap_or(route_swr),
+                fill.stale_if_error.unwrap_or(route_sie),
             )
         };
         let fresh_until = now + fresh;

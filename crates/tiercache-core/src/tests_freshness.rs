@@ -98,7 +98,9 @@ async fn negative_entries_live_for_the_negative_ttl() {
     let key = CacheKey::new("missing");
     let policy = Policy::ttl(Duration::from_secs(300))
         .jitter(0.0)
-        .negative_ttl(Duration::from_secs(2));
+        .negative_ttl(Duration::from_secs(2))
+        .stale_while_revalidate(Duration::from_secs(30))
+        .stale_if_error(Duration::from_secs(30));
     cache.store(
         &key,
         Fill::new(Value::from_body("nope")).lifetime(Lifetime::Negative),
@@ -107,7 +109,11 @@ async fn negative_entries_live_for_the_negative_ttl() {
     clock.advance(Duration::from_millis(1999));
     assert_eq!(state(&cache, &key, &policy), "fresh");
     clock.advance(Duration::from_millis(1));
-    assert_eq!(state(&cache, &key, &policy), "miss");
+    assert_eq!(
+        state(&cache, &key, &policy),
+        "miss",
+        "no stale 404 on the route's say-so"
+    );
 }
 
 /// The fire rate at `before` seconds from expiry, over `n` seeded lookups.

@@ -3,7 +3,9 @@
 //! ```text
 //! tiercache-proxy --upstream http://127.0.0.1:9000 [--listen 127.0.0.1:8080] [--ttl 10s]
 //!                 [--jitter 0.1] [--max-body 8MiB] [--admin 127.0.0.1:8081]
-//!                 [--valkey redis://127.0.0.1:6379]
+//!                 [--valkey redis://127.0.0.1:6379] [--stale-while-revalidate 30s]
+//!                 [--stale-if-error 5m] [--negative-ttl 5s] [--origin-soft-timeout 500ms]
+//!                 [--xfetch-beta 1.0]
 //! ```
 //!
 //! Every GET and HEAD is cached under the `--ttl` policy with the layer's safe
@@ -58,6 +60,16 @@ pub struct ProxyConfig {
     pub l1_capacity: u64,
     /// The shared L2, as a `redis://` / `rediss://` URL (none: L1 only).
     pub valkey: Option<String>,
+    /// Stale-while-revalidate window.
+    pub stale_while_revalidate: Duration,
+    /// Stale-if-error window.
+    pub stale_if_error: Duration,
+    /// Lifetime of 404/410 without explicit freshness (default: the policy's).
+    pub negative_ttl: Option<Duration>,
+    /// With a stale entry at hand, answer it after the origin took this long.
+    pub origin_soft_timeout: Option<Duration>,
+    /// XFetch β (0 disables early refresh).
+    pub xfetch_beta: f64,
 }
 
 impl ProxyConfig {
@@ -72,6 +84,11 @@ impl ProxyConfig {
             max_body: ResponseCacheLayer::DEFAULT_MAX_BODY as u64,
             l1_capacity: tiercache_core::TieredCacheBuilder::DEFAULT_L1_CAPACITY,
             valkey: None,
+            stale_while_revalidate: Duration::ZERO,
+            stale_if_error: Duration::ZERO,
+            negative_ttl: None,
+            origin_soft_timeout: None,
+            xfetch_beta: Policy::DEFAULT_XFETCH_BETA,
         }
     }
 
@@ -99,6 +116,22 @@ impl ProxyConfig {
         self
     }
 
+    /// The route policy these settings describe.
+    pub fn policy(&self) -> Policy {
+        let mut policy = Policy::ttl(self.ttl)
+            .jitter(self.jitter)
+            .stale_while_revalidate(self.stale_while_revalidate)
+            .stale_if_error(self.stale_if_error)
+            .xfetch_beta(self.xfetch_beta);
+        if let Some(ttl) = self.negative_ttl {
+            policy = policy.negative_ttl(ttl);
+        }
+        if let Some(t) = self.origin_soft_timeout {
+            policy = policy.origin_soft_timeout(t);
+        }
+        policy
+    }
+
     /// Uses Valkey at `url` as the shared L2.
     pub fn valkey(mut self, url: impl Into<String>) -> Self {
         self.valkey = Some(url.into());
@@ -124,7 +157,7 @@ pub struct Proxy {
 impl Proxy {
     /// Binds the listen (and admin) addresses and starts serving.
     pub async fn start(config: ProxyConfig) -> Result<Self, ProxyError> {
-        let policy = Policy::ttl(config.ttl).jitter(config.jitter);
+        let policy = config.policy();
         let mut builder = TieredCache::builder().l1_capacity(config.l1_capacity);
         if let Some(url) = &config.valkey {
             let config =

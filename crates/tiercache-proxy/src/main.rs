@@ -33,6 +33,21 @@ struct Args {
     /// Valkey as the shared L2: redis://[user:password@]host:port[/db], rediss:// for TLS.
     #[arg(long)]
     valkey: Option<String>,
+    /// Serve an expired entry for this long while one background refresh runs.
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    stale_while_revalidate: Duration,
+    /// Serve an expired entry for this long when the origin fails (5xx, error, soft timeout).
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    stale_if_error: Duration,
+    /// Lifetime of 404 and 410 responses without explicit freshness (default 5s, at most --ttl).
+    #[arg(long, value_parser = parse_duration)]
+    negative_ttl: Option<Duration>,
+    /// With a stale entry at hand, answer it once the origin has taken this long.
+    #[arg(long, value_parser = parse_duration)]
+    origin_soft_timeout: Option<Duration>,
+    /// XFetch β: refresh hot keys early, probabilistically (0 disables).
+    #[arg(long, default_value_t = 1.0)]
+    xfetch_beta: f64,
     /// Admin address serving GET /stats.
     #[arg(long)]
     admin: Option<SocketAddr>,
@@ -47,6 +62,11 @@ async fn main() -> ExitCode {
         .jitter(args.jitter)
         .max_body(args.max_body);
     config.l1_capacity = args.l1_capacity;
+    config.stale_while_revalidate = args.stale_while_revalidate;
+    config.stale_if_error = args.stale_if_error;
+    config.negative_ttl = args.negative_ttl;
+    config.origin_soft_timeout = args.origin_soft_timeout;
+    config.xfetch_beta = args.xfetch_beta;
     if let Some(url) = args.valkey {
         config = config.valkey(url);
     }

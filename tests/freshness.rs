@@ -1,0 +1,390 @@
+//! Freshness layers through the layer, on the engine's mock clock.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use tiercache::core::MockClock;
+use tiercache::{Policy, ResponseCacheLayer, TieredCache};
+use tiercache_testkit::{Counter, Gate, bounded, eventually};
+use tower::{Layer, Service, ServiceExt};
+
+/// What the origin does next.
+#[derive(Clone)]
+enum Mode {
+    Ok(&'static [(&'static str, &'static str)]),
+    Status(u16),
+    Fail,
+    Held(Gate),
+}
+
+#[derive(Clone)]
+struct Origin {
+    calls: Counter,
+    mode: Arc<Mutex<Mode>>,
+    seen: Arc<Mutex<Vec<HeaderMap>>>,
+}
+
+impl Origin {
+    fn new() -> Self {
+        Self {
+            calls: Counter::new(),
+            mode: Arc::new(Mutex::new(Mode::Ok(&[]))),
+            seen: Arc::default(),
+        }
+    }
+
+    fn set(&self, mode: Mode) {
+        *self.mode.lock().unwrap() = mode;
+    }
+
+    /// A tower service answering "body N" (N = call count) per the mode.
+    fn service(
+        &self,
+    ) -> impl Service<Request<Body>, Response = Response<Body>, Error = std::io::Error, Future: Send>
+    + Clone
+    + Send
+    + 'static {
+        let origin = self.clone();
+        tower::service_fn(move |req: Request<Body>| {
+            let origin = origin.clone();
+            async move {
+                let n = origin.calls.bump();
+                origin.seen.lock().unwrap().push(req.headers().clone());
+                let mode = origin.mode.lock().unwrap().clone();
+                let etag = "\"v1\"";
+                match mode {
+                    Mode::Fail => Err(std::io::Error::other("connection refused")),
+                    Mode::Status(code) => Ok(Response::builder()
+                        .status(code)
+                        .body(Body::from(format!("status {code}")))
+                        .unwrap()),
+                    Mode::Held(gate) => {
+                        gate.passed().await;
+                        Ok(Response::new(Body::from(format!("body {n}"))))
+                    }
+                    Mode::Ok(headers) => {
+                        if req
+                            .headers()
+                            .get("if-none-match")
+                            .is_some_and(|v| v == etag)
+                        {
+                            return Ok(Response::builder()
+                                .status(304)
+                                .header("etag", etag)
+                                .body(Body::empty())
+                                .unwrap());
+                        }
+                        let mut b = Response::builder().header("etag", etag);
+                        for (k, v) in headers {
+                            b = b.header(*k, *v);
+                        }
+                        Ok(b.body(Body::from(format!("body {n}"))).unwrap())
+                    }
+                }
+            }
+        })
+    }
+}
+
+struct Harness {
+    clock: MockClock,
+    engine: TieredCache,
+    origin: Origin,
+    layer: ResponseCacheLayer,
+}
+
+impl Harness {
+    fn new(policy: Policy) -> Self {
+        let clock = MockClock::new();
+        let engine = TieredCache::builder()
+            .clock(clock.clone())
+            .sweep_interval(None)
+            .rng_seed(5)
+            .build()
+            .unwrap();
+        let layer = ResponseCacheLayer::new(engine.clone())
+            .route(policy)
+            .unwrap();
+        Self {
+            clock,
+            engine,
+            origin: Origin::new(),
+            layer,
+        }
+    }
+
+    async fn get(&self, path: &str) -> (StatusCode, HeaderMap, String) {
+        let svc = self.layer.layer(self.origin.service());
+        let req = Request::get(path)
+            .header("host", "t")
+            .body(Body::empty())
+            .unwrap();
+        let res = match svc.oneshot(req).await {
+            Ok(res) => res,
+            Err(e) => return (StatusCode::BAD_GATEWAY, HeaderMap::new(), e.to_string()),
+        };
+        let (parts, body) = res.into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        (
+            parts.status,
+            parts.headers,
+            String::from_utf8_lossy(&body).into_owned(),
+        )
+    }
+
+    fn advance(&self, ms: u64) {
+        self.clock.advance(Duration::from_millis(ms));
+    }
+}
+
+fn x_cache(h: &HeaderMap) -> &str {
+    h.get("x-cache").map(|v| v.to_str().unwrap()).unwrap_or("")
+}
+
+fn status_of(h: &HeaderMap) -> &str {
+    h.get("cache-status")
+        .map(|v| v.to_str().unwrap())
+        .unwrap_or("")
+}
+
+fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_while_revalidate_answers_at_once_and_refreshes_exactly_once() {
+    let t = Harness::new(
+        Policy::ttl(secs(1))
+            .jitter(0.0)
+            .stale_while_revalidate(secs(30)),
+    );
+    let (_, h, body) = t.get("/r").await;
+    assert_eq!((x_cache(&h), body.as_str()), ("MISS", "body 1"));
+    t.advance(1400);
+    let gate = Gate::new();
+    t.origin.set(Mode::Held(gate.clone()));
+    // 20 concurrent requests while the refresh is held at the origin: every
+    // one answers stale without waiting for it.
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            let t = &t;
+            async move { t.get("/r").await }
+        })
+        .collect();
+    for (_, h, body) in futures_join(tasks).await {
+        assert_eq!((x_cache(&h), body.as_str()), ("STALE", "body 1"));
+        assert_eq!(status_of(&h), "tiercache; fwd=stale");
+    }
+    t.origin.calls.reached(2).await;
+    gate.open();
+    let engine = t.engine.clone();
+    eventually("the refresh to finish", || engine.in_flight() == 0).await;
+    assert_eq!(t.origin.calls.get(), 2, "exactly one refresh");
+    let (_, h, body) = t.get("/r").await;
+    assert_eq!((x_cache(&h), body.as_str()), ("HIT", "body 2"));
+    assert_eq!(t.engine.stats().stale_served, 20);
+}
+
+async fn futures_join<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
+    let mut out = Vec::new();
+    let mut pinned: Vec<_> = futs.into_iter().map(Box::pin).collect();
+    // Poll all concurrently: a small join_all without a new dependency.
+    let mut done: Vec<Option<F::Output>> = (0..pinned.len()).map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (i, f) in pinned.iter_mut().enumerate() {
+            if done[i].is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => done[i] = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.extend(done.into_iter().map(Option::unwrap));
+    out
+}
+
+#[tokio::test]
+async fn a_failed_refresh_keeps_the_stale_entry_until_the_window_ends() {
+    let t = Harness::new(
+        Policy::ttl(secs(1))
+            .jitter(0.0)
+            .stale_while_revalidate(secs(10)),
+    );
+    t.get("/r").await;
+    t.advance(1500);
+    t.origin.set(Mode::Status(503));
+    for _ in 0..3 {
+        let (_, h, body) = t.get("/r").await;
+        assert_eq!((x_cache(&h), body.as_str()), ("STALE", "body 1"));
+        let engine = t.engine.clone();
+        eventually("the refresh", || engine.in_flight() == 0).await;
+    }
+    t.advance(10_000);
+    let (status, _, _) = t.get("/r").await;
+    assert_eq!(
+        status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "past the window the error shows"
+    );
+}
+
+#[tokio::test]
+async fn stale_if_error_covers_each_error_kind() {
+    for mode in [
+        Mode::Status(500),
+        Mode::Status(502),
+        Mode::Status(503),
+        Mode::Status(504),
+        Mode::Fail,
+    ] {
+        let t = Harness::new(Policy::ttl(secs(1)).jitter(0.0).stale_if_error(secs(60)));
+        t.get("/r").await;
+        t.advance(2000);
+        t.origin.set(mode);
+        let (status, h, body) = t.get("/r").await;
+        assert_eq!((status, body.as_str()), (StatusCode::OK, "body 1"));
+        assert_eq!(x_cache(&h), "STALE");
+        assert_eq!(status_of(&h), "tiercache; fwd=stale; detail=origin-error");
+        // A 404 is an answer, not an error: it is not papered over.
+        t.origin.set(Mode::Status(404));
+        let (status, _, _) = t.get("/r").await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+    }
+}
+
+#[tokio::test]
+async fn stale_if_error_is_refused_under_must_revalidate() {
+    for directive in ["must-revalidate", "proxy-revalidate"] {
+        let t = Harness::new(
+            Policy::ttl(secs(1))
+                .jitter(0.0)
+                .stale_if_error(secs(60))
+                .stale_while_revalidate(secs(60)),
+        );
+        let headers: &'static [(&str, &str)] = match directive {
+            "must-revalidate" => &[("cache-control", "must-revalidate")],
+            _ => &[("cache-control", "proxy-revalidate")],
+        };
+        t.origin.set(Mode::Ok(headers));
+        t.get("/r").await;
+        t.advance(2000);
+        t.origin.set(Mode::Status(503));
+        let (status, h, _) = t.get("/r").await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{directive}");
+        assert_eq!(x_cache(&h), "MISS");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_origin_past_the_soft_timeout_answers_stale() {
+    let t = Harness::new(
+        Policy::ttl(secs(1))
+            .jitter(0.0)
+            .stale_if_error(secs(60))
+            .origin_soft_timeout(Duration::from_millis(300)),
+    );
+    t.get("/r").await;
+    t.advance(2000);
+    let gate = Gate::new();
+    t.origin.set(Mode::Held(gate.clone()));
+    let started = tokio::time::Instant::now();
+    let (_, h, body) = t.get("/r").await;
+    assert_eq!((x_cache(&h), body.as_str()), ("STALE", "body 1"));
+    assert_eq!(status_of(&h), "tiercache; fwd=stale; detail=origin-timeout");
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    gate.open();
+    let engine = t.engine.clone();
+    bounded(
+        "the background fill",
+        eventually("the fill", || engine.in_flight() == 0),
+    )
+    .await;
+    let (_, h, body) = t.get("/r").await;
+    assert_eq!(
+        (x_cache(&h), body.as_str()),
+        ("HIT", "body 2"),
+        "the fill finished and stored"
+    );
+}
+
+#[tokio::test]
+async fn a_304_renews_the_entry_without_a_body() {
+    let t = Harness::new(
+        Policy::ttl(secs(1))
+            .jitter(0.0)
+            .stale_while_revalidate(secs(30)),
+    );
+    t.get("/r").await;
+    t.advance(1500);
+    let (_, h, _) = t.get("/r").await;
+    assert_eq!(x_cache(&h), "STALE");
+    let engine = t.engine.clone();
+    eventually("the revalidation", || engine.in_flight() == 0).await;
+    let seen = t.origin.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(
+        seen[1]["if-none-match"], "\"v1\"",
+        "the refresh was conditional"
+    );
+    let (_, h, body) = t.get("/r").await;
+    assert_eq!(
+        (x_cache(&h), body.as_str()),
+        ("HIT", "body 1"),
+        "renewed, same body"
+    );
+    assert_eq!(h["age"], "0", "the renewal counts as a fresh answer");
+}
+
+#[tokio::test]
+async fn negative_entries_expire_at_the_negative_ttl() {
+    let t = Harness::new(Policy::ttl(secs(60)).jitter(0.0).negative_ttl(secs(1)));
+    t.origin.set(Mode::Status(404));
+    let (status, h, _) = t.get("/gone").await;
+    assert_eq!((status, x_cache(&h)), (StatusCode::NOT_FOUND, "MISS"));
+    t.advance(999);
+    assert_eq!(x_cache(&t.get("/gone").await.1), "HIT");
+    t.advance(1);
+    assert_eq!(x_cache(&t.get("/gone").await.1), "MISS");
+    assert_eq!(t.origin.calls.get(), 2);
+}
+
+#[tokio::test]
+async fn an_origin_max_age_wins_over_the_route_ttl() {
+    let t = Harness::new(Policy::ttl(secs(60)).jitter(0.0));
+    t.origin.set(Mode::Ok(&[("cache-control", "max-age=1")]));
+    t.get("/r").await;
+    t.advance(999);
+    assert_eq!(x_cache(&t.get("/r").await.1), "HIT");
+    t.advance(1);
+    assert_eq!(x_cache(&t.get("/r").await.1), "MISS");
+    // A route may override the origin.
+    let t = Harness::new(Policy::ttl(secs(60)).jitter(0.0).override_origin(true));
+    t.origin.set(Mode::Ok(&[("cache-control", "max-age=1")]));
+    t.get("/r").await;
+    t.advance(30_000);
+    assert_eq!(x_cache(&t.get("/r").await.1), "HIT");
+}
+
+#[tokio::test]
+async fn age_counts_from_the_origins_answer() {
+    let t = Harness::new(Policy::ttl(secs(60)).jitter(0.0));
+    t.origin
+        .set(Mode::Ok(&[("cache-control", "max-age=100"), ("age", "30")]));
+    t.get("/r").await;
+    t.advance(5000);
+    let (_, h, _) = t.get("/r").await;
+    assert_eq!(h["age"], "35");
+    let status = status_of(&h);
+    assert_eq!(status, "tiercache; hit; ttl=65; detail=l1");
+}
