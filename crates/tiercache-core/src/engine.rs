@@ -294,6 +294,20 @@ impl TieredCache {
         waited
     }
 
+    /// The L1 entry for `key` whatever its freshness (dead ones excepted),
+    /// without counting anything: the HTTP layer takes validators from it.
+    pub fn peek(&self, key: &CacheKey) -> Option<Entry> {
+        self.inner
+            .l1
+            .get(&key.hash(), self.now())
+            .filter(|e| e.key() == key.full())
+    }
+
+    /// L1 expiry-index records (for tests of its bound).
+    pub fn l1_index_records(&self) -> usize {
+        self.inner.l1.index_records()
+    }
+
     /// Number of keys with a load in flight.
     pub fn in_flight(&self) -> usize {
         self.inner.flights.in_flight()

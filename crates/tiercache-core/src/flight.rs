@@ -61,9 +61,18 @@ pub enum Waited {
 
 type Slot = watch::Sender<Option<FlightResult>>;
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Flights {
     map: Mutex<HashMap<KeyHash, Arc<Slot>>>,
+    /// Past this many keys in flight, new leaders load alone (no followers
+    /// can find them), so a flood of unique misses cannot grow the map.
+    cap: usize,
+}
+
+impl Default for Flights {
+    fn default() -> Self {
+        Self::with_cap(Self::DEFAULT_CAP)
+    }
 }
 
 /// The role a request got for a key.
@@ -76,6 +85,15 @@ pub enum Join {
 }
 
 impl Flights {
+    pub(crate) const DEFAULT_CAP: usize = 65_536;
+
+    pub(crate) fn with_cap(cap: usize) -> Self {
+        Self {
+            map: Mutex::default(),
+            cap,
+        }
+    }
+
     pub(crate) fn join(self: &Arc<Self>, key: KeyHash) -> Join {
         let mut map = self.map.lock().unwrap();
         if let Some(slot) = map.get(&key) {
@@ -84,7 +102,9 @@ impl Flights {
             });
         }
         let slot = Arc::new(watch::channel(None).0);
-        map.insert(key, slot.clone());
+        if map.len() < self.cap {
+            map.insert(key, slot.clone());
+        }
         Join::Leader(Leader {
             key,
             slot,
@@ -253,6 +273,18 @@ mod tests {
             follower.wait(Duration::from_secs(5)).await,
             Waited::Done(FlightResult::Failed(FlightError::Abandoned))
         ));
+    }
+
+    #[test]
+    fn past_the_cap_leaders_load_alone() {
+        let flights = Arc::new(Flights::with_cap(2));
+        let leaders: Vec<_> = (0..5u32)
+            .map(|i| flights.join(CacheKey::new(i.to_le_bytes()).hash()))
+            .collect();
+        assert!(leaders.iter().all(|j| matches!(j, Join::Leader(_))));
+        assert_eq!(flights.in_flight(), 2, "the map stays bounded");
+        drop(leaders);
+        assert_eq!(flights.in_flight(), 0);
     }
 
     #[tokio::test(start_paused = true)]

@@ -18,11 +18,17 @@ use moka::sync::Cache;
 use crate::stats::{Counters, bump};
 use crate::{Clock, Entry, Freshness, KeyHash};
 
+#[derive(Default)]
+struct Index {
+    by_expiry: BTreeMap<SystemTime, Vec<KeyHash>>,
+    records: usize,
+}
+
 pub(crate) struct L1 {
     cache: Cache<KeyHash, Entry>,
     /// Hard expiry → keys stored with it. Records go stale when an entry is
     /// replaced or evicted; the sweep checks the live entry before removing.
-    index: Mutex<BTreeMap<SystemTime, Vec<KeyHash>>>,
+    index: Mutex<Index>,
     clock: Arc<dyn Clock>,
     counters: Arc<Counters>,
 }
@@ -81,7 +87,7 @@ impl L1 {
             .build();
         Self {
             cache,
-            index: Mutex::new(BTreeMap::new()),
+            index: Mutex::default(),
             clock,
             counters,
         }
@@ -99,13 +105,30 @@ impl L1 {
 
     pub(crate) fn insert(&self, hash: KeyHash, entry: Entry) {
         let hard = entry.times().hard_until;
-        self.index
-            .lock()
-            .unwrap()
-            .entry(hard)
-            .or_default()
-            .push(hash);
         self.cache.insert(hash, entry);
+        let mut index = self.index.lock().unwrap();
+        index.by_expiry.entry(hard).or_default().push(hash);
+        index.records += 1;
+        // Evicted and replaced entries leave records behind; a flood of unique
+        // keys must not grow the index past the cache. Rebuild it from the
+        // live entries when it holds twice as many records (amortised O(1)).
+        if index.records > 2 * self.cache.entry_count() as usize + 4096 {
+            let mut rebuilt = Index::default();
+            for (key, live) in self.cache.iter() {
+                rebuilt
+                    .by_expiry
+                    .entry(live.times().hard_until)
+                    .or_default()
+                    .push(*key);
+                rebuilt.records += 1;
+            }
+            *index = rebuilt;
+        }
+    }
+
+    /// Expiry-index records held (live entries plus stale records).
+    pub(crate) fn index_records(&self) -> usize {
+        self.index.lock().unwrap().records
     }
 
     pub(crate) fn invalidate(&self, hash: &KeyHash) {
@@ -118,8 +141,10 @@ impl L1 {
         let now = self.clock.now();
         let due = {
             let mut index = self.index.lock().unwrap();
-            let later = index.split_off(&now);
-            std::mem::replace(&mut *index, later)
+            let later = index.by_expiry.split_off(&now);
+            let due = std::mem::replace(&mut index.by_expiry, later);
+            index.records -= due.values().map(Vec::len).sum::<usize>();
+            due
         };
         let mut reclaimed = 0;
         for hash in due.into_values().flatten() {

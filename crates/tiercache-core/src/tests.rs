@@ -264,3 +264,24 @@ fn stats_serialise_with_the_contract_names() {
         assert!(json.get(field).is_some(), "missing {field}");
     }
 }
+
+#[tokio::test]
+async fn a_flood_of_unique_keys_keeps_l1_and_its_index_bounded() {
+    let cache = TieredCache::builder()
+        .l1_capacity(4 * 1024 * 1024)
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let policy = Policy::ttl(TTL);
+    let body = "x".repeat(1000);
+    for i in 0..200_000u32 {
+        cache.store(&CacheKey::new(i.to_le_bytes()), fill(&body), &policy);
+    }
+    assert!(cache.l1_weighted_size() <= 4 * 1024 * 1024);
+    let entries = cache.l1_entry_count() as usize;
+    assert!(
+        cache.l1_index_records() <= 2 * entries + 4096 + 1,
+        "{} records for {entries} entries",
+        cache.l1_index_records()
+    );
+}
