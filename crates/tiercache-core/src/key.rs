@@ -123,10 +123,33 @@ impl KeyBuilder {
         }
     }
 
+    /// Appends the [`fingerprint`] of a part that must not be kept in the
+    /// clear (a credential, a session cookie): the key, stored with the entry
+    /// in L1 and L2, then holds only its digest.
+    pub fn push_secret(&mut self, part: &[u8]) {
+        self.push(&fingerprint(part));
+    }
+
     /// Hashes the parts into a key.
     pub fn finish(self) -> CacheKey {
         CacheKey::from_full(Bytes::from(self.buf))
     }
+}
+
+/// A 128-bit digest of `bytes` for telling values apart without keeping
+/// them: BLAKE3 in derive-key mode, so it never equals a key hash.
+///
+/// ```
+/// use tiercache_core::key::fingerprint;
+///
+/// assert_ne!(fingerprint(b"Bearer alice"), fingerprint(b"Bearer bob"));
+/// ```
+pub fn fingerprint(bytes: &[u8]) -> [u8; 16] {
+    let mut hasher = blake3::Hasher::new_derive_key("tiercache 2026-12 request value fingerprint");
+    hasher.update(bytes);
+    let mut out = [0u8; 16];
+    out.copy_from_slice(&hasher.finalize().as_bytes()[..16]);
+    out
 }
 
 fn digest(bytes: &[u8]) -> KeyHash {

@@ -39,7 +39,7 @@ mod clock;
 mod engine;
 mod entry;
 mod flight;
-mod key;
+pub mod key;
 mod l1;
 mod policy;
 mod stats;

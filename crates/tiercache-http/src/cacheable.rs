@@ -1,8 +1,11 @@
 //! Cacheability: pure functions that say whether a request may use the cache
 //! and whether a response may be stored, with the reason when not.
 
-use http::header::{AUTHORIZATION, CONTENT_LENGTH, COOKIE, SET_COOKIE, VARY};
-use http::{HeaderMap, Method, StatusCode, request, response};
+use http::header::{
+    CONTENT_LENGTH, HOST, IF_MATCH, IF_RANGE, IF_UNMODIFIED_SINCE, RANGE, SET_COOKIE,
+    TRANSFER_ENCODING, VARY,
+};
+use http::{HeaderMap, Method, StatusCode, request};
 
 use crate::cache_control::has_directive;
 
@@ -12,16 +15,27 @@ use crate::cache_control::has_directive;
 pub enum Reason {
     /// Not GET or HEAD.
     Method,
-    /// The request carries `Authorization`.
+    /// A response to a request with `Authorization` that does not say it may
+    /// be shared (`public`, `s-maxage`, `must-revalidate`; RFC 9111 §3.5).
     Authorization,
-    /// The request carries `Cookie`.
+    /// The request carries `Cookie` and the route does not opt in to cookies.
     Cookie,
     /// The request says `Cache-Control: no-store`.
     RequestNoStore,
+    /// A GET or HEAD with a body ("fat GET"): the body is not keyed.
+    RequestBody,
+    /// `Range`, `If-Range`, `If-Match` or `If-Unmodified-Since`: answered by the origin.
+    Precondition,
+    /// More than one `Host`, or an absolute-form target naming another host
+    /// than `Host`: which one the origin uses is not knowable.
+    Host,
     /// The key's last response could not be shared (hit-for-miss).
     HitForMiss,
-    /// A status a shared cache may not store by default (e.g. 5xx).
+    /// A status that is never stored (206, 304, 500, 502, 503, 504, 1xx).
     Status,
+    /// No explicit freshness, and the status (an error) or the configuration
+    /// (explicit freshness only) rules out the route's ttl.
+    NoFreshness,
     /// The response sets a cookie.
     SetCookie,
     /// `Cache-Control: private`.
@@ -30,12 +44,12 @@ pub enum Reason {
     NoStore,
     /// `Vary: *`.
     VaryStar,
+    /// The key already has the most variants allowed.
+    VaryLimit,
     /// The body is larger than `max_body`.
     TooLarge,
     /// The body failed or carried trailers while it was being read.
     Body,
-    /// `Cache-Control: no-cache` (stored-but-revalidated is not supported yet).
-    NoCache,
     /// The origin declared it already stale (`max-age=0`, an `Age` past its lifetime).
     NotFresh,
 }
@@ -48,70 +62,131 @@ impl Reason {
             Reason::Authorization => "authorization",
             Reason::Cookie => "cookie",
             Reason::RequestNoStore => "request-no-store",
+            Reason::RequestBody => "request-body",
+            Reason::Precondition => "precondition",
+            Reason::Host => "host",
             Reason::HitForMiss => "hit-for-miss",
             Reason::Status => "status",
+            Reason::NoFreshness => "no-freshness",
             Reason::SetCookie => "set-cookie",
             Reason::Private => "private",
             Reason::NoStore => "no-store",
             Reason::VaryStar => "vary-star",
+            Reason::VaryLimit => "vary-limit",
             Reason::TooLarge => "too-large",
             Reason::Body => "body",
-            Reason::NoCache => "no-cache",
             Reason::NotFresh => "not-fresh",
         }
     }
+
+    /// Whether the reason belongs to the resource rather than to one
+    /// request: only then is the key remembered as uncacheable (hit-for-miss),
+    /// so an attacker's odd request that makes the origin fail cannot switch
+    /// caching off for everyone.
+    pub fn marks_key(&self) -> bool {
+        matches!(
+            self,
+            Reason::SetCookie
+                | Reason::Private
+                | Reason::NoStore
+                | Reason::VaryStar
+                | Reason::TooLarge
+                | Reason::Body
+        )
+    }
 }
 
-/// Whether a request may be answered from, and fill, the cache.
+/// Whether a request's method and head let it use the cache at all.
+///
+/// Cookies, credentials and conditionals are the route's business (see
+/// `request::prepare`); this checks what no setting changes.
 ///
 /// ```
 /// use http::Request;
 /// use tiercache_http::cacheable::{Reason, request_cacheable};
 ///
-/// let req = Request::get("/").header("authorization", "Bearer x").body(()).unwrap();
-/// assert_eq!(request_cacheable(&req.into_parts().0), Err(Reason::Authorization));
+/// let req = Request::get("/").header("content-length", "5").body(()).unwrap();
+/// assert_eq!(request_cacheable(&req.into_parts().0), Err(Reason::RequestBody));
 /// ```
 pub fn request_cacheable(req: &request::Parts) -> Result<(), Reason> {
     if req.method != Method::GET && req.method != Method::HEAD {
         return Err(Reason::Method);
     }
-    if req.headers.contains_key(AUTHORIZATION) {
-        return Err(Reason::Authorization);
+    if content_length(&req.headers).is_some_and(|n| n > 0)
+        || req.headers.contains_key(TRANSFER_ENCODING)
+        || (req.headers.contains_key(CONTENT_LENGTH) && content_length(&req.headers).is_none())
+    {
+        return Err(Reason::RequestBody);
     }
-    if req.headers.contains_key(COOKIE) {
-        return Err(Reason::Cookie);
+    if [RANGE, IF_RANGE, IF_MATCH, IF_UNMODIFIED_SINCE]
+        .iter()
+        .any(|h| req.headers.contains_key(h))
+    {
+        return Err(Reason::Precondition);
     }
     if has_directive(&req.headers, "no-store") {
         return Err(Reason::RequestNoStore);
     }
+    let mut hosts = req.headers.get_all(HOST).iter();
+    let host = hosts.next();
+    if hosts.next().is_some() {
+        return Err(Reason::Host);
+    }
+    if let (Some(host), Some(authority)) = (host, req.uri.authority())
+        && !host
+            .as_bytes()
+            .eq_ignore_ascii_case(authority.as_str().as_bytes())
+    {
+        return Err(Reason::Host);
+    }
     Ok(())
 }
 
-/// The statuses a shared cache may store without explicit freshness
-/// (RFC 9110 §15.1 "heuristically cacheable"), which tiercache stores under the route ttl.
-pub fn status_storable(status: StatusCode) -> bool {
-    matches!(
-        status.as_u16(),
-        200 | 203 | 204 | 300 | 301 | 308 | 404 | 405 | 410 | 414 | 501
-    )
+/// The statuses stored under the route's ttl when the origin declares no
+/// freshness: RFC 9110 §15.1's heuristically cacheable ones that are not
+/// errors. (404 and 410 get the negative ttl; other errors need explicit
+/// freshness.)
+pub fn status_heuristic(status: StatusCode) -> bool {
+    matches!(status.as_u16(), 200 | 203 | 204 | 300 | 301 | 308)
 }
 
-/// Whether a response may be stored and shared.
-pub fn response_storable(res: &response::Parts) -> Result<(), Reason> {
-    if !status_storable(res.status) {
+/// Statuses never stored, whatever the headers: partial content, 304, the
+/// origin failures stale-if-error answers for, and interim responses.
+pub fn status_never_stored(status: StatusCode) -> bool {
+    matches!(status.as_u16(), 206 | 304 | 500 | 502 | 503 | 504) || status.is_informational()
+}
+
+/// Whether a response may be stored and shared. `cache_control` is the
+/// response's headers with the targeted field (RFC 9213), when one applies,
+/// standing in for `Cache-Control`; `credentialed` tells that the request
+/// carried `Authorization`.
+pub fn response_storable(
+    status: StatusCode,
+    headers: &HeaderMap,
+    cache_control: &HeaderMap,
+    credentialed: bool,
+) -> Result<(), Reason> {
+    if status_never_stored(status) {
         return Err(Reason::Status);
     }
-    if res.headers.contains_key(SET_COOKIE) {
+    if headers.contains_key(SET_COOKIE) {
         return Err(Reason::SetCookie);
     }
-    if has_directive(&res.headers, "no-store") {
+    if has_directive(cache_control, "no-store") {
         return Err(Reason::NoStore);
     }
-    if has_directive(&res.headers, "private") {
+    if has_directive(cache_control, "private") {
         return Err(Reason::Private);
     }
-    if vary_star(&res.headers) {
+    if vary_star(headers) {
         return Err(Reason::VaryStar);
+    }
+    if credentialed
+        && !["public", "s-maxage", "must-revalidate"]
+            .iter()
+            .any(|d| has_directive(cache_control, d))
+    {
+        return Err(Reason::Authorization);
     }
     Ok(())
 }
@@ -141,60 +216,103 @@ mod tests {
     use super::*;
     use http::Response;
 
-    fn parts(
+    fn refused(
         build: impl FnOnce(http::response::Builder) -> http::response::Builder,
-    ) -> response::Parts {
-        build(Response::builder()).body(()).unwrap().into_parts().0
+    ) -> Result<(), Reason> {
+        let p = build(Response::builder()).body(()).unwrap().into_parts().0;
+        response_storable(p.status, &p.headers, &p.headers, false)
     }
 
     #[test]
     fn refuses_what_may_not_be_shared() {
         let cases = [
-            (parts(|b| b.status(500)), Reason::Status),
-            (parts(|b| b.status(206)), Reason::Status),
-            (parts(|b| b.header("set-cookie", "a=b")), Reason::SetCookie),
+            (refused(|b| b.status(500)), Reason::Status),
+            (refused(|b| b.status(206)), Reason::Status),
             (
-                parts(|b| b.header("cache-control", "max-age=60, No-Store")),
+                refused(|b| b.header("set-cookie", "a=b")),
+                Reason::SetCookie,
+            ),
+            (
+                refused(|b| b.header("cache-control", "max-age=60, No-Store")),
                 Reason::NoStore,
             ),
             (
-                parts(|b| b.header("cache-control", "private=\"x\"")),
+                refused(|b| b.header("cache-control", "private=\"x\"")),
                 Reason::Private,
             ),
-            (parts(|b| b.header("vary", "accept, *")), Reason::VaryStar),
+            (refused(|b| b.header("vary", "accept, *")), Reason::VaryStar),
         ];
-        for (p, reason) in cases {
-            assert_eq!(response_storable(&p), Err(reason));
+        for (got, reason) in cases {
+            assert_eq!(got, Err(reason));
         }
-        assert_eq!(response_storable(&parts(|b| b.status(404))), Ok(()));
+        assert_eq!(refused(|b| b.status(404)), Ok(()));
         assert_eq!(
-            response_storable(&parts(|b| b.header("cache-control", "public, max-age=5"))),
+            refused(|b| b.header("cache-control", "public, max-age=5")),
             Ok(())
         );
     }
 
     #[test]
-    fn only_get_and_head_without_credentials() {
-        let req = |m: Method, h: Option<(&str, &str)>| {
+    fn credentialed_responses_need_a_sharing_directive() {
+        let p = Response::builder().body(()).unwrap().into_parts().0;
+        assert_eq!(
+            response_storable(p.status, &p.headers, &p.headers, true),
+            Err(Reason::Authorization)
+        );
+        for cc in ["public", "s-maxage=5", "Must-Revalidate, max-age=5"] {
+            let p = Response::builder()
+                .header("cache-control", cc)
+                .body(())
+                .unwrap()
+                .into_parts()
+                .0;
+            assert_eq!(
+                response_storable(p.status, &p.headers, &p.headers, true),
+                Ok(()),
+                "{cc}"
+            );
+        }
+    }
+
+    #[test]
+    fn only_plain_gets_and_heads() {
+        let req = |m: Method, h: &[(&str, &str)]| {
             let mut b = http::Request::builder().method(m).uri("/");
-            if let Some((n, v)) = h {
-                b = b.header(n, v);
+            for (n, v) in h {
+                b = b.header(*n, *v);
             }
             b.body(()).unwrap().into_parts().0
         };
-        assert_eq!(request_cacheable(&req(Method::GET, None)), Ok(()));
-        assert_eq!(request_cacheable(&req(Method::HEAD, None)), Ok(()));
+        assert_eq!(request_cacheable(&req(Method::GET, &[])), Ok(()));
         assert_eq!(
-            request_cacheable(&req(Method::POST, None)),
+            request_cacheable(&req(Method::HEAD, &[("content-length", "0")])),
+            Ok(())
+        );
+        assert_eq!(
+            request_cacheable(&req(Method::POST, &[])),
             Err(Reason::Method)
         );
-        assert_eq!(
-            request_cacheable(&req(Method::GET, Some(("cookie", "s=1")))),
-            Err(Reason::Cookie)
-        );
-        assert_eq!(
-            request_cacheable(&req(Method::GET, Some(("cache-control", "no-store")))),
-            Err(Reason::RequestNoStore)
-        );
+        let refused = [
+            (vec![("cache-control", "no-store")], Reason::RequestNoStore),
+            (vec![("content-length", "3")], Reason::RequestBody),
+            (vec![("transfer-encoding", "chunked")], Reason::RequestBody),
+            (vec![("range", "bytes=0-1")], Reason::Precondition),
+            (vec![("if-match", "\"a\"")], Reason::Precondition),
+            (vec![("host", "a"), ("host", "b")], Reason::Host),
+        ];
+        for (headers, reason) in refused {
+            assert_eq!(
+                request_cacheable(&req(Method::GET, &headers)),
+                Err(reason),
+                "{headers:?}"
+            );
+        }
+        let absolute = http::Request::get("http://victim.example/")
+            .header("host", "evil.example")
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0;
+        assert_eq!(request_cacheable(&absolute), Err(Reason::Host));
     }
 }

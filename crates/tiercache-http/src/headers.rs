@@ -5,12 +5,18 @@ use std::fmt::Write as _;
 use std::time::SystemTime;
 
 use bytes::Bytes;
-use http::header::{AGE, CONNECTION};
+use http::header::{
+    ACCEPT_ENCODING, AGE, CACHE_CONTROL, CONNECTION, CONTENT_ENCODING, CONTENT_LOCATION, DATE,
+    ETAG, EXPIRES, LAST_MODIFIED, VARY,
+};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use tiercache_core::{Entry, Freshness, Source, Value};
 
 use crate::body::CacheBody;
+use crate::cache_control::{has_directive, targeted};
 use crate::cacheable::Reason;
+use crate::freshness::parse_http_date;
+use crate::request::Conditional;
 use crate::values;
 
 /// `x-cache`: `HIT`, `MISS`, `STALE`, `BYPASS`.
@@ -192,13 +198,64 @@ pub fn to_value(status: StatusCode, headers: &HeaderMap, body: Bytes) -> Value {
     }
 }
 
-/// A stored value as a response head, built once per entry (see [`Entry::view`]).
-struct HeadView {
+/// A stored value as a response head, built once per entry (see
+/// [`Entry::view`]), with what the cache needs to know about it.
+pub(crate) struct HeadView {
     status: StatusCode,
     headers: HeaderMap,
+    /// `no-cache`: revalidate before every reuse.
+    pub(crate) revalidate: bool,
+    /// A `Content-Encoding` the entry was not varied on: only clients that
+    /// accept it may get this entry.
+    pub(crate) encoding: Option<HeaderValue>,
+    etag: Option<HeaderValue>,
+    last_modified: Option<SystemTime>,
 }
 
-fn head_view(entry: &Entry) -> HeadView {
+impl HeadView {
+    /// Whether a request with these headers may get this entry, as far as
+    /// the entry's content coding goes.
+    pub(crate) fn encoding_fits(&self, request: &HeaderMap) -> bool {
+        match &self.encoding {
+            None => true,
+            Some(coding) => accepts_encoding(request, coding.as_bytes()),
+        }
+    }
+
+    /// Whether `conditional` is answered with a 304 (only a stored 200 is).
+    pub(crate) fn not_modified(&self, conditional: &Conditional) -> bool {
+        self.status == StatusCode::OK
+            && !conditional.is_empty()
+            && conditional
+                .not_modified(self.etag.as_ref().map(|v| v.as_bytes()), self.last_modified)
+    }
+}
+
+/// The view of `entry`, built on first use with `targets` (RFC 9213 fields).
+pub(crate) fn view<'a>(entry: &'a Entry, targets: &[HeaderName]) -> ViewRef<'a> {
+    match entry.view(|e| head_view(e, targets)) {
+        Some(view) => ViewRef::Shared(view),
+        None => ViewRef::Owned(Box::new(head_view(entry, targets))),
+    }
+}
+
+/// A [`HeadView`] borrowed from the entry, or built for one use.
+pub(crate) enum ViewRef<'a> {
+    Shared(&'a HeadView),
+    Owned(Box<HeadView>),
+}
+
+impl std::ops::Deref for ViewRef<'_> {
+    type Target = HeadView;
+    fn deref(&self) -> &HeadView {
+        match self {
+            ViewRef::Shared(v) => v,
+            ViewRef::Owned(v) => v,
+        }
+    }
+}
+
+fn head_view(entry: &Entry, targets: &[HeaderName]) -> HeadView {
     let value = entry.value();
     let mut headers = HeaderMap::with_capacity(value.headers.len() + OWN_FIELDS.len());
     for (name, v) in &value.headers {
@@ -211,6 +268,23 @@ fn head_view(entry: &Entry) -> HeadView {
             headers.append(name, v);
         }
     }
+    let revalidate = has_directive(&targeted(&headers, targets), "no-cache");
+    let varied_on_encoding = headers.get_all(VARY).iter().any(|v| {
+        v.as_bytes()
+            .split(|&b| b == b',')
+            .any(|n| n.trim_ascii().eq_ignore_ascii_case(b"accept-encoding"))
+    });
+    let encoding = headers
+        .get(CONTENT_ENCODING)
+        .filter(|c| {
+            !varied_on_encoding && !c.as_bytes().trim_ascii().eq_ignore_ascii_case(b"identity")
+        })
+        .cloned();
+    let etag = headers.get(ETAG).cloned();
+    let last_modified = headers
+        .get(LAST_MODIFIED)
+        .and_then(|v| v.to_str().ok())
+        .and_then(parse_http_date);
     // Placeholders for the cache's own fields: a hit then overwrites values in
     // place instead of regrowing the cloned map (a clone has no spare room).
     for name in OWN_FIELDS {
@@ -219,34 +293,91 @@ fn head_view(entry: &Entry) -> HeadView {
     HeadView {
         status: StatusCode::from_u16(value.status).unwrap_or(StatusCode::OK),
         headers,
+        revalidate,
+        encoding,
+        etag,
+        last_modified,
     }
+}
+
+/// Whether `Accept-Encoding` in `request` names `coding` (or `*`) with a
+/// non-zero weight. A request without the field gets no coded entry: it may
+/// be a client that cannot decode it.
+pub fn accepts_encoding(request: &HeaderMap, coding: &[u8]) -> bool {
+    let coding = coding.trim_ascii();
+    let same = |c: &[u8]| {
+        c.eq_ignore_ascii_case(coding)
+            || (c.eq_ignore_ascii_case(b"x-gzip") && coding.eq_ignore_ascii_case(b"gzip"))
+            || (c.eq_ignore_ascii_case(b"gzip") && coding.eq_ignore_ascii_case(b"x-gzip"))
+    };
+    let mut star = false;
+    for item in request
+        .get_all(ACCEPT_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+    {
+        let mut params = item.split(|&b| b == b';');
+        let name = params.next().unwrap_or_default().trim_ascii();
+        let zero = params.any(|p| {
+            let p = p.trim_ascii();
+            p.len() >= 2
+                && p[..2].eq_ignore_ascii_case(b"q=")
+                && std::str::from_utf8(&p[2..])
+                    .ok()
+                    .and_then(|q| q.trim().parse::<f32>().ok())
+                    .is_some_and(|q| q <= 0.0)
+        });
+        if same(name) {
+            return !zero;
+        }
+        if name == b"*" {
+            star = !zero;
+        }
+    }
+    star
 }
 
 /// The fields the cache writes on a hit: `age` and the four `emit_headers` ones.
 const OWN_FIELDS: [HeaderName; 5] = [AGE, X_CACHE, X_CACHE_TIER, X_CACHE_HIT_RATIO, CACHE_STATUS];
 
+/// The fields a 304 carries from the stored response (RFC 9110 §15.4.5).
+const NOT_MODIFIED_FIELDS: [HeaderName; 7] = [
+    CACHE_CONTROL,
+    CONTENT_LOCATION,
+    DATE,
+    ETAG,
+    EXPIRES,
+    VARY,
+    LAST_MODIFIED,
+];
+
 /// A response from a stored entry, with `age` as of `now`, and the cache's
 /// own fields labelled by `outcome` (or left out when `None`). `head` leaves
-/// the body out (the headers, `Content-Length` included, stay those of the GET).
-pub fn from_entry<B>(
+/// the body out (the headers, `Content-Length` included, stay those of the
+/// GET); `not_modified` answers a client's matching validator with a 304.
+pub(crate) fn from_entry<B>(
     entry: &Entry,
+    view: &HeadView,
     now: SystemTime,
     head: bool,
+    not_modified: bool,
     label: Option<(&Outcome, f64)>,
 ) -> Response<CacheBody<B>> {
-    let body = if head {
-        CacheBody::empty()
+    let (status, mut headers, body) = if not_modified {
+        let mut headers = HeaderMap::with_capacity(NOT_MODIFIED_FIELDS.len() + OWN_FIELDS.len());
+        for name in NOT_MODIFIED_FIELDS.iter().chain(&OWN_FIELDS) {
+            for v in view.headers.get_all(name) {
+                headers.append(name.clone(), v.clone());
+            }
+        }
+        (StatusCode::NOT_MODIFIED, headers, CacheBody::empty())
+    } else if head {
+        (view.status, view.headers.clone(), CacheBody::empty())
     } else {
-        CacheBody::full(entry.value().body.clone())
+        let body = CacheBody::full(entry.value().body.clone());
+        (view.status, view.headers.clone(), body)
     };
     let mut res = Response::new(body);
-    let (status, mut headers) = match entry.view(head_view) {
-        Some(view) => (view.status, view.headers.clone()),
-        None => {
-            let view = head_view(entry);
-            (view.status, view.headers)
-        }
-    };
     headers.insert(AGE, values::age(entry.age(now)));
     match label {
         Some((outcome, hit_ratio)) => apply(&mut headers, outcome, hit_ratio),
@@ -291,6 +422,23 @@ mod tests {
             Outcome::Bypass(Reason::Authorization).cache_status(),
             "tiercache; fwd=bypass; detail=authorization"
         );
+    }
+
+    #[test]
+    fn accept_encoding_weights() {
+        let req = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(ACCEPT_ENCODING, v.parse().unwrap());
+            h
+        };
+        assert!(accepts_encoding(&req("gzip, br"), b"gzip"));
+        assert!(accepts_encoding(&req("br;q=1, GZIP;q=0.5"), b"gzip"));
+        assert!(!accepts_encoding(&req("gzip;q=0, br"), b"gzip"));
+        assert!(accepts_encoding(&req("*"), b"br"));
+        assert!(!accepts_encoding(&req("*, br;q=0"), b"br"));
+        assert!(accepts_encoding(&req("x-gzip"), b"gzip"));
+        assert!(!accepts_encoding(&req("identity"), b"gzip"));
+        assert!(!accepts_encoding(&HeaderMap::new(), b"gzip"));
     }
 
     #[test]

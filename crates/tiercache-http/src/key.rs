@@ -9,9 +9,10 @@
 use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{HOST, VARY};
 use http::{HeaderMap, HeaderName, request};
-use tiercache_core::{CacheKey, Entry};
+use tiercache_core::key::fingerprint;
+use tiercache_core::{CacheKey, Entry, KeyBuilder};
 
-/// Builds the cache key of a request.
+/// Builds the cache key of a request: its target, GET and HEAD alike.
 ///
 /// ```
 /// use http::Request;
@@ -22,33 +23,51 @@ use tiercache_core::{CacheKey, Entry};
 /// assert_eq!(request_key(&a), request_key(&b));
 /// ```
 pub fn request_key(req: &request::Parts) -> CacheKey {
+    target_key(req).finish()
+}
+
+/// The key parts of a request's target; more parts (credentials, keyed
+/// cookies and headers) may follow, each section tagged.
+pub(crate) fn target_key(req: &request::Parts) -> KeyBuilder {
+    let authority = req
+        .uri
+        .authority()
+        .map(|a| a.as_str().as_bytes())
+        .or_else(|| req.headers.get(HOST).map(|h| h.as_bytes()))
+        .unwrap_or_default();
+    let scheme = req.uri.scheme_str().unwrap_or("http");
+    uri_key(scheme, authority, req.uri.path(), req.uri.query())
+}
+
+/// The key parts of a target given piecewise (for invalidating a `Location`).
+pub(crate) fn uri_key(
+    scheme: &str,
+    authority: &[u8],
+    path: &str,
+    query: Option<&str>,
+) -> KeyBuilder {
     let mut key = CacheKey::builder();
     key.push(b"http/v1");
-    // GET and HEAD share one entry; only they reach here.
+    // GET and HEAD share one entry; only they are stored.
     key.push(b"GET");
-    key.push(req.uri.scheme_str().unwrap_or("http").as_bytes());
-    let authority = req
-        .headers
-        .get(HOST)
-        .map(|h| h.as_bytes())
-        .or_else(|| req.uri.authority().map(|a| a.as_str().as_bytes()))
-        .unwrap_or_default();
+    key.push(scheme.to_ascii_lowercase().as_bytes());
     if authority.iter().any(u8::is_ascii_uppercase) {
         key.push(&authority.to_ascii_lowercase());
     } else {
         key.push(authority);
     }
-    key.push(req.uri.path().as_bytes());
-    match req.uri.query() {
+    key.push(path.as_bytes());
+    match query {
         // `/a?` and `/a` differ; the leading byte keeps them apart.
         Some(q) => key.push_concat(&[b"?", q.as_bytes()]),
         None => key.push(b""),
     }
-    key.finish()
+    key
 }
 
 /// The variant a response with these headers has for this request: the
-/// names in its `Vary` and the request's values for them.
+/// names in its `Vary` and a fingerprint of the request's values for them
+/// (a `Vary: Authorization` or `Cookie` keeps no credential in the entry).
 pub fn variant_for(response: &HeaderMap, request: &HeaderMap) -> Bytes {
     let mut names: Vec<HeaderName> = Vec::new();
     for value in response.get_all(VARY) {
@@ -66,7 +85,7 @@ pub fn variant_for(response: &HeaderMap, request: &HeaderMap) -> Bytes {
     let mut out = BytesMut::new();
     for name in &names {
         put_part(&mut out, name.as_str().as_bytes());
-        put_part(&mut out, &joined(request, name));
+        put_part(&mut out, &fingerprint(&joined(request, name)));
     }
     out.freeze()
 }
@@ -81,7 +100,7 @@ pub fn variant_matches(entry: &Entry, request: &HeaderMap) -> bool {
         let Ok(name) = HeaderName::from_bytes(name) else {
             return false;
         };
-        if joined(request, &name) != value {
+        if fingerprint(&joined(request, &name)) != value {
             return false;
         }
     }

@@ -1,6 +1,9 @@
 //! [`ResponseCacheLayer`]: the HTTP builder, one per route policy, all sharing one engine.
 
 use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderName;
 
 use tiercache_core::{Policy, PolicyError, TieredCache};
 use tower::Layer;
@@ -36,25 +39,61 @@ pub struct ResponseCacheLayer {
     pub(crate) config: Arc<HttpConfig>,
 }
 
+/// The layer's HTTP settings; a route's layer carries its own copy.
 #[derive(Debug, Clone)]
 pub(crate) struct HttpConfig {
     pub(crate) max_body: usize,
     pub(crate) emit_headers: bool,
+    pub(crate) cookies: Cookies,
+    pub(crate) keyed_headers: Vec<HeaderName>,
+    pub(crate) targets: Vec<HeaderName>,
+    pub(crate) max_error_ttl: Duration,
+    pub(crate) heuristic: bool,
+    pub(crate) honor_client_no_cache: bool,
+    pub(crate) max_variants: usize,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        Self {
+            max_body: ResponseCacheLayer::DEFAULT_MAX_BODY,
+            emit_headers: true,
+            cookies: Cookies::Bypass,
+            keyed_headers: Vec::new(),
+            targets: Vec::new(),
+            max_error_ttl: ResponseCacheLayer::DEFAULT_MAX_ERROR_TTL,
+            heuristic: true,
+            honor_client_no_cache: false,
+            max_variants: ResponseCacheLayer::DEFAULT_MAX_VARIANTS,
+        }
+    }
+}
+
+/// What a route does with requests that carry `Cookie`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Cookies {
+    /// Bypass the cache (the default).
+    Bypass,
+    /// Drop the cookies: the origin never sees them, the key ignores them.
+    Ignore,
+    /// Key on these cookies' values; the origin sees only them.
+    Key(Vec<String>),
 }
 
 impl ResponseCacheLayer {
     /// Default largest body that is buffered and stored: 8 MiB.
     pub const DEFAULT_MAX_BODY: usize = 8 * 1024 * 1024;
+    /// Default cap on the lifetime of a stored 4xx/5xx with explicit freshness.
+    pub const DEFAULT_MAX_ERROR_TTL: Duration = Duration::from_secs(60);
+    /// Default cap on the `Vary` variants kept per URL.
+    pub const DEFAULT_MAX_VARIANTS: usize = 32;
 
     /// A layer on `engine` with no route policy yet.
     pub fn new(engine: TieredCache) -> Self {
         Self {
             engine,
             policy: None,
-            config: Arc::new(HttpConfig {
-                max_body: Self::DEFAULT_MAX_BODY,
-                emit_headers: true,
-            }),
+            config: Arc::new(HttpConfig::default()),
         }
     }
 
@@ -79,6 +118,89 @@ impl ResponseCacheLayer {
     /// `cache-status` to responses (default on). `age` is always set on hits.
     pub fn emit_headers(mut self, on: bool) -> Self {
         Arc::make_mut(&mut self.config).emit_headers = on;
+        self
+    }
+
+    /// Lets requests with `Cookie` use the cache by dropping their cookies:
+    /// the origin never sees them and the key ignores them. For routes whose
+    /// responses do not depend on cookies (assets, public pages).
+    pub fn ignore_cookies(mut self) -> Self {
+        Arc::make_mut(&mut self.config).cookies = Cookies::Ignore;
+        self
+    }
+
+    /// Lets requests with `Cookie` use the cache, keyed on the values of the
+    /// cookies `names` (as fingerprints); the origin is sent only those
+    /// cookies, so nothing unkeyed can shape the response.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tiercache_core::{Policy, TieredCache};
+    /// # use tiercache_http::ResponseCacheLayer;
+    /// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let cache = ResponseCacheLayer::new(TieredCache::builder().build()?);
+    /// let by_language = cache.route(Policy::ttl(Duration::from_secs(60)))?.key_cookies(["lang"]);
+    /// # Ok(()) }
+    /// ```
+    pub fn key_cookies<I, N>(mut self, names: I) -> Self
+    where
+        I: IntoIterator<Item = N>,
+        N: Into<String>,
+    {
+        Arc::make_mut(&mut self.config).cookies =
+            Cookies::Key(names.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Keys on request header `name` and sends it on. Any header can be keyed;
+    /// for those in [`UNKEYED`](crate::request::UNKEYED) (which are otherwise
+    /// removed) this is how a route that needs, say, `X-Forwarded-Proto` from
+    /// its load balancer gets it safely.
+    pub fn key_header(mut self, name: HeaderName) -> Self {
+        let config = Arc::make_mut(&mut self.config);
+        if !config.keyed_headers.contains(&name) {
+            config.keyed_headers.push(name);
+        }
+        self
+    }
+
+    /// Targeted cache-control fields (RFC 9213) this cache obeys, most
+    /// specific first, e.g. `tiercache-cache-control`, `cdn-cache-control`.
+    /// The first one present stands in for `Cache-Control` when deciding
+    /// whether and how long to store; none by default.
+    pub fn targeted_fields(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        Arc::make_mut(&mut self.config).targets = names.into_iter().collect();
+        self
+    }
+
+    /// Longest a 4xx/5xx with explicit freshness is stored (default 60 s);
+    /// errors without explicit freshness are never stored (404/410 excepted:
+    /// they get the policy's negative ttl).
+    pub fn max_error_ttl(mut self, ttl: Duration) -> Self {
+        Arc::make_mut(&mut self.config).max_error_ttl = ttl;
+        self
+    }
+
+    /// Stores only responses whose origin declares freshness (`max-age`,
+    /// `s-maxage`, `Expires`): a standards-following shared cache with no
+    /// heuristic lifetimes. The policy's ttl then applies to nothing.
+    pub fn explicit_freshness_only(mut self) -> Self {
+        Arc::make_mut(&mut self.config).heuristic = false;
+        self
+    }
+
+    /// Whether a client's `Cache-Control: no-cache` / `max-age=0` /
+    /// `Pragma: no-cache` makes the cache go to the origin (default off: a
+    /// client must not be able to push load onto the origin).
+    pub fn honor_client_no_cache(mut self, on: bool) -> Self {
+        Arc::make_mut(&mut self.config).honor_client_no_cache = on;
+        self
+    }
+
+    /// Most `Vary` variants kept per URL (default 32); past it, new variants
+    /// are served by the origin, not stored.
+    pub fn max_variants(mut self, n: usize) -> Self {
+        Arc::make_mut(&mut self.config).max_variants = n.max(1);
         self
     }
 

@@ -37,8 +37,10 @@ pub mod cacheable;
 pub mod freshness;
 pub mod future;
 pub mod headers;
+pub mod invalidate;
 pub mod key;
 mod layer;
+pub mod request;
 mod service;
 mod values;
 

@@ -11,7 +11,7 @@ use http::header::{
     ETAG, HeaderName, HeaderValue, IF_MATCH, IF_MODIFIED_SINCE, IF_NONE_MATCH, IF_RANGE,
     IF_UNMODIFIED_SINCE, LAST_MODIFIED,
 };
-use http::{HeaderMap, Method, Request, Response, StatusCode, request};
+use http::{HeaderMap, Method, Request, Response, StatusCode, request, response};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use tiercache_core::{
@@ -21,13 +21,15 @@ use tiercache_core::{
 use tower::{Service, ServiceExt};
 
 use crate::body::{BoxError, CacheBody};
-use crate::cache_control::has_directive;
-use crate::cacheable::{Reason, content_length, request_cacheable, response_storable};
+use crate::cache_control::targeted;
+use crate::cacheable::{Reason, content_length, response_storable, status_heuristic};
 use crate::freshness::OriginFreshness;
 use crate::future::ResponseFuture;
 use crate::headers::{self, Outcome, strip_hop_by_hop};
-use crate::key::{request_key, variant_for, variant_matches};
+use crate::invalidate::{invalidation_keys, is_safe, location_keys};
+use crate::key::{variant_for, variant_matches};
 use crate::layer::{HttpConfig, ResponseCacheLayer};
+use crate::request::{Conditional, prepare};
 
 /// Caches the responses of `S`; built by [`ResponseCacheLayer`].
 ///
@@ -81,15 +83,46 @@ impl Ctx {
         &self,
         entry: &Entry,
         now: SystemTime,
-        head: bool,
+        ask: &Ask,
         outcome: &Outcome,
     ) -> Response<CacheBody<B>> {
         let label = self
             .config
             .emit_headers
             .then(|| (outcome, self.engine.hit_ratio()));
-        headers::from_entry(entry, now, head, label)
+        let view = headers::view(entry, &self.config.targets);
+        let not_modified = view.not_modified(&ask.conditional);
+        headers::from_entry(entry, &view, now, ask.head, not_modified, label)
     }
+
+    /// Whether `entry` may answer a request with these headers: its `Vary`
+    /// variant, and its content coding when it was not varied on it.
+    fn fits(&self, entry: &Entry, request: &HeaderMap) -> bool {
+        variant_matches(entry, request)
+            && headers::view(entry, &self.config.targets).encoding_fits(request)
+    }
+
+    /// Whether `entry` must be revalidated before any reuse (`no-cache`).
+    fn must_revalidate(&self, entry: &Entry) -> bool {
+        headers::view(entry, &self.config.targets).revalidate
+    }
+
+    /// Whether `entry` may stand in for a failed or slow origin.
+    fn stale_usable(&self, entry: &Entry) -> bool {
+        matches!(
+            entry.freshness(self.engine.now()),
+            Freshness::Stale | Freshness::StaleIfError
+        )
+    }
+}
+
+/// What the client asked beyond the resource: a HEAD, its own validators,
+/// whether it sent credentials.
+#[derive(Debug, Clone)]
+struct Ask {
+    head: bool,
+    conditional: Conditional,
+    credentialed: bool,
 }
 
 /// What a load produced.
@@ -133,48 +166,98 @@ where
         };
         let ctx = ctx.clone();
         let engine = &ctx.engine;
-        let (parts, body) = req.into_parts();
-        if let Err(reason) = request_cacheable(&parts) {
-            engine.record_bypass(reason.as_str());
-            let label = ctx
-                .config
-                .emit_headers
-                .then(|| (Outcome::Bypass(reason), engine.clone()));
-            return ResponseFuture::inner(self.inner.call(Request::from_parts(parts, body)), label);
+        let (mut parts, body) = req.into_parts();
+        if !is_safe(&parts.method) {
+            engine.record_bypass(Reason::Method.as_str());
+            let (keys, target) = invalidation_keys(&parts, &ctx.config);
+            let future = self.inner.call(Request::from_parts(parts, body));
+            return ResponseFuture::boxed(Box::pin(write_through(ctx, future, keys, target)));
         }
-        let key = request_key(&parts);
-        let head = parts.method == Method::HEAD;
+        let prepared = match prepare(&mut parts, &ctx.config) {
+            Ok(prepared) => prepared,
+            Err(reason) => {
+                engine.record_bypass(reason.as_str());
+                let label = ctx
+                    .config
+                    .emit_headers
+                    .then(|| (Outcome::Bypass(reason), engine.clone()));
+                let req = Request::from_parts(parts, body);
+                return ResponseFuture::inner(self.inner.call(req), label);
+            }
+        };
+        let key = prepared.key;
+        let ask = Ask {
+            head: prepared.head,
+            conditional: prepared.conditional,
+            credentialed: prepared.credentialed,
+        };
         let now = engine.now();
-        let fallback = match engine.lookup_at(&key, now, &ctx.policy, |e| {
-            variant_matches(e, &parts.headers)
-        }) {
+        let lookup = if prepared.reload {
+            Lookup::Miss {
+                fallback: engine.peek(&key),
+            }
+        } else {
+            engine.lookup_at(&key, now, &ctx.policy, |e| ctx.fits(e, &parts.headers))
+        };
+        let (fallback, revalidate) = match lookup {
+            Lookup::Fresh { entry, .. } if ctx.must_revalidate(&entry) => (Some(entry), true),
             Lookup::Fresh {
                 entry,
                 remaining,
                 refresh,
             } => {
                 if refresh {
-                    self.refresh_in_background(&ctx, &parts, &key, &entry);
+                    self.refresh_in_background(&ctx, &parts, &key, &entry, &ask);
                 }
                 let outcome = Outcome::Hit {
                     tier: Source::L1,
                     ttl: remaining.as_secs(),
                     collapsed: false,
                 };
-                return ResponseFuture::ready(ctx.entry_response(&entry, now, head, &outcome));
+                return ResponseFuture::ready(ctx.entry_response(&entry, now, &ask, &outcome));
             }
             Lookup::Stale { entry } => {
                 engine.record_stale_served();
-                self.refresh_in_background(&ctx, &parts, &key, &entry);
+                self.refresh_in_background(&ctx, &parts, &key, &entry, &ask);
                 let outcome = Outcome::Stale { detail: None };
-                return ResponseFuture::ready(ctx.entry_response(&entry, now, head, &outcome));
+                return ResponseFuture::ready(ctx.entry_response(&entry, now, &ask, &outcome));
             }
-            Lookup::Miss { fallback } => fallback,
+            Lookup::Miss { fallback } => (fallback, prepared.reload),
         };
         let inner = self.take_ready();
         let req = Request::from_parts(parts, body);
-        ResponseFuture::boxed(Box::pin(miss(ctx, inner, req, key, head, fallback)))
+        let miss = Miss {
+            key,
+            ask,
+            fallback,
+            revalidate,
+        };
+        ResponseFuture::boxed(Box::pin(miss.run(ctx, inner, req)))
     }
+}
+
+/// An unsafe request passes through; when it succeeds (2xx, 3xx) the target
+/// URI and any same-origin `Location` / `Content-Location` are invalidated in
+/// L1 and L2 before the response is returned (RFC 9111 §4.4).
+async fn write_through<F, ResB, E>(
+    ctx: Arc<Ctx>,
+    future: F,
+    mut keys: Vec<CacheKey>,
+    request: crate::invalidate::Target,
+) -> Result<Response<CacheBody<ResB>>, E>
+where
+    F: std::future::Future<Output = Result<Response<ResB>, E>>,
+{
+    let res = future.await?;
+    if res.status().is_success() || res.status().is_redirection() {
+        keys.extend(location_keys(res.headers(), &request));
+        for key in &keys {
+            ctx.engine.invalidate(key).await;
+        }
+    }
+    let mut res = res.map(CacheBody::stream);
+    ctx.label(res.headers_mut(), &Outcome::Bypass(Reason::Method));
+    Ok(res)
 }
 
 impl<S: Clone> ResponseCache<S> {
@@ -193,6 +276,7 @@ impl<S: Clone> ResponseCache<S> {
         parts: &request::Parts,
         key: &CacheKey,
         stale: &Entry,
+        ask: &Ask,
     ) where
         S: Service<Request<ReqB>, Response = Response<ResB>> + Send + 'static,
         S::Future: Send + 'static,
@@ -215,6 +299,8 @@ impl<S: Clone> ResponseCache<S> {
             key.clone(),
             leader,
             Some(stale.clone()),
+            false,
+            ask.credentialed,
         );
         tokio::spawn(async move {
             let _ = task.await;
@@ -222,101 +308,129 @@ impl<S: Clone> ResponseCache<S> {
     }
 }
 
-async fn miss<S, ReqB, ResB>(
-    ctx: Arc<Ctx>,
-    inner: S,
-    req: Request<ReqB>,
+/// A request that missed L1 (or must revalidate its entry).
+struct Miss {
     key: CacheKey,
-    head: bool,
+    ask: Ask,
+    /// An entry to revalidate, or to answer with when the origin fails.
     fallback: Option<Entry>,
-) -> Result<Response<CacheBody<ResB>>, S::Error>
-where
-    S: Service<Request<ReqB>, Response = Response<ResB>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ReqB: Send + 'static,
-    ResB: Body<Data = Bytes> + Send + 'static,
-    ResB::Error: Into<BoxError>,
-{
-    if ctx.engine.is_uncacheable(&key) {
-        ctx.engine.record_bypass(Reason::HitForMiss.as_str());
-        let loaded = load(&ctx, inner, as_get(req), &key, None).await?;
-        return Ok(respond_loaded(
-            &ctx,
-            loaded,
-            head,
-            false,
-            Some(Reason::HitForMiss),
-        ));
-    }
-    match ctx.engine.join(&key) {
-        Join::Leader(leader) => {
-            // Detached: if this request is dropped (client gone), the fill still
-            // completes, stores, and wakes the followers.
-            let mut task = tokio::spawn(fill(
-                ctx.clone(),
-                inner,
-                as_get(req),
-                key,
-                leader,
-                fallback.clone(),
+    /// Go to the origin (with `fallback`'s validators) without reading L2.
+    revalidate: bool,
+}
+
+impl Miss {
+    async fn run<S, ReqB, ResB>(
+        self,
+        ctx: Arc<Ctx>,
+        inner: S,
+        req: Request<ReqB>,
+    ) -> Result<Response<CacheBody<ResB>>, S::Error>
+    where
+        S: Service<Request<ReqB>, Response = Response<ResB>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ReqB: Send + 'static,
+        ResB: Body<Data = Bytes> + Send + 'static,
+        ResB::Error: Into<BoxError>,
+    {
+        let Miss {
+            key,
+            ask,
+            fallback,
+            revalidate,
+        } = self;
+        if ctx.engine.is_uncacheable(&key) {
+            ctx.engine.record_bypass(Reason::HitForMiss.as_str());
+            let loaded = load(&ctx, inner, as_get(req), &key, None, ask.credentialed).await?;
+            return Ok(respond_loaded(
+                &ctx,
+                loaded,
+                &ask,
+                false,
+                Some(Reason::HitForMiss),
             ));
-            let joined = match (&fallback, ctx.policy.soft_timeout()) {
-                (Some(stale), Some(soft)) => {
-                    match tokio::time::timeout(soft, &mut task).await {
-                        Ok(joined) => joined,
-                        // The origin is slow and a stale answer is at hand:
-                        // give it now; the fill goes on in the background.
-                        Err(_) => return Ok(respond_stale(&ctx, stale, head, "origin-timeout")),
-                    }
-                }
-                _ => task.await,
-            };
-            let filled = match joined {
-                Ok(filled) => filled?,
-                Err(e) if e.is_panic() => resume_unwind(e.into_panic()),
-                Err(_) => return Ok(error_response(&ctx, StatusCode::SERVICE_UNAVAILABLE)),
-            };
-            Ok(match filled {
-                Filled::Entry(entry, source) => respond_entry(&ctx, &entry, source, head, false),
-                Filled::Stale(entry) => respond_stale(&ctx, &entry, head, "origin-error"),
-                Filled::Passed(res, reason) => {
-                    respond_loaded(&ctx, Loaded::Passed(res, reason), head, false, None)
-                }
-            })
         }
-        Join::Follower(follower) => {
-            let waited = ctx.engine.wait(follower, &ctx.policy).await;
-            match waited {
-                Waited::Done(FlightResult::Shared(entry, source))
-                    if variant_matches(&entry, req.headers()) =>
-                {
-                    Ok(respond_entry(&ctx, &entry, source, head, true))
-                }
-                Waited::Done(FlightResult::Failed(FlightError::Panicked)) => {
-                    ctx.engine.record_served(Source::Origin);
-                    Ok(error_response(&ctx, StatusCode::INTERNAL_SERVER_ERROR))
-                }
-                // Released (not shareable), another variant, a timeout or an
-                // abandoned load: this request goes to the origin itself.
-                _ => {
-                    let loaded = load(&ctx, inner, as_get(req), &key, None).await?;
-                    Ok(respond_loaded(&ctx, loaded, head, true, None))
+        match ctx.engine.join(&key) {
+            Join::Leader(leader) => {
+                // Detached: if this request is dropped (client gone), the fill still
+                // completes, stores, and wakes the followers.
+                let mut task = tokio::spawn(fill(
+                    ctx.clone(),
+                    inner,
+                    as_get(req),
+                    key,
+                    leader,
+                    fallback.clone(),
+                    revalidate,
+                    ask.credentialed,
+                ));
+                let usable = fallback.filter(|e| ctx.stale_usable(e));
+                let joined = match (&usable, ctx.policy.soft_timeout()) {
+                    (Some(stale), Some(soft)) => {
+                        match tokio::time::timeout(soft, &mut task).await {
+                            Ok(joined) => joined,
+                            // The origin is slow and a stale answer is at hand:
+                            // give it now; the fill goes on in the background.
+                            Err(_) => {
+                                return Ok(respond_stale(&ctx, stale, &ask, "origin-timeout"));
+                            }
+                        }
+                    }
+                    _ => task.await,
+                };
+                let filled = match joined {
+                    Ok(filled) => filled?,
+                    Err(e) if e.is_panic() => resume_unwind(e.into_panic()),
+                    Err(_) => return Ok(error_response(&ctx, StatusCode::SERVICE_UNAVAILABLE)),
+                };
+                Ok(match filled {
+                    Filled::Entry(entry, source) => {
+                        respond_entry(&ctx, &entry, source, &ask, false)
+                    }
+                    Filled::Stale(entry) => respond_stale(&ctx, &entry, &ask, "origin-error"),
+                    Filled::Passed(res, reason) => {
+                        respond_loaded(&ctx, Loaded::Passed(res, reason), &ask, false, None)
+                    }
+                })
+            }
+            Join::Follower(follower) => {
+                let waited = ctx.engine.wait(follower, &ctx.policy).await;
+                match waited {
+                    Waited::Done(FlightResult::Shared(entry, source))
+                        if ctx.fits(&entry, req.headers()) =>
+                    {
+                        Ok(respond_entry(&ctx, &entry, source, &ask, true))
+                    }
+                    Waited::Done(FlightResult::Failed(FlightError::Panicked)) => {
+                        ctx.engine.record_served(Source::Origin);
+                        Ok(error_response(&ctx, StatusCode::INTERNAL_SERVER_ERROR))
+                    }
+                    // Released (not shareable), another variant, a timeout or an
+                    // abandoned load: this request goes to the origin itself.
+                    _ => {
+                        let loaded =
+                            load(&ctx, inner, as_get(req), &key, None, ask.credentialed).await?;
+                        Ok(respond_loaded(&ctx, loaded, &ask, true, None))
+                    }
                 }
             }
         }
     }
 }
 
-/// The leader's fill: L2 first, then the origin (revalidating `stale` when
-/// given, and falling back to it when the origin fails); completes the flight.
+/// The leader's fill: L2 first (unless `revalidate`), then the origin
+/// (revalidating `stale` when given, and falling back to it when the origin
+/// fails); completes the flight.
+#[allow(clippy::too_many_arguments)]
 async fn fill<S, ReqB, ResB>(
     ctx: Arc<Ctx>,
     inner: S,
     req: Request<ReqB>,
     key: CacheKey,
     leader: Leader,
-    stale: Option<Entry>,
+    mut stale: Option<Entry>,
+    revalidate: bool,
+    credentialed: bool,
 ) -> Result<Filled<ResB>, S::Error>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
@@ -325,27 +439,24 @@ where
 {
     // A copy: the request body need not be `Sync` to be held across the read.
     let request_headers = req.headers().clone();
-    if let Some(entry) = ctx
-        .engine
-        .lookup_l2(&key, |e| variant_matches(e, &request_headers))
-        .await
+    if !revalidate
+        && let Some(entry) = ctx
+            .engine
+            .lookup_l2(&key, |e| ctx.fits(e, &request_headers))
+            .await
     {
-        leader.complete(FlightResult::Shared(entry.clone(), Source::L2));
-        return Ok(Filled::Entry(entry, Source::L2));
+        if !ctx.must_revalidate(&entry) {
+            leader.complete(FlightResult::Shared(entry.clone(), Source::L2));
+            return Ok(Filled::Entry(entry, Source::L2));
+        }
+        stale = Some(entry);
     }
     let req = match &stale {
         Some(stale) => with_validators(req, stale),
         None => req,
     };
-    let usable_on_error = |stale: &Option<Entry>| {
-        stale.clone().filter(|e| {
-            matches!(
-                e.freshness(ctx.engine.now()),
-                Freshness::Stale | Freshness::StaleIfError
-            )
-        })
-    };
-    match load(&ctx, inner, req, &key, stale.as_ref()).await {
+    let usable_on_error = |stale: &Option<Entry>| stale.clone().filter(|e| ctx.stale_usable(e));
+    match load(&ctx, inner, req, &key, stale.as_ref(), credentialed).await {
         Ok(Loaded::Stored(entry)) => {
             leader.complete(FlightResult::Shared(entry.clone(), Source::Origin));
             Ok(Filled::Entry(entry, Source::Origin))
@@ -419,6 +530,7 @@ async fn load<S, ReqB, ResB>(
     req: Request<ReqB>,
     key: &CacheKey,
     revalidating: Option<&Entry>,
+    credentialed: bool,
 ) -> Result<Loaded<ResB>, S::Error>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
@@ -443,19 +555,20 @@ where
         ctx.engine.record_origin_load(took);
         return Ok(Loaded::Stored(renew(ctx, key, stale, &parts.headers, took)));
     }
-    let pass = |parts, body: CacheBody<ResB>, reason: Reason| {
+    let pass = |parts: response::Parts, body: CacheBody<ResB>, reason: Reason| {
         ctx.engine.record_origin_load(started.elapsed());
-        ctx.engine.mark_uncacheable(key, &ctx.policy);
+        if reason.marks_key() && (parts.status.is_success() || parts.status.is_redirection()) {
+            ctx.engine.mark_uncacheable(key, &ctx.policy);
+        }
         Ok(Loaded::Passed(Response::from_parts(parts, body), reason))
     };
-    if let Err(reason) = response_storable(&parts) {
-        return pass(parts, CacheBody::stream(body), reason);
-    }
-    if has_directive(&parts.headers, "no-cache") {
-        return pass(parts, CacheBody::stream(body), Reason::NoCache);
-    }
-    let Some(plan) = fill_for(ctx, &parts.headers, parts.status) else {
-        return pass(parts, CacheBody::stream(body), Reason::NotFresh);
+    let cache_control = targeted(&parts.headers, &ctx.config.targets);
+    let checked = response_storable(parts.status, &parts.headers, &cache_control, credentialed)
+        .and_then(|()| fill_for(ctx, &cache_control, parts.status));
+    drop(cache_control);
+    let plan = match checked {
+        Ok(plan) => plan,
+        Err(reason) => return pass(parts, CacheBody::stream(body), reason),
     };
     let max = ctx.config.max_body;
     if content_length(&parts.headers).is_some_and(|len| len > max as u64) {
@@ -524,21 +637,32 @@ impl Plan {
     }
 }
 
-/// How a response with these headers is stored, or `None` when the origin
-/// declared it already stale.
-fn fill_for(ctx: &Ctx, headers: &HeaderMap, status: StatusCode) -> Option<Plan> {
+/// How a response with these headers (`Cache-Control` already the targeted
+/// field, if any) is stored, or why it is not: the origin's lifetime (unless
+/// the route overrides it; for errors always, capped at `max_error_ttl`),
+/// the negative ttl for 404/410, the route's ttl for the heuristically
+/// cacheable statuses (unless only explicit freshness is stored).
+fn fill_for(ctx: &Ctx, headers: &HeaderMap, status: StatusCode) -> Result<Plan, Reason> {
     let origin = OriginFreshness::parse(headers, ctx.engine.now());
+    let error = status.is_client_error() || status.is_server_error();
+    let heuristic = ctx.config.heuristic;
     let lifetime = match origin.remaining() {
-        Some(left) if !ctx.policy.overrides_origin() => {
+        Some(left) if error || !ctx.policy.overrides_origin() => {
             if left.is_zero() {
-                return None;
+                return Err(Reason::NotFresh);
             }
-            Lifetime::Declared(left)
+            if error {
+                Lifetime::Declared(left.min(ctx.config.max_error_ttl))
+            } else {
+                Lifetime::Declared(left)
+            }
         }
-        _ if matches!(status.as_u16(), 404 | 410) => Lifetime::Negative,
-        _ => Lifetime::Route,
+        _ if heuristic && matches!(status.as_u16(), 404 | 410) => Lifetime::Negative,
+        _ if heuristic && status_heuristic(status) => Lifetime::Route,
+        Some(_) if !error => Lifetime::Route,
+        _ => return Err(Reason::NoFreshness),
     };
-    Some(Plan { lifetime, origin })
+    Ok(Plan { lifetime, origin })
 }
 
 /// A 304 renews `stale`: its headers updated from the 304's (RFC 9111
@@ -573,9 +697,11 @@ fn renew(
     }
     let status = StatusCode::from_u16(old.status).unwrap_or(StatusCode::OK);
     let value = headers::to_value(status, &merged, old.body.clone());
-    let fill = match fill_for(ctx, &merged, status) {
-        Some(plan) => plan.fill(value),
-        None => Fill::new(value).lifetime(Lifetime::Declared(std::time::Duration::from_millis(1))),
+    let fill = match fill_for(ctx, &targeted(&merged, &ctx.config.targets), status) {
+        Ok(plan) => plan.fill(value),
+        Err(_) => {
+            Fill::new(value).lifetime(Lifetime::Declared(std::time::Duration::from_millis(1)))
+        }
     };
     let fill = fill.variant(stale.variant().clone()).origin_latency(took);
     ctx.engine.store(key, fill, &ctx.policy)
@@ -609,14 +735,14 @@ fn respond_entry<B>(
     ctx: &Ctx,
     entry: &Entry,
     source: Source,
-    head: bool,
+    ask: &Ask,
     collapsed: bool,
 ) -> Response<CacheBody<B>> {
     let now = ctx.engine.now();
     let outcome = match (source, entry.freshness(now)) {
         // A follower handed the leader's stale-if-error answer.
         (_, Freshness::Stale | Freshness::StaleIfError | Freshness::Dead) => {
-            return respond_stale(ctx, entry, head, "origin-error");
+            return respond_stale(ctx, entry, ask, "origin-error");
         }
         (Source::Origin, _) => Outcome::Miss {
             stored: !collapsed,
@@ -630,33 +756,33 @@ fn respond_entry<B>(
         },
     };
     ctx.engine.record_served(source);
-    ctx.entry_response(entry, now, head, &outcome)
+    ctx.entry_response(entry, now, ask, &outcome)
 }
 
 fn respond_stale<B>(
     ctx: &Ctx,
     entry: &Entry,
-    head: bool,
+    ask: &Ask,
     detail: &'static str,
 ) -> Response<CacheBody<B>> {
     ctx.engine.record_stale_served();
     let outcome = Outcome::Stale {
         detail: Some(detail),
     };
-    ctx.entry_response(entry, ctx.engine.now(), head, &outcome)
+    ctx.entry_response(entry, ctx.engine.now(), ask, &outcome)
 }
 
 fn respond_loaded<B>(
     ctx: &Ctx,
     loaded: Loaded<B>,
-    head: bool,
+    ask: &Ask,
     collapsed: bool,
     bypass: Option<Reason>,
 ) -> Response<CacheBody<B>> {
     match loaded {
-        Loaded::Stored(entry) => respond_entry(ctx, &entry, Source::Origin, head, false),
+        Loaded::Stored(entry) => respond_entry(ctx, &entry, Source::Origin, ask, false),
         Loaded::Passed(mut res, reason) => {
-            if head {
+            if ask.head {
                 *res.body_mut() = CacheBody::empty();
             }
             let outcome = match bypass {

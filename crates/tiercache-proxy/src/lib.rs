@@ -5,11 +5,18 @@
 //!                 [--jitter 0.1] [--max-body 8MiB] [--admin 127.0.0.1:8081]
 //!                 [--valkey redis://127.0.0.1:6379] [--stale-while-revalidate 30s]
 //!                 [--stale-if-error 5m] [--negative-ttl 5s] [--origin-soft-timeout 500ms]
-//!                 [--xfetch-beta 1.0]
+//!                 [--xfetch-beta 1.0] [--ignore-cookies | --key-cookie NAME ...]
+//!                 [--key-header NAME ...] [--target cdn-cache-control ...]
+//!                 [--max-error-ttl 60s] [--honor-client-no-cache]
 //! ```
 //!
-//! Every GET and HEAD is cached under the `--ttl` policy with the layer's safe
-//! defaults; the admin address serves `GET /stats`. The same proxy runs in
+//! Every GET and HEAD goes through the layer with its safe defaults. Without
+//! `--ttl` the proxy is a standards-following shared cache: it stores only
+//! responses whose origin declares freshness (`max-age`, `s-maxage`,
+//! `Expires`), never guessing a lifetime; with `--ttl` other storable
+//! responses get that ttl, as on an annotated route. Successful unsafe
+//! requests (POST, PUT, PATCH, DELETE) invalidate their target. The admin
+//! address serves `GET /stats`. The same proxy runs in
 //! process through [`Proxy::start`]:
 //!
 //! ```no_run
@@ -50,8 +57,9 @@ pub struct ProxyConfig {
     pub listen: SocketAddr,
     /// Where the admin endpoints listen (none when `None`).
     pub admin: Option<SocketAddr>,
-    /// The fresh lifetime applied to responses.
-    pub ttl: Duration,
+    /// The fresh lifetime of responses without explicit freshness; `None`
+    /// (the default) stores only responses whose origin declares freshness.
+    pub ttl: Option<Duration>,
     /// The symmetric jitter fraction.
     pub jitter: f64,
     /// Largest body stored; larger ones stream through.
@@ -70,16 +78,29 @@ pub struct ProxyConfig {
     pub origin_soft_timeout: Option<Duration>,
     /// XFetch β (0 disables early refresh).
     pub xfetch_beta: f64,
+    /// Drop request cookies (the origin never sees them) instead of bypassing.
+    pub ignore_cookies: bool,
+    /// Key on these cookies (the origin sees only them) instead of bypassing.
+    pub key_cookies: Vec<String>,
+    /// Request headers keyed on and sent on (e.g. `x-forwarded-proto`).
+    pub key_headers: Vec<String>,
+    /// Targeted cache-control fields obeyed (RFC 9213), most specific first.
+    pub targets: Vec<String>,
+    /// Longest a 4xx/5xx with explicit freshness is stored.
+    pub max_error_ttl: Duration,
+    /// Let a client's `no-cache` / `max-age=0` force a trip to the origin.
+    pub honor_client_no_cache: bool,
 }
 
 impl ProxyConfig {
-    /// Defaults: listen on `127.0.0.1:8080`, ttl 10 s, jitter 0.1, max body 8 MiB, L1 256 MiB.
+    /// Defaults: listen on `127.0.0.1:8080`, explicit freshness only (no
+    /// ttl), jitter 0.1, max body 8 MiB, L1 256 MiB.
     pub fn new(upstream: Uri) -> Self {
         Self {
             upstream,
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             admin: None,
-            ttl: Duration::from_secs(10),
+            ttl: None,
             jitter: Policy::DEFAULT_JITTER,
             max_body: ResponseCacheLayer::DEFAULT_MAX_BODY as u64,
             l1_capacity: tiercache_core::TieredCacheBuilder::DEFAULT_L1_CAPACITY,
@@ -89,6 +110,12 @@ impl ProxyConfig {
             negative_ttl: None,
             origin_soft_timeout: None,
             xfetch_beta: Policy::DEFAULT_XFETCH_BETA,
+            ignore_cookies: false,
+            key_cookies: Vec::new(),
+            key_headers: Vec::new(),
+            targets: Vec::new(),
+            max_error_ttl: ResponseCacheLayer::DEFAULT_MAX_ERROR_TTL,
+            honor_client_no_cache: false,
         }
     }
 
@@ -104,9 +131,9 @@ impl ProxyConfig {
         self
     }
 
-    /// Sets the ttl.
+    /// Sets the ttl of responses without explicit freshness (like `--ttl`).
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
+        self.ttl = Some(ttl);
         self
     }
 
@@ -118,7 +145,12 @@ impl ProxyConfig {
 
     /// The route policy these settings describe.
     pub fn policy(&self) -> Policy {
-        let mut policy = Policy::ttl(self.ttl)
+        // Without --ttl the policy's ttl applies to nothing (only declared
+        // lifetimes are stored); it just has to bound the negative ttl.
+        let ttl = self
+            .ttl
+            .unwrap_or_else(|| Duration::from_secs(10).max(self.negative_ttl.unwrap_or_default()));
+        let mut policy = Policy::ttl(ttl)
             .jitter(self.jitter)
             .stale_while_revalidate(self.stale_while_revalidate)
             .stale_if_error(self.stale_if_error)
@@ -170,10 +202,7 @@ impl Proxy {
         let engine = builder
             .build()
             .map_err(|e| ProxyError::Config(e.to_string()))?;
-        let layer = ResponseCacheLayer::new(engine.clone())
-            .max_body(usize::try_from(config.max_body).unwrap_or(usize::MAX))
-            .route(policy)
-            .map_err(|e| ProxyError::Config(e.to_string()))?;
+        let layer = http_layer(&config, engine.clone(), policy)?;
         let forward = Forward::new(&config.upstream).map_err(ProxyError::Config)?;
         let app = Router::new().fallback_service(tower::Layer::layer(&layer, forward));
 
@@ -233,6 +262,46 @@ impl Drop for Proxy {
             task.abort();
         }
     }
+}
+
+/// The cache layer the settings describe; a bad header name is named in the error.
+fn http_layer(
+    config: &ProxyConfig,
+    engine: TieredCache,
+    policy: Policy,
+) -> Result<ResponseCacheLayer, ProxyError> {
+    let header = |flag: &str, name: &str| {
+        http::HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| ProxyError::Config(format!("{flag} `{name}`: not a header name")))
+    };
+    let mut layer = ResponseCacheLayer::new(engine)
+        .max_body(usize::try_from(config.max_body).unwrap_or(usize::MAX))
+        .max_error_ttl(config.max_error_ttl)
+        .honor_client_no_cache(config.honor_client_no_cache)
+        .route(policy)
+        .map_err(|e| ProxyError::Config(e.to_string()))?;
+    if config.ttl.is_none() {
+        layer = layer.explicit_freshness_only();
+    }
+    match (config.ignore_cookies, config.key_cookies.is_empty()) {
+        (true, false) => {
+            return Err(ProxyError::Config(
+                "--ignore-cookies and --key-cookie exclude each other".into(),
+            ));
+        }
+        (true, true) => layer = layer.ignore_cookies(),
+        (false, false) => layer = layer.key_cookies(config.key_cookies.iter().cloned()),
+        (false, true) => {}
+    }
+    for name in &config.key_headers {
+        layer = layer.key_header(header("--key-header", name)?);
+    }
+    let targets = config
+        .targets
+        .iter()
+        .map(|t| header("--target", t))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(layer.targeted_fields(targets))
 }
 
 async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), ProxyError> {

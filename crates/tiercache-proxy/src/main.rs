@@ -18,9 +18,10 @@ struct Args {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-    /// Fresh lifetime of stored responses (ms, s, m, h).
-    #[arg(long, default_value = "10s", value_parser = parse_duration)]
-    ttl: Duration,
+    /// Fresh lifetime of responses without explicit freshness (ms, s, m, h).
+    /// Without it only responses whose origin declares freshness are stored.
+    #[arg(long, value_parser = parse_duration)]
+    ttl: Option<Duration>,
     /// Jitter fraction: each fill lives ttl ± ttl·jitter (0.0..=0.5).
     #[arg(long, default_value_t = 0.1)]
     jitter: f64,
@@ -48,6 +49,24 @@ struct Args {
     /// XFetch β: refresh hot keys early, probabilistically (0 disables).
     #[arg(long, default_value_t = 1.0)]
     xfetch_beta: f64,
+    /// Drop request cookies (the origin never sees them) instead of bypassing the cache.
+    #[arg(long)]
+    ignore_cookies: bool,
+    /// Key on this cookie (repeatable); the origin then sees only the keyed cookies.
+    #[arg(long = "key-cookie", value_name = "NAME")]
+    key_cookies: Vec<String>,
+    /// Key on this request header and send it on (repeatable), e.g. x-forwarded-proto.
+    #[arg(long = "key-header", value_name = "NAME")]
+    key_headers: Vec<String>,
+    /// Obey this targeted cache-control field (RFC 9213; repeatable, most specific first).
+    #[arg(long = "target", value_name = "FIELD")]
+    targets: Vec<String>,
+    /// Longest a 4xx/5xx with explicit freshness is stored.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    max_error_ttl: Duration,
+    /// Let a client's Cache-Control: no-cache / max-age=0 force a trip to the origin.
+    #[arg(long)]
+    honor_client_no_cache: bool,
     /// Admin address serving GET /stats.
     #[arg(long)]
     admin: Option<SocketAddr>,
@@ -58,10 +77,16 @@ async fn main() -> ExitCode {
     let args = Args::parse();
     let mut config = ProxyConfig::new(args.upstream)
         .listen(args.listen)
-        .ttl(args.ttl)
         .jitter(args.jitter)
         .max_body(args.max_body);
+    config.ttl = args.ttl;
     config.l1_capacity = args.l1_capacity;
+    config.ignore_cookies = args.ignore_cookies;
+    config.key_cookies = args.key_cookies;
+    config.key_headers = args.key_headers;
+    config.targets = args.targets;
+    config.max_error_ttl = args.max_error_ttl;
+    config.honor_client_no_cache = args.honor_client_no_cache;
     config.stale_while_revalidate = args.stale_while_revalidate;
     config.stale_if_error = args.stale_if_error;
     config.negative_ttl = args.negative_ttl;

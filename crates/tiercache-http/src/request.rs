@@ -1,0 +1,332 @@
+//! What a cacheable request brings: its key, and the head the origin gets.
+//!
+//! [`prepare`] turns a GET or HEAD into the request a shared cache may send
+//! on: the inputs that are not in the key are taken out (so they cannot shape
+//! a stored response), the client's own validators are kept aside (the cache
+//! answers them, RFC 9111 §4.3.2), and what the route keys on is pushed into
+//! the key (credentials and cookies only as fingerprints).
+
+use std::time::SystemTime;
+
+use http::header::{
+    AUTHORIZATION, CACHE_CONTROL, COOKIE, IF_MODIFIED_SINCE, IF_NONE_MATCH, PRAGMA,
+};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, request};
+use tiercache_core::CacheKey;
+
+use crate::cache_control::{directive_value, has_directive};
+use crate::cacheable::{Reason, request_cacheable};
+use crate::freshness::parse_http_date;
+use crate::key::target_key;
+use crate::layer::{Cookies, HttpConfig};
+
+/// Request fields a cache does not key on and an origin may still act on
+/// (host and scheme for links, rewrites, method overrides): removed from every
+/// cacheable request unless the route keys on them
+/// ([`key_header`](crate::ResponseCacheLayer::key_header)).
+pub const UNKEYED: [&str; 14] = [
+    "x-forwarded-host",
+    "x-forwarded-server",
+    "x-forwarded-scheme",
+    "x-forwarded-proto",
+    "x-forwarded-port",
+    "x-forwarded-prefix",
+    "x-host",
+    "forwarded",
+    "x-original-url",
+    "x-rewrite-url",
+    "x-original-host",
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+];
+
+/// A cacheable request, ready for the cache.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    pub(crate) key: CacheKey,
+    pub(crate) head: bool,
+    pub(crate) conditional: Conditional,
+    /// The request carried `Authorization` (the key holds its fingerprint).
+    pub(crate) credentialed: bool,
+    /// The client asked for a fresh copy and the layer honours that.
+    pub(crate) reload: bool,
+}
+
+/// Checks `parts` and rewrites its head for the origin; the error is why the
+/// request bypasses the cache (the head is then untouched).
+pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result<Prepared, Reason> {
+    request_cacheable(parts)?;
+    if parts.headers.contains_key(COOKIE) && config.cookies == Cookies::Bypass {
+        return Err(Reason::Cookie);
+    }
+    let mut key = target_key(parts);
+    let headers = &mut parts.headers;
+    if let Some(credential) = headers.get(AUTHORIZATION) {
+        key.push(b"authorization");
+        key.push_secret(credential.as_bytes());
+    }
+    let credentialed = headers.contains_key(AUTHORIZATION);
+    match &config.cookies {
+        Cookies::Bypass => {}
+        Cookies::Ignore => {
+            headers.remove(COOKIE);
+        }
+        Cookies::Key(names) => {
+            let kept = named_cookies(headers, names);
+            key.push(b"cookies");
+            key.push_secret(kept.as_bytes());
+            match HeaderValue::try_from(kept) {
+                Ok(v) if !v.is_empty() => {
+                    headers.insert(COOKIE, v);
+                }
+                _ => {
+                    headers.remove(COOKIE);
+                }
+            }
+        }
+    }
+    for name in UNKEYED {
+        let name = HeaderName::from_static(name);
+        if config.keyed_headers.contains(&name) {
+            continue;
+        }
+        headers.remove(&name);
+    }
+    for name in &config.keyed_headers {
+        key.push(b"header");
+        key.push(name.as_str().as_bytes());
+        for v in headers.get_all(name) {
+            key.push(v.as_bytes());
+        }
+    }
+    let conditional = Conditional::take(headers);
+    let reload = config.honor_client_no_cache && asks_reload(headers);
+    Ok(Prepared {
+        key: key.finish(),
+        head: parts.method == Method::HEAD,
+        conditional,
+        credentialed,
+        reload,
+    })
+}
+
+/// `Cache-Control: no-cache` or `max-age=0`, or `Pragma: no-cache` without `Cache-Control`.
+fn asks_reload(headers: &HeaderMap) -> bool {
+    if headers.contains_key(CACHE_CONTROL) {
+        return has_directive(headers, "no-cache")
+            || directive_value(headers, "max-age").is_some_and(|v| v.trim() == "0");
+    }
+    headers
+        .get_all(PRAGMA)
+        .iter()
+        .any(|v| v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"no-cache"))
+}
+
+/// The cookies named by the route, in the route's order, as one `Cookie` value.
+fn named_cookies(headers: &HeaderMap, names: &[String]) -> String {
+    let mut out = String::new();
+    for name in names {
+        for pair in headers
+            .get_all(COOKIE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(';'))
+        {
+            let pair = pair.trim();
+            if let Some((n, _)) = pair.split_once('=')
+                && n.trim() == name
+            {
+                if !out.is_empty() {
+                    out.push_str("; ");
+                }
+                out.push_str(pair);
+            }
+        }
+    }
+    out
+}
+
+/// The client's validators, taken off the request before it goes to the
+/// origin (which then sends a full response the cache can store) and
+/// answered from the entry.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Conditional {
+    if_none_match: Option<Vec<u8>>,
+    if_modified_since: Option<SystemTime>,
+}
+
+impl Conditional {
+    fn take(headers: &mut HeaderMap) -> Self {
+        let mut if_none_match: Option<Vec<u8>> = None;
+        for v in headers.get_all(IF_NONE_MATCH) {
+            let list = if_none_match.get_or_insert_with(Vec::new);
+            if !list.is_empty() {
+                list.push(b',');
+            }
+            list.extend_from_slice(v.as_bytes());
+        }
+        let if_modified_since = headers
+            .get(IF_MODIFIED_SINCE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_http_date);
+        headers.remove(IF_NONE_MATCH);
+        headers.remove(IF_MODIFIED_SINCE);
+        Self {
+            if_none_match,
+            if_modified_since,
+        }
+    }
+
+    /// Whether the client's copy is current (RFC 9110 §13.2.2): `If-None-Match`
+    /// by weak comparison with `etag`, else `If-Modified-Since` against
+    /// `last_modified`.
+    pub(crate) fn not_modified(
+        &self,
+        etag: Option<&[u8]>,
+        last_modified: Option<SystemTime>,
+    ) -> bool {
+        if let Some(list) = &self.if_none_match {
+            if list.trim_ascii() == b"*" {
+                return true;
+            }
+            let Some(etag) = etag else { return false };
+            let ours = opaque(etag);
+            return list.split(|&b| b == b',').any(|tag| opaque(tag) == ours);
+        }
+        match (self.if_modified_since, last_modified) {
+            (Some(since), Some(modified)) => modified <= since,
+            _ => false,
+        }
+    }
+
+    /// Whether the client sent a validator at all (the hit path skips the check otherwise).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.if_none_match.is_none() && self.if_modified_since.is_none()
+    }
+}
+
+/// An entity tag without its weakness prefix.
+fn opaque(tag: &[u8]) -> &[u8] {
+    let tag = tag.trim_ascii();
+    tag.strip_prefix(b"W/").unwrap_or(tag)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::Request;
+
+    fn config() -> HttpConfig {
+        HttpConfig::default()
+    }
+
+    fn parts(headers: &[(&str, &str)]) -> request::Parts {
+        let mut b = Request::get("/p").header("host", "example.com");
+        for (n, v) in headers {
+            b = b.header(*n, *v);
+        }
+        b.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn unkeyed_inputs_are_removed() {
+        let mut p = parts(&[
+            ("x-forwarded-host", "evil.example"),
+            ("X-HTTP-Method-Override", "DELETE"),
+            ("forwarded", "host=evil"),
+            ("accept", "text/html"),
+        ]);
+        let plain = prepare(&mut parts(&[]), &config()).unwrap();
+        let got = prepare(&mut p, &config()).unwrap();
+        assert_eq!(got.key, plain.key);
+        assert_eq!(p.headers.len(), 2, "{:?}", p.headers);
+        assert!(p.headers.contains_key("accept"));
+    }
+
+    #[test]
+    fn a_keyed_header_is_kept_and_keyed() {
+        let mut config = config();
+        config
+            .keyed_headers
+            .push(HeaderName::from_static("x-forwarded-proto"));
+        let mut https = parts(&[("x-forwarded-proto", "https")]);
+        let a = prepare(&mut https, &config).unwrap();
+        let b = prepare(&mut parts(&[("x-forwarded-proto", "http")]), &config).unwrap();
+        assert_ne!(a.key, b.key);
+        assert_eq!(https.headers["x-forwarded-proto"], "https");
+    }
+
+    #[test]
+    fn credentials_key_by_fingerprint() {
+        let alice = prepare(&mut parts(&[("authorization", "Bearer alice")]), &config()).unwrap();
+        let bob = prepare(&mut parts(&[("authorization", "Bearer bob")]), &config()).unwrap();
+        let anonymous = prepare(&mut parts(&[]), &config()).unwrap();
+        assert!(alice.credentialed);
+        assert_ne!(alice.key, bob.key);
+        assert_ne!(alice.key, anonymous.key);
+        let full = alice.key.full();
+        assert!(!full.windows(5).any(|w| w == b"alice"));
+    }
+
+    #[test]
+    fn cookie_modes() {
+        let mut p = parts(&[("cookie", "session=s1; lang=fr")]);
+        assert_eq!(prepare(&mut p, &config()).unwrap_err(), Reason::Cookie);
+        let mut ignore = config();
+        ignore.cookies = Cookies::Ignore;
+        let got = prepare(&mut p, &ignore).unwrap();
+        assert!(!p.headers.contains_key("cookie"));
+        assert_eq!(got.key, prepare(&mut parts(&[]), &ignore).unwrap().key);
+
+        let mut keyed = config();
+        keyed.cookies = Cookies::Key(vec!["lang".into()]);
+        let mut fr = parts(&[("cookie", "session=s1; lang=fr")]);
+        let fr_key = prepare(&mut fr, &keyed).unwrap().key;
+        assert_eq!(
+            fr.headers["cookie"], "lang=fr",
+            "the session cookie never reaches the origin"
+        );
+        let other_session =
+            prepare(&mut parts(&[("cookie", "lang=fr; session=s2")]), &keyed).unwrap();
+        assert_eq!(fr_key, other_session.key);
+        let en = prepare(&mut parts(&[("cookie", "session=s1; lang=en")]), &keyed).unwrap();
+        assert_ne!(fr_key, en.key);
+    }
+
+    #[test]
+    fn validators_are_taken_and_answered() {
+        let mut p = parts(&[("if-none-match", "W/\"v1\", \"v2\"")]);
+        let got = prepare(&mut p, &config()).unwrap();
+        assert!(!p.headers.contains_key("if-none-match"));
+        assert!(got.conditional.not_modified(Some(b"\"v1\""), None));
+        assert!(got.conditional.not_modified(Some(b"W/\"v2\""), None));
+        assert!(!got.conditional.not_modified(Some(b"\"v3\""), None));
+        assert!(!got.conditional.not_modified(None, None));
+
+        let mut p = parts(&[("if-modified-since", "Sun, 06 Nov 1994 08:49:37 GMT")]);
+        let got = prepare(&mut p, &config()).unwrap();
+        let at = parse_http_date("Sun, 06 Nov 1994 08:49:37 GMT").unwrap();
+        assert!(got.conditional.not_modified(None, Some(at)));
+        assert!(
+            !got.conditional
+                .not_modified(None, Some(at + std::time::Duration::from_secs(1)))
+        );
+    }
+
+    #[test]
+    fn client_reload_is_ignored_unless_honoured() {
+        let mut honour = config();
+        honour.honor_client_no_cache = true;
+        for h in [
+            ("cache-control", "no-cache"),
+            ("cache-control", "max-age=0"),
+            ("pragma", "no-cache"),
+        ] {
+            assert!(!prepare(&mut parts(&[h]), &config()).unwrap().reload);
+            assert!(prepare(&mut parts(&[h]), &honour).unwrap().reload, "{h:?}");
+        }
+        let both = [("cache-control", "max-age=5"), ("pragma", "no-cache")];
+        assert!(!prepare(&mut parts(&both), &honour).unwrap().reload);
+    }
+}
