@@ -74,6 +74,24 @@ impl CacheKey {
         Self { full, hash }
     }
 
+    /// This key with one more part: a key of its own, never equal to this one
+    /// or to any other key's extension by a different part.
+    ///
+    /// ```
+    /// use tiercache_core::CacheKey;
+    ///
+    /// let page = CacheKey::new("/page");
+    /// assert_ne!(page.with_part(b"en"), page.with_part(b"fr"));
+    /// assert_eq!(page.with_part(b"en"), CacheKey::builder().part(b"/page").part(b"en").finish());
+    /// ```
+    pub fn with_part(&self, part: &[u8]) -> CacheKey {
+        let mut buf = Vec::with_capacity(self.full.len() + 4 + part.len());
+        buf.extend_from_slice(&self.full);
+        let mut builder = KeyBuilder { buf };
+        builder.push(part);
+        builder.finish()
+    }
+
     /// The full, length-prefixed key.
     pub fn full(&self) -> &Bytes {
         &self.full

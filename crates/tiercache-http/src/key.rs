@@ -90,6 +90,29 @@ pub fn variant_for(response: &HeaderMap, request: &HeaderMap) -> Bytes {
     out.freeze()
 }
 
+/// The variant `request` would have under the `Vary` names `entry` was stored
+/// with: the key suffix of the entry that may answer it.
+pub fn request_variant(entry: &Entry, request: &HeaderMap) -> Bytes {
+    let mut rest = &entry.variant()[..];
+    let mut out = BytesMut::with_capacity(rest.len());
+    while !rest.is_empty() {
+        let (Some(name), Some(_)) = (take_part(&mut rest), take_part(&mut rest)) else {
+            break;
+        };
+        let Ok(name) = HeaderName::from_bytes(name) else {
+            break;
+        };
+        put_part(&mut out, name.as_str().as_bytes());
+        put_part(&mut out, &fingerprint(&joined(request, &name)));
+    }
+    out.freeze()
+}
+
+/// The key of the variant `variant` of the entry at `primary`.
+pub fn variant_key(primary: &CacheKey, variant: &[u8]) -> CacheKey {
+    primary.with_part(&[b"vary:".as_slice(), variant].concat())
+}
+
 /// Whether `entry` was stored for requests with the same `Vary`'d values as `request`.
 pub fn variant_matches(entry: &Entry, request: &HeaderMap) -> bool {
     let mut rest = &entry.variant()[..];

@@ -9,6 +9,7 @@ use tiercache_core::{Policy, PolicyError, TieredCache};
 use tower::Layer;
 
 use crate::service::ResponseCache;
+use crate::variants::Variants;
 
 /// Caches the responses of the service it wraps.
 ///
@@ -35,6 +36,7 @@ use crate::service::ResponseCache;
 #[derive(Debug, Clone)]
 pub struct ResponseCacheLayer {
     pub(crate) engine: TieredCache,
+    pub(crate) variants: Variants,
     pub(crate) policy: Option<Arc<Policy>>,
     pub(crate) config: Arc<HttpConfig>,
 }
@@ -92,6 +94,7 @@ impl ResponseCacheLayer {
     pub fn new(engine: TieredCache) -> Self {
         Self {
             engine,
+            variants: Variants::new(),
             policy: None,
             config: Arc::new(HttpConfig::default()),
         }

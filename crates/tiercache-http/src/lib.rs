@@ -43,6 +43,7 @@ mod layer;
 pub mod request;
 mod service;
 mod values;
+mod variants;
 
 pub use body::CacheBody;
 pub use layer::ResponseCacheLayer;

@@ -27,9 +27,10 @@ use crate::freshness::OriginFreshness;
 use crate::future::ResponseFuture;
 use crate::headers::{self, Outcome, strip_hop_by_hop};
 use crate::invalidate::{invalidation_keys, is_safe, location_keys};
-use crate::key::{variant_for, variant_matches};
+use crate::key::{request_variant, variant_for, variant_key, variant_matches};
 use crate::layer::{HttpConfig, ResponseCacheLayer};
 use crate::request::{Conditional, prepare};
+use crate::variants::Variants;
 
 /// Caches the responses of `S`; built by [`ResponseCacheLayer`].
 ///
@@ -51,6 +52,7 @@ impl<S> ResponseCache<S> {
         let ctx = layer.policy.map(|policy| {
             Arc::new(Ctx {
                 engine: layer.engine,
+                variants: layer.variants,
                 policy,
                 config: layer.config,
             })
@@ -68,6 +70,7 @@ impl<S> ResponseCache<S> {
 #[derive(Debug)]
 struct Ctx {
     engine: TieredCache,
+    variants: Variants,
     policy: Arc<Policy>,
     config: Arc<HttpConfig>,
 }
@@ -185,7 +188,8 @@ where
                 return ResponseFuture::inner(self.inner.call(req), label);
             }
         };
-        let key = prepared.key;
+        let primary = prepared.key;
+        let mut key = primary.clone();
         let ask = Ask {
             head: prepared.head,
             conditional: prepared.conditional,
@@ -194,10 +198,26 @@ where
         let now = engine.now();
         let lookup = if prepared.reload {
             Lookup::Miss {
-                fallback: engine.peek(&key),
+                fallback: engine.peek(&key).filter(|e| ctx.fits(e, &parts.headers)),
             }
         } else {
-            engine.lookup_at(&key, now, &ctx.policy, |e| ctx.fits(e, &parts.headers))
+            let mut lookup =
+                engine.lookup_at(&key, now, &ctx.policy, |e| ctx.fits(e, &parts.headers));
+            // The URL's latest response is another variant: its `Vary` names
+            // say which variant key this request's answer is under.
+            if matches!(lookup, Lookup::Miss { fallback: None })
+                && let Some(latest) = engine.peek(&primary)
+                && !latest.variant().is_empty()
+                && !variant_matches(&latest, &parts.headers)
+            {
+                key = variant_key(&primary, &request_variant(&latest, &parts.headers));
+                lookup = engine.lookup_at(&key, now, &ctx.policy, |e| ctx.fits(e, &parts.headers));
+            }
+            lookup
+        };
+        let keys = Keys {
+            primary,
+            flight: key,
         };
         let (fallback, revalidate) = match lookup {
             Lookup::Fresh { entry, .. } if ctx.must_revalidate(&entry) => (Some(entry), true),
@@ -207,7 +227,7 @@ where
                 refresh,
             } => {
                 if refresh {
-                    self.refresh_in_background(&ctx, &parts, &key, &entry, &ask);
+                    self.refresh_in_background(&ctx, &parts, &keys, &entry, &ask);
                 }
                 let outcome = Outcome::Hit {
                     tier: Source::L1,
@@ -218,7 +238,7 @@ where
             }
             Lookup::Stale { entry } => {
                 engine.record_stale_served();
-                self.refresh_in_background(&ctx, &parts, &key, &entry, &ask);
+                self.refresh_in_background(&ctx, &parts, &keys, &entry, &ask);
                 let outcome = Outcome::Stale { detail: None };
                 return ResponseFuture::ready(ctx.entry_response(&entry, now, &ask, &outcome));
             }
@@ -227,7 +247,7 @@ where
         let inner = self.take_ready();
         let req = Request::from_parts(parts, body);
         let miss = Miss {
-            key,
+            keys,
             ask,
             fallback,
             revalidate,
@@ -253,6 +273,9 @@ where
         keys.extend(location_keys(res.headers(), &request));
         for key in &keys {
             ctx.engine.invalidate(key).await;
+            for variant in ctx.variants.take(key) {
+                ctx.engine.invalidate(&variant).await;
+            }
         }
     }
     let mut res = res.map(CacheBody::stream);
@@ -274,7 +297,7 @@ impl<S: Clone> ResponseCache<S> {
         &mut self,
         ctx: &Arc<Ctx>,
         parts: &request::Parts,
-        key: &CacheKey,
+        keys: &Keys,
         stale: &Entry,
         ask: &Ask,
     ) where
@@ -285,7 +308,7 @@ impl<S: Clone> ResponseCache<S> {
         ResB: Body<Data = Bytes> + Send + 'static,
         ResB::Error: Into<BoxError>,
     {
-        let Some(leader) = ctx.engine.try_lead(key) else {
+        let Some(leader) = ctx.engine.try_lead(&keys.flight) else {
             return;
         };
         let mut head = parts.clone();
@@ -296,7 +319,7 @@ impl<S: Clone> ResponseCache<S> {
             ctx.clone(),
             inner,
             req,
-            key.clone(),
+            keys.clone(),
             leader,
             Some(stale.clone()),
             false,
@@ -308,9 +331,18 @@ impl<S: Clone> ResponseCache<S> {
     }
 }
 
+/// The keys of one request: its URL's primary key (the latest response,
+/// hit-for-miss marks, variant tracking) and the key it loads under (the
+/// primary, or the variant key when the URL's `Vary` names are known).
+#[derive(Debug, Clone)]
+struct Keys {
+    primary: CacheKey,
+    flight: CacheKey,
+}
+
 /// A request that missed L1 (or must revalidate its entry).
 struct Miss {
-    key: CacheKey,
+    keys: Keys,
     ask: Ask,
     /// An entry to revalidate, or to answer with when the origin fails.
     fallback: Option<Entry>,
@@ -334,14 +366,14 @@ impl Miss {
         ResB::Error: Into<BoxError>,
     {
         let Miss {
-            key,
+            keys,
             ask,
             fallback,
             revalidate,
         } = self;
-        if ctx.engine.is_uncacheable(&key) {
+        if ctx.engine.is_uncacheable(&keys.primary) {
             ctx.engine.record_bypass(Reason::HitForMiss.as_str());
-            let loaded = load(&ctx, inner, as_get(req), &key, None, ask.credentialed).await?;
+            let loaded = load(&ctx, inner, as_get(req), &keys, None, ask.credentialed).await?;
             return Ok(respond_loaded(
                 &ctx,
                 loaded,
@@ -350,7 +382,7 @@ impl Miss {
                 Some(Reason::HitForMiss),
             ));
         }
-        match ctx.engine.join(&key) {
+        match ctx.engine.join(&keys.flight) {
             Join::Leader(leader) => {
                 // Detached: if this request is dropped (client gone), the fill still
                 // completes, stores, and wakes the followers.
@@ -358,7 +390,7 @@ impl Miss {
                     ctx.clone(),
                     inner,
                     as_get(req),
-                    key,
+                    keys,
                     leader,
                     fallback.clone(),
                     revalidate,
@@ -409,7 +441,7 @@ impl Miss {
                     // abandoned load: this request goes to the origin itself.
                     _ => {
                         let loaded =
-                            load(&ctx, inner, as_get(req), &key, None, ask.credentialed).await?;
+                            load(&ctx, inner, as_get(req), &keys, None, ask.credentialed).await?;
                         Ok(respond_loaded(&ctx, loaded, &ask, true, None))
                     }
                 }
@@ -426,7 +458,7 @@ async fn fill<S, ReqB, ResB>(
     ctx: Arc<Ctx>,
     inner: S,
     req: Request<ReqB>,
-    key: CacheKey,
+    keys: Keys,
     leader: Leader,
     mut stale: Option<Entry>,
     revalidate: bool,
@@ -439,12 +471,7 @@ where
 {
     // A copy: the request body need not be `Sync` to be held across the read.
     let request_headers = req.headers().clone();
-    if !revalidate
-        && let Some(entry) = ctx
-            .engine
-            .lookup_l2(&key, |e| ctx.fits(e, &request_headers))
-            .await
-    {
+    if !revalidate && let Some(entry) = read_l2(&ctx, &keys, &request_headers).await {
         if !ctx.must_revalidate(&entry) {
             leader.complete(FlightResult::Shared(entry.clone(), Source::L2));
             return Ok(Filled::Entry(entry, Source::L2));
@@ -456,7 +483,7 @@ where
         None => req,
     };
     let usable_on_error = |stale: &Option<Entry>| stale.clone().filter(|e| ctx.stale_usable(e));
-    match load(&ctx, inner, req, &key, stale.as_ref(), credentialed).await {
+    match load(&ctx, inner, req, &keys, stale.as_ref(), credentialed).await {
         Ok(Loaded::Stored(entry)) => {
             leader.complete(FlightResult::Shared(entry.clone(), Source::Origin));
             Ok(Filled::Entry(entry, Source::Origin))
@@ -482,6 +509,28 @@ where
             }
         },
     }
+}
+
+/// The L2 entry that may answer a request: under its variant key when known;
+/// else under the primary key, and when that is another variant, under the
+/// variant key its `Vary` names give. (The primary is promoted to L1 either
+/// way, so the next request finds the names there.)
+async fn read_l2(ctx: &Ctx, keys: &Keys, request: &HeaderMap) -> Option<Entry> {
+    if keys.flight != keys.primary {
+        return ctx
+            .engine
+            .lookup_l2(&keys.flight, |e| ctx.fits(e, request))
+            .await;
+    }
+    let latest = ctx.engine.lookup_l2(&keys.primary, |_| true).await?;
+    if ctx.fits(&latest, request) {
+        return Some(latest);
+    }
+    if latest.variant().is_empty() || variant_matches(&latest, request) {
+        return None;
+    }
+    let key = variant_key(&keys.primary, &request_variant(&latest, request));
+    ctx.engine.lookup_l2(&key, |e| ctx.fits(e, request)).await
 }
 
 /// 500, 502, 503, 504: the statuses stale-if-error answers for (RFC 5861 §4).
@@ -528,7 +577,7 @@ async fn load<S, ReqB, ResB>(
     ctx: &Ctx,
     inner: S,
     req: Request<ReqB>,
-    key: &CacheKey,
+    keys: &Keys,
     revalidating: Option<&Entry>,
     credentialed: bool,
 ) -> Result<Loaded<ResB>, S::Error>
@@ -553,12 +602,12 @@ where
     {
         let took = started.elapsed();
         ctx.engine.record_origin_load(took);
-        return Ok(Loaded::Stored(renew(ctx, key, stale, &parts.headers, took)));
+        return Ok(Loaded::Stored(renew(ctx, stale, &parts.headers, took)));
     }
     let pass = |parts: response::Parts, body: CacheBody<ResB>, reason: Reason| {
         ctx.engine.record_origin_load(started.elapsed());
         if reason.marks_key() && (parts.status.is_success() || parts.status.is_redirection()) {
-            ctx.engine.mark_uncacheable(key, &ctx.policy);
+            ctx.engine.mark_uncacheable(&keys.primary, &ctx.policy);
         }
         Ok(Loaded::Passed(Response::from_parts(parts, body), reason))
     };
@@ -570,6 +619,15 @@ where
         Ok(plan) => plan,
         Err(reason) => return pass(parts, CacheBody::stream(body), reason),
     };
+    let variant = variant_for(&parts.headers, &request_headers);
+    let varied = (!variant.is_empty()).then(|| variant_key(&keys.primary, &variant));
+    if let Some(key) = &varied
+        && !ctx
+            .variants
+            .admit(&keys.primary, key, ctx.config.max_variants)
+    {
+        return pass(parts, CacheBody::stream(body), Reason::VaryLimit);
+    }
     let max = ctx.config.max_body;
     if content_length(&parts.headers).is_some_and(|len| len > max as u64) {
         return pass(parts, CacheBody::stream(body), Reason::TooLarge);
@@ -611,10 +669,18 @@ where
     let took = started.elapsed();
     ctx.engine.record_origin_load(took);
     let body = concat(frames, total);
-    let variant = variant_for(&parts.headers, &request_headers);
     let value = headers::to_value(parts.status, &parts.headers, body);
     let fill = plan.fill(value).variant(variant).origin_latency(took);
-    Ok(Loaded::Stored(ctx.engine.store(key, fill, &ctx.policy)))
+    // A variant is stored under its own key, and as the URL's latest
+    // response under the primary key (whose `Vary` names lead to the rest).
+    if let Some(key) = &varied {
+        ctx.engine.store(key, fill.clone(), &ctx.policy);
+    }
+    Ok(Loaded::Stored(ctx.engine.store(
+        &keys.primary,
+        fill,
+        &ctx.policy,
+    )))
 }
 
 /// How a response is stored: its lifetime and what the origin said.
@@ -667,13 +733,7 @@ fn fill_for(ctx: &Ctx, headers: &HeaderMap, status: StatusCode) -> Result<Plan, 
 
 /// A 304 renews `stale`: its headers updated from the 304's (RFC 9111
 /// §4.3.4; framing fields kept), its body unchanged, a new lifetime drawn.
-fn renew(
-    ctx: &Ctx,
-    key: &CacheKey,
-    stale: &Entry,
-    not_modified: &HeaderMap,
-    took: std::time::Duration,
-) -> Entry {
+fn renew(ctx: &Ctx, stale: &Entry, not_modified: &HeaderMap, took: std::time::Duration) -> Entry {
     let old = stale.value();
     let mut merged = HeaderMap::with_capacity(old.headers.len());
     for (n, v) in &old.headers {
@@ -704,7 +764,9 @@ fn renew(
         }
     };
     let fill = fill.variant(stale.variant().clone()).origin_latency(took);
-    ctx.engine.store(key, fill, &ctx.policy)
+    // Renewed where it was stored (its primary or its variant key).
+    let key = CacheKey::from_full(stale.key().clone());
+    ctx.engine.store(&key, fill, &ctx.policy)
 }
 
 fn concat(frames: VecDeque<Frame<Bytes>>, total: usize) -> Bytes {
