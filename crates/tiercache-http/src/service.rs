@@ -151,7 +151,7 @@ where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
-    ReqB: Default + Send + 'static,
+    ReqB: Body + Default + Send + 'static,
     ResB: Body<Data = Bytes> + Send + 'static,
     ResB::Error: Into<BoxError>,
 {
@@ -176,7 +176,15 @@ where
             let future = self.inner.call(Request::from_parts(parts, body));
             return ResponseFuture::boxed(Box::pin(write_through(ctx, future, keys, target)));
         }
-        let prepared = match prepare(&mut parts, &ctx.config) {
+        // A GET with a body ("fat GET"), found by its framing headers or,
+        // in process, by the body itself: the body is not keyed.
+        let fat = body.size_hint().lower() > 0;
+        let prepared = if fat {
+            Err(Reason::RequestBody)
+        } else {
+            prepare(&mut parts, &ctx.config)
+        };
+        let prepared = match prepared {
             Ok(prepared) => prepared,
             Err(reason) => {
                 engine.record_bypass(reason.as_str());
