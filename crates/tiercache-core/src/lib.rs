@@ -33,7 +33,7 @@
 //!
 //! | feature | what it adds |
 //! | --- | --- |
-//! | `test-util` | [`MockClock`] and [`MemoryTier`], for tests of code built on the engine |
+//! | `test-util` | `MockClock` and `MemoryTier`, for tests of code built on the engine |
 
 mod clock;
 mod engine;

@@ -23,11 +23,16 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Safe by default: requests with `Authorization` or `Cookie` bypass the cache;
-//! responses with `Set-Cookie`, `private`, `no-store`, `Vary: *` or a status a
-//! shared cache may not store are never stored, and followers of such a load
-//! go to the origin themselves. `Vary` is honoured: an entry answers only
-//! requests with the same values of the headers it names.
+//! Safe by default (RFC 9111): requests with `Cookie` bypass the cache unless
+//! the route opts in; requests with `Authorization` are keyed per credential
+//! and stored only when the response says it may be shared; inputs that are
+//! not keyed (`X-Forwarded-Host` and kin, method overrides) are removed
+//! before the origin sees them; responses with `Set-Cookie`, `private`,
+//! `no-store` or `Vary: *` are never stored, errors only with explicit
+//! freshness. `Vary` variants are kept apart (and capped), `no-cache` entries
+//! are revalidated on each use, validators are answered with 304s, and
+//! successful unsafe requests invalidate their target. See
+//! [`request`], [`cacheable`] and [`invalidate`].
 //!
 //! This crate has no features.
 

@@ -1,6 +1,6 @@
 //! What a cacheable request brings: its key, and the head the origin gets.
 //!
-//! [`prepare`] turns a GET or HEAD into the request a shared cache may send
+//! Preparing a request turns a GET or HEAD into the request a shared cache may send
 //! on: the inputs that are not in the key are taken out (so they cannot shape
 //! a stored response), the client's own validators are kept aside (the cache
 //! answers them, RFC 9111 §4.3.2), and what the route keys on is pushed into
