@@ -384,7 +384,8 @@ impl Harness {
             valkey.keys("*").contains(&control_key)
         })
         .await;
-        let mut keys = self.valkey.keys("*");
+        // Entries only: fill locks and tag sets are not responses.
+        let mut keys = self.valkey.keys("*:e");
         keys.retain(|k| *k != control_key);
         keys
     }

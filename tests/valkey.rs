@@ -87,15 +87,18 @@ async fn a_cohort_filled_together_spreads_its_pttls_over_the_band() {
             &policy,
         );
     }
+    let filled = std::time::Instant::now();
     wait_for_keys(&server, "tc:*", 1000).await;
     let mut buckets = [0usize; 10];
     for key in server.keys("tc:*") {
         assert!(key.starts_with("tc:{") && key.ends_with("}:e"), "{key}");
         let pttl: u64 = server.cmd(&["PTTL", &key]).parse().unwrap();
-        // The band is 80..=120 s; a few hundred ms have passed since the fill.
+        // The band is 80..=120 s, less the time since the fill (a loaded
+        // machine reading 1,000 PTTLs one connection each takes seconds).
+        let floor = 80_000u64.saturating_sub(filled.elapsed().as_millis() as u64 + 50);
         assert!(
-            (78_000..=120_000).contains(&pttl),
-            "PTTL {pttl} outside 80..120 s"
+            (floor..=120_000).contains(&pttl),
+            "PTTL {pttl} outside {floor}..120000 ms"
         );
         let i = ((pttl.saturating_sub(80_000)) / 4_000).min(9) as usize;
         buckets[i] += 1;

@@ -1,6 +1,7 @@
 //! The engine: [`TieredCache`] ties L1, the optional shared tier, single
 //! flight, the clock and the counters together.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::future::Future;
 use std::sync::{Arc, Mutex, Weak};
@@ -14,8 +15,9 @@ use crate::flight::{FlightError, FlightResult, Flights, Follower, Join, Leader, 
 use crate::l1::L1;
 use crate::stats::{Counters, bump};
 use crate::{
-    CacheKey, Clock, Entry, Freshness, KeyHash, Policy, PolicyError, Source, Stats, SystemClock,
-    Tier, Times, Value,
+    CacheKey, Clock, Entry, FleetJoin, FleetLock, Freshness, Invalidation, InvalidationSink,
+    KeyHash, KeyPattern, LockAttempt, Policy, PolicyError, Source, Stats, SystemClock, Tier, Times,
+    Unlocked, Value,
 };
 
 /// A two-tier cache engine. Cheap to clone: clones share everything.
@@ -49,6 +51,8 @@ pub(crate) struct Inner {
     rng: Mutex<SmallRng>,
     /// Keys whose last response could not be shared, until when (hit-for-miss).
     uncacheable: moka::sync::Cache<KeyHash, SystemTime>,
+    /// Tag → the keys this instance stored with it (tag invalidation without L2).
+    tags: moka::sync::Cache<Bytes, Arc<Mutex<HashSet<KeyHash>>>>,
 }
 
 impl fmt::Debug for TieredCache {
@@ -127,6 +131,7 @@ pub struct Fill {
     stale_if_error: Option<Duration>,
     no_stale: bool,
     initial_age: Duration,
+    tags: Vec<Bytes>,
 }
 
 impl Fill {
@@ -141,7 +146,15 @@ impl Fill {
             stale_if_error: None,
             no_stale: false,
             initial_age: Duration::ZERO,
+            tags: Vec::new(),
         }
+    }
+
+    /// Tags (surrogate keys) to record the entry under, for
+    /// [`TieredCache::invalidate_tag`].
+    pub fn tags(mut self, tags: Vec<Bytes>) -> Self {
+        self.tags = tags;
+        self
     }
 
     /// Where the fresh lifetime comes from (default: the route's ttl).
@@ -395,17 +408,27 @@ impl TieredCache {
             times,
             fill.origin_latency,
         );
-        self.insert(key, entry.clone(), fresh + swr.max(sie));
+        self.insert(key, entry.clone(), fresh + swr.max(sie), &fill.tags);
         entry
     }
 
-    fn insert(&self, key: &CacheKey, entry: Entry, l2_ttl: Duration) {
+    fn insert(&self, key: &CacheKey, entry: Entry, l2_ttl: Duration, tags: &[Bytes]) {
         self.inner.uncacheable.invalidate(&key.hash());
         if let Some(l2) = &self.inner.l2 {
-            l2.put(key, &entry, l2_ttl);
+            l2.put(key, &entry, l2_ttl, tags);
+        }
+        for tag in tags {
+            let keys = self.inner.tags.get_with(tag.clone(), Default::default);
+            let mut keys = keys.lock().unwrap_or_else(|e| e.into_inner());
+            if keys.len() < Self::MAX_KEYS_PER_TAG {
+                keys.insert(key.hash());
+            }
         }
         self.inner.l1.insert(key.hash(), entry);
     }
+
+    /// Keys remembered per tag in this process (the shared tier keeps its own index).
+    const MAX_KEYS_PER_TAG: usize = 100_000;
 
     /// Reads `key` without loading: a fresh L1 entry, else a fresh L2 one
     /// (promoted). Not counted as a hit or a miss.
@@ -446,7 +469,7 @@ impl TieredCache {
             times,
             entry.origin_latency(),
         );
-        self.insert(key, renewed, ttl);
+        self.insert(key, renewed, ttl, &[]);
         true
     }
 
@@ -555,13 +578,115 @@ impl TieredCache {
         }
     }
 
-    /// Removes `key` from L1 and from the shared tier.
+    /// Removes `key` from L1 and from the shared tier, and from every other
+    /// instance's L1 (through the tier's messages).
     pub async fn invalidate(&self, key: &CacheKey) {
-        self.inner.l1.invalidate(&key.hash());
+        self.invalidate_keys(std::slice::from_ref(key)).await;
+    }
+
+    /// Removes `keys` everywhere, like [`invalidate`](Self::invalidate), in one message.
+    pub async fn invalidate_keys(&self, keys: &[CacheKey]) {
+        let hashes: Vec<KeyHash> = keys.iter().map(CacheKey::hash).collect();
+        for hash in &hashes {
+            self.inner.l1.invalidate(hash);
+        }
+        self.invalidate_shared(Invalidation::Keys(hashes)).await;
+    }
+
+    /// Removes every entry stored with `tag` (see [`Fill::tags`]) from L1,
+    /// the shared tier and every instance's L1.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tiercache_core::{CacheKey, Fill, Policy, TieredCache, Value};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
+    /// let policy = Policy::ttl(Duration::from_secs(60));
+    /// let key = CacheKey::new("product:7");
+    /// cache.store(&key, Fill::new(Value::from_body("v")).tags(vec!["product-7".into()]), &policy);
+    /// cache.invalidate_tag("product-7").await;
+    /// assert!(cache.get(&key).await.is_none());
+    /// # }
+    /// ```
+    pub async fn invalidate_tag(&self, tag: impl Into<Bytes>) {
+        let tag = tag.into();
+        let local = self.inner.drop_tag(&tag);
+        self.invalidate_shared(Invalidation::Tag(tag, local)).await;
+    }
+
+    /// Removes every key `pattern` matches from L1, the shared tier and
+    /// every instance's L1. L1 is scanned (O(entries)); the shared tier
+    /// applies the pattern as it sees fit (the Valkey tier records a ban
+    /// that its reads check).
+    pub async fn invalidate_prefix(&self, pattern: KeyPattern) {
+        self.inner.drop_matching(&pattern);
+        self.invalidate_shared(Invalidation::Prefix(pattern)).await;
+    }
+
+    async fn invalidate_shared(&self, invalidation: Invalidation) {
         if let Some(l2) = &self.inner.l2
-            && l2.delete(key).await.is_err()
+            && l2.invalidate(invalidation).await.is_err()
         {
             bump(&self.inner.counters.l2_errors);
+        }
+    }
+
+    /// Drops every L1 entry (what an instance does when it may have missed
+    /// invalidations).
+    pub fn clear_l1(&self) {
+        self.inner.resync();
+    }
+
+    /// Before an origin load for `key` (its L2 read missed): takes the
+    /// fleet-wide fill lock, or waits for the instance holding it and
+    /// returns what it stored. Without a shared tier that has locks, or when
+    /// it fails, the lock is [`FleetLock::local`] and the local single flight
+    /// alone protects the origin. A wait lasts at most the policy's
+    /// `lock_timeout` (or the lock's own remaining time, if shorter: a lock
+    /// whose owner died expires, and this instance takes over); after it the
+    /// request loads without the lock (counted as a lock timeout).
+    pub async fn lead_fleet(
+        &self,
+        key: &CacheKey,
+        policy: &Policy,
+        accept: impl Fn(&Entry) -> bool,
+    ) -> FleetJoin {
+        let Some(l2) = self.inner.l2.clone() else {
+            return FleetJoin::Lead(FleetLock::local());
+        };
+        let wait = policy.lock_wait();
+        let held_for = match l2.try_lock(key, wait).await {
+            Ok(LockAttempt::Acquired(token)) => {
+                return FleetJoin::Lead(FleetLock::held(l2, key.clone(), token));
+            }
+            Ok(LockAttempt::Held(left)) => left,
+            Ok(_) => return FleetJoin::Lead(FleetLock::local()),
+            Err(_) => {
+                bump(&self.inner.counters.l2_errors);
+                return FleetJoin::Lead(FleetLock::local());
+            }
+        };
+        bump(&self.inner.counters.coalesced);
+        // A little past the lock's own end, so an expired lock is seen gone.
+        let bound = wait.min(held_for + Duration::from_millis(20));
+        let unlocked = l2.wait_unlock(key, bound).await.unwrap_or(Unlocked::Gone);
+        if unlocked != Unlocked::Passed
+            && let Some(entry) = self.lookup_l2(key, &accept).await
+        {
+            return FleetJoin::Filled(entry);
+        }
+        if unlocked == Unlocked::Passed {
+            return FleetJoin::Lead(FleetLock::local());
+        }
+        match l2.try_lock(key, wait).await {
+            Ok(LockAttempt::Acquired(token)) => {
+                FleetJoin::Lead(FleetLock::held(l2, key.clone(), token))
+            }
+            _ => {
+                bump(&self.inner.counters.lock_timeouts);
+                FleetJoin::Lead(FleetLock::local())
+            }
         }
     }
 
@@ -621,7 +746,44 @@ impl TieredCache {
     }
 }
 
+impl InvalidationSink for Inner {
+    fn apply(&self, invalidation: &Invalidation) {
+        match invalidation {
+            Invalidation::Keys(hashes) => hashes.iter().for_each(|h| self.l1.invalidate(h)),
+            Invalidation::Tag(tag, hashes) => {
+                self.drop_tag(tag);
+                hashes.iter().for_each(|h| self.l1.invalidate(h));
+            }
+            Invalidation::Prefix(pattern) => self.drop_matching(pattern),
+        }
+    }
+
+    fn resync(&self) {
+        self.l1.clear();
+        self.tags.invalidate_all();
+    }
+}
+
 impl Inner {
+    /// Drops the L1 entries recorded under `tag`; returns their keys.
+    fn drop_tag(&self, tag: &Bytes) -> Vec<KeyHash> {
+        let Some(keys) = self.tags.remove(tag) else {
+            return Vec::new();
+        };
+        let keys: Vec<KeyHash> = keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .collect();
+        keys.iter().for_each(|h| self.l1.invalidate(h));
+        keys
+    }
+
+    fn drop_matching(&self, pattern: &KeyPattern) {
+        self.l1
+            .remove_where(|entry| pattern.matches_full(entry.key()));
+    }
+
     fn sweep(&self) -> u64 {
         let reclaimed = self.l1.sweep();
         self.uncacheable.run_pending_tasks();
@@ -734,7 +896,12 @@ impl TieredCacheBuilder {
                 .max_capacity(100_000)
                 .time_to_live(Policy::DEFAULT_HIT_FOR_MISS_TTL * 60)
                 .build(),
+            tags: moka::sync::Cache::builder().max_capacity(100_000).build(),
         });
+        if let Some(l2) = &inner.l2 {
+            let sink: Weak<dyn InvalidationSink> = Arc::downgrade(&inner) as _;
+            l2.listen(sink);
+        }
         if let (Some(handle), Some(interval)) = (runtime, self.sweep_interval) {
             handle.spawn(sweeper(Arc::downgrade(&inner), interval));
         }

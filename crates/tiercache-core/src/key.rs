@@ -22,6 +22,18 @@ impl KeyHash {
     pub fn to_hex(&self) -> String {
         self.to_string()
     }
+
+    /// Reads [`to_hex`](Self::to_hex)'s output; `None` for anything else.
+    pub fn from_hex(hex: &str) -> Option<Self> {
+        if hex.len() != 32 {
+            return None;
+        }
+        let mut out = [0u8; 16];
+        for (i, byte) in out.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+        }
+        Some(Self(out))
+    }
 }
 
 impl fmt::Display for KeyHash {
@@ -154,6 +166,122 @@ impl KeyBuilder {
     }
 }
 
+/// Which keys an invalidation by prefix reaches: a key matches when its
+/// first parts match the pattern's, part by part (more parts may follow, so
+/// a URL's `Vary` variants and credential-keyed copies match with it).
+///
+/// ```
+/// use tiercache_core::{CacheKey, KeyPattern};
+///
+/// let products = KeyPattern::new().part(b"shop").prefix(b"/products/");
+/// assert!(products.matches(&CacheKey::builder().part(b"shop").part(b"/products/7").finish()));
+/// assert!(!products.matches(&CacheKey::builder().part(b"shop").part(b"/users/7").finish()));
+/// assert!(!products.matches(&CacheKey::new("shop/products/7")));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub struct KeyPattern {
+    parts: Vec<PartMatch>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum PartMatch {
+    Exact(Bytes),
+    Prefix(Bytes),
+    Any,
+}
+
+impl KeyPattern {
+    /// A pattern that matches every key.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The next part must equal `part`.
+    pub fn part(mut self, part: &[u8]) -> Self {
+        self.parts
+            .push(PartMatch::Exact(Bytes::copy_from_slice(part)));
+        self
+    }
+
+    /// The next part may be anything.
+    pub fn any(mut self) -> Self {
+        self.parts.push(PartMatch::Any);
+        self
+    }
+
+    /// The next part must start with `prefix`.
+    pub fn prefix(mut self, prefix: &[u8]) -> Self {
+        self.parts
+            .push(PartMatch::Prefix(Bytes::copy_from_slice(prefix)));
+        self
+    }
+
+    /// Whether `key` matches.
+    pub fn matches(&self, key: &CacheKey) -> bool {
+        self.matches_full(key.full())
+    }
+
+    /// Whether the full key bytes `full` (see [`CacheKey::full`]) match.
+    pub fn matches_full(&self, full: &[u8]) -> bool {
+        let mut parts = Parts { rest: full };
+        self.parts.iter().all(|want| match (parts.next(), want) {
+            (None, _) => false,
+            (Some(_), PartMatch::Any) => true,
+            (Some(got), PartMatch::Exact(p)) => got == &p[..],
+            (Some(got), PartMatch::Prefix(p)) => got.starts_with(p),
+        })
+    }
+
+    /// The pattern as bytes (for sending it to other instances).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        for part in &self.parts {
+            let (tag, bytes): (u8, &[u8]) = match part {
+                PartMatch::Exact(b) => (b'=', b),
+                PartMatch::Prefix(b) => (b'^', b),
+                PartMatch::Any => (b'*', b""),
+            };
+            out.push(tag);
+            out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+            out.extend_from_slice(bytes);
+        }
+        out
+    }
+
+    /// Reads [`to_bytes`](Self::to_bytes)'s output; `None` for anything else.
+    pub fn from_bytes(mut bytes: &[u8]) -> Option<Self> {
+        let mut pattern = Self::new();
+        while let Some((&tag, rest)) = bytes.split_first() {
+            let len = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+            let part = rest.get(4..4 + len)?;
+            pattern = match tag {
+                b'=' => pattern.part(part),
+                b'^' => pattern.prefix(part),
+                b'*' if len == 0 => pattern.any(),
+                _ => return None,
+            };
+            bytes = &rest[4 + len..];
+        }
+        Some(pattern)
+    }
+}
+
+/// The parts of a full key, in order.
+struct Parts<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Iterator for Parts<'a> {
+    type Item = &'a [u8];
+
+    fn next(&mut self) -> Option<&'a [u8]> {
+        let len = u32::from_le_bytes(self.rest.get(..4)?.try_into().ok()?) as usize;
+        let part = self.rest.get(4..4 + len)?;
+        self.rest = &self.rest[4 + len..];
+        Some(part)
+    }
+}
+
 /// A 128-bit digest of `bytes` for telling values apart without keeping
 /// them: BLAKE3 in derive-key mode, so it never equals a key hash.
 ///
@@ -196,7 +324,35 @@ mod tests {
         let k = CacheKey::new("/x{evil}");
         let hex = k.hash().to_hex();
         assert_eq!(hex.len(), 32);
+        assert_eq!(KeyHash::from_hex(&hex), Some(k.hash()));
+        assert_eq!(KeyHash::from_hex("zz"), None);
         assert!(hex.bytes().all(|b| b.is_ascii_hexdigit()));
+    }
+
+    #[test]
+    fn patterns_match_whole_parts_and_round_trip() {
+        let key = CacheKey::builder()
+            .part(b"a")
+            .part(b"bc")
+            .part(b"d")
+            .finish();
+        assert!(KeyPattern::new().matches(&key));
+        assert!(KeyPattern::new().part(b"a").any().matches(&key));
+        assert!(
+            KeyPattern::new()
+                .part(b"a")
+                .prefix(b"b")
+                .part(b"d")
+                .matches(&key)
+        );
+        assert!(!KeyPattern::new().prefix(b"ab").matches(&key));
+        assert!(!KeyPattern::new().part(b"a").part(b"b").matches(&key));
+        let long = KeyPattern::new().any().any().any().any();
+        assert!(!long.matches(&key), "more parts than the key has");
+        let p = KeyPattern::new().part(b"x").any().prefix(b"/p{");
+        assert_eq!(KeyPattern::from_bytes(&p.to_bytes()), Some(p));
+        assert_eq!(KeyPattern::from_bytes(b"?garbage"), None);
+        assert_eq!(KeyPattern::from_bytes(b"=\xff\xff\xff\xffx"), None);
     }
 
     #[test]

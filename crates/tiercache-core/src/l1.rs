@@ -131,6 +131,24 @@ impl L1 {
         self.index.lock().unwrap().records
     }
 
+    /// Drops every entry `doomed` picks (a scan of the whole cache).
+    pub(crate) fn remove_where(&self, doomed: impl Fn(&Entry) -> bool) {
+        for (hash, entry) in self.cache.iter() {
+            if doomed(&entry) {
+                // Only the entry seen: a newer fill under the key stays.
+                let _ = self.cache.entry(*hash).and_compute_with(|live| match live {
+                    Some(live) if live.value().ptr_eq(&entry) => Op::Remove,
+                    _ => Op::Nop,
+                });
+            }
+        }
+    }
+
+    /// Drops every entry.
+    pub(crate) fn clear(&self) {
+        self.cache.invalidate_all();
+    }
+
     pub(crate) fn invalidate(&self, hash: &KeyHash) {
         self.cache.invalidate(hash);
     }

@@ -9,6 +9,8 @@
 //! - L1 on moka, bounded by bytes, with a sweeper and lazy expiry;
 //! - single flight ([`Join`], [`Leader`], [`Follower`]);
 //! - [`Clock`]: every freshness decision is made on the engine's clock;
+//! - fleets ([`Invalidation`], [`FleetLock`]): invalidations that reach every
+//!   instance's L1 and fill locks shared through the tier;
 //! - [`Stats`]: counters for hits by tier, misses, loads, waits, expiry and eviction.
 //!
 //! ```
@@ -38,6 +40,7 @@
 mod clock;
 mod engine;
 mod entry;
+mod fleet;
 mod flight;
 pub mod key;
 mod l1;
@@ -50,8 +53,11 @@ pub use clock::MockClock;
 pub use clock::{Clock, SystemClock};
 pub use engine::{BuildError, Fill, Lifetime, LoadError, Lookup, TieredCache, TieredCacheBuilder};
 pub use entry::{Entry, Freshness, Source, Times, Value};
+pub use fleet::{
+    FleetJoin, FleetLock, Invalidation, InvalidationSink, LockAttempt, LockToken, Unlocked,
+};
 pub use flight::{FlightError, FlightResult, Follower, Join, Leader, Waited};
-pub use key::{CacheKey, KeyBuilder, KeyHash};
+pub use key::{CacheKey, KeyBuilder, KeyHash, KeyPattern};
 pub use policy::{Jitter, MAX_JITTER, MAX_LOCK_TIMEOUT, MAX_TTL, Policy, PolicyError};
 pub use stats::{LatencyStats, Stats};
 #[cfg(any(test, feature = "test-util"))]

@@ -52,6 +52,7 @@ pub struct Policy {
     xfetch_beta: f64,
     origin_soft_timeout: Option<Duration>,
     override_origin: bool,
+    tags: Vec<bytes::Bytes>,
 }
 
 impl Policy {
@@ -81,6 +82,7 @@ impl Policy {
             xfetch_beta: Self::DEFAULT_XFETCH_BETA,
             origin_soft_timeout: None,
             override_origin: false,
+            tags: Vec::new(),
         }
     }
 
@@ -118,6 +120,19 @@ impl Policy {
     pub fn origin_soft_timeout(mut self, timeout: Duration) -> Self {
         self.origin_soft_timeout = Some(timeout);
         self
+    }
+
+    /// Records every response of this route under `tag` (a surrogate key),
+    /// besides any the response names in `Surrogate-Key`; see
+    /// [`TieredCache::invalidate_tag`](crate::TieredCache::invalidate_tag).
+    pub fn tag(mut self, tag: impl Into<bytes::Bytes>) -> Self {
+        self.tags.push(tag.into());
+        self
+    }
+
+    /// The route's tags.
+    pub fn tags(&self) -> &[bytes::Bytes] {
+        &self.tags
     }
 
     /// Use the route's ttl even when the origin declares a lifetime

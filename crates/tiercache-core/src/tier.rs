@@ -5,7 +5,9 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
-use crate::{CacheKey, Entry};
+use bytes::Bytes;
+
+use crate::{CacheKey, Entry, Invalidation, InvalidationSink, LockAttempt, LockToken, Unlocked};
 
 /// A boxed, sendable future (the `Tier` trait is used as `dyn Tier`).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -23,18 +25,55 @@ pub struct TierHit {
 /// A second cache tier shared by many processes (Valkey, or a fake in tests).
 ///
 /// Every method fails open: the engine counts an error and goes on to the
-/// origin, so an implementation should bound its own latency.
+/// origin, so an implementation should bound its own latency. The fleet
+/// methods (locks, invalidation messages) have defaults for a tier that is
+/// not shared by several instances: no locks, no messages.
 pub trait Tier: Send + Sync + fmt::Debug + 'static {
     /// Reads `key` in one round trip. `Ok(None)` is a miss, including bytes
     /// that do not decode or belong to another key.
     fn get<'a>(&'a self, key: &'a CacheKey) -> BoxFuture<'a, Result<Option<TierHit>, TierError>>;
 
-    /// Stores `entry` under `key` for `ttl`, off the caller's path: it queues
-    /// and returns at once; a full queue drops the write (and counts it).
-    fn put(&self, key: &CacheKey, entry: &Entry, ttl: Duration);
+    /// Stores `entry` under `key` for `ttl`, and records it under each of
+    /// `tags`, off the caller's path: it queues and returns at once; a full
+    /// queue drops the write (and counts it).
+    fn put(&self, key: &CacheKey, entry: &Entry, ttl: Duration, tags: &[Bytes]);
 
-    /// Removes `key`.
-    fn delete<'a>(&'a self, key: &'a CacheKey) -> BoxFuture<'a, Result<(), TierError>>;
+    /// Removes what `invalidation` names from the tier (for a tag, with the
+    /// keys recorded under it, which it adds to the message) and tells the
+    /// other instances, whose sinks drop the same from their L1.
+    fn invalidate<'a>(&'a self, invalidation: Invalidation)
+    -> BoxFuture<'a, Result<(), TierError>>;
+
+    /// Registers the engine's sink for other instances' invalidations.
+    fn listen(&self, sink: std::sync::Weak<dyn InvalidationSink>) {
+        let _ = sink;
+    }
+
+    /// Tries to take the fleet-wide fill lock for `key`, held for at most `ttl`.
+    fn try_lock<'a>(
+        &'a self,
+        key: &'a CacheKey,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<LockAttempt, TierError>> {
+        let _ = (key, ttl);
+        Box::pin(async { Ok(LockAttempt::Unsupported) })
+    }
+
+    /// Releases a lock this instance holds (only with its token), after the
+    /// writes queued before this call, and wakes the waiting instances.
+    fn unlock(&self, key: &CacheKey, token: &LockToken, filled: bool) {
+        let _ = (key, token, filled);
+    }
+
+    /// Waits at most `timeout` for another instance's lock on `key` to go.
+    fn wait_unlock<'a>(
+        &'a self,
+        key: &'a CacheKey,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Unlocked, TierError>> {
+        let _ = (key, timeout);
+        Box::pin(async { Ok(Unlocked::Gone) })
+    }
 
     /// The tier's own counters, merged into the engine's [`crate::Stats`].
     fn report(&self) -> TierReport {
@@ -59,6 +98,14 @@ pub struct TierReport {
     pub breaker_trips: u64,
     /// Whether the breaker is open now.
     pub breaker_open: bool,
+    /// Invalidations received from other instances.
+    pub invalidations_received: u64,
+    /// Times the message stream was lost and L1 dropped as a precaution.
+    pub resyncs: u64,
+    /// Fleet-wide fill locks taken by this instance.
+    pub locks_acquired: u64,
+    /// Waits on another instance's fill lock.
+    pub lock_waits: u64,
 }
 
 /// A shared tier failed (unreachable, timed out, refused).
@@ -122,11 +169,13 @@ mod memory {
     use std::time::SystemTime;
 
     /// An in-memory [`Tier`] for unit tests of the engine (never a stand-in
-    /// for Valkey where Valkey is the point). Its expiry follows the given clock.
+    /// for Valkey where Valkey is the point). Its expiry follows the given
+    /// clock. It has no fleet: no locks, no messages.
     #[derive(Debug, Clone)]
     pub struct MemoryTier {
         clock: Arc<dyn Clock>,
         map: Arc<Mutex<HashMap<bytes::Bytes, (Entry, SystemTime)>>>,
+        tags: Arc<Mutex<HashMap<bytes::Bytes, Vec<bytes::Bytes>>>>,
     }
 
     impl MemoryTier {
@@ -135,6 +184,7 @@ mod memory {
             Self {
                 clock,
                 map: Arc::default(),
+                tags: Arc::default(),
             }
         }
 
@@ -169,16 +219,38 @@ mod memory {
             Box::pin(async move { Ok(hit) })
         }
 
-        fn put(&self, key: &CacheKey, entry: &Entry, ttl: Duration) {
+        fn put(&self, key: &CacheKey, entry: &Entry, ttl: Duration, tags: &[Bytes]) {
             let until = self.clock.now() + ttl;
             self.map
                 .lock()
                 .unwrap()
                 .insert(key.full().clone(), (entry.clone(), until));
+            let mut index = self.tags.lock().unwrap();
+            for tag in tags {
+                index
+                    .entry(tag.clone())
+                    .or_default()
+                    .push(key.full().clone());
+            }
         }
 
-        fn delete<'a>(&'a self, key: &'a CacheKey) -> BoxFuture<'a, Result<(), TierError>> {
-            self.map.lock().unwrap().remove(key.full());
+        fn invalidate<'a>(
+            &'a self,
+            invalidation: Invalidation,
+        ) -> BoxFuture<'a, Result<(), TierError>> {
+            let mut map = self.map.lock().unwrap();
+            match invalidation {
+                Invalidation::Keys(hashes) => map
+                    .retain(|full, _| !hashes.contains(&CacheKey::from_full(full.clone()).hash())),
+                Invalidation::Tag(tag, hashes) => {
+                    let tagged = self.tags.lock().unwrap().remove(&tag).unwrap_or_default();
+                    map.retain(|full, _| {
+                        !tagged.contains(full)
+                            && !hashes.contains(&CacheKey::from_full(full.clone()).hash())
+                    });
+                }
+                Invalidation::Prefix(pattern) => map.retain(|full, _| !pattern.matches_full(full)),
+            }
             Box::pin(async { Ok(()) })
         }
     }

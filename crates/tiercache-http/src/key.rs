@@ -7,10 +7,11 @@
 //! on every read, so a request with other values never gets that response.
 
 use bytes::{BufMut, Bytes, BytesMut};
+use http::Uri;
 use http::header::{HOST, VARY};
 use http::{HeaderMap, HeaderName, request};
 use tiercache_core::key::fingerprint;
-use tiercache_core::{CacheKey, Entry, KeyBuilder};
+use tiercache_core::{CacheKey, Entry, KeyBuilder, KeyPattern};
 
 /// Builds the cache key of a request: its target, GET and HEAD alike.
 ///
@@ -63,6 +64,62 @@ pub(crate) fn uri_key(
         None => key.push(b""),
     }
     key
+}
+
+/// Every cached response of `uri` (all its `Vary` variants and keyed copies
+/// too): of that scheme and host when `uri` is absolute, of any when it is
+/// a path (`/products/7?x=1`). For [`TieredCache::invalidate_prefix`](tiercache_core::TieredCache::invalidate_prefix).
+///
+/// ```
+/// use http::Request;
+/// use tiercache_http::key::{request_key, url_pattern};
+///
+/// let req = Request::get("/p/7?x=1").header("host", "shop.example").body(()).unwrap().into_parts().0;
+/// assert!(url_pattern(&"/p/7?x=1".parse().unwrap()).matches(&request_key(&req)));
+/// assert!(url_pattern(&"http://SHOP.example/p/7?x=1".parse().unwrap()).matches(&request_key(&req)));
+/// assert!(!url_pattern(&"/p/7".parse().unwrap()).matches(&request_key(&req)));
+/// assert!(!url_pattern(&"http://other.example/p/7?x=1".parse().unwrap()).matches(&request_key(&req)));
+/// ```
+pub fn url_pattern(uri: &Uri) -> KeyPattern {
+    let query = match uri.query() {
+        Some(q) => format!("?{q}"),
+        None => String::new(),
+    };
+    origin_pattern(uri)
+        .part(uri.path().as_bytes())
+        .part(query.as_bytes())
+}
+
+/// Every cached response whose path starts with `uri`'s path (of that
+/// scheme and host when `uri` is absolute, of any when it is a path).
+///
+/// ```
+/// use http::Request;
+/// use tiercache_http::key::{path_prefix_pattern, request_key};
+///
+/// let req = Request::get("/products/7").header("host", "shop.example").body(()).unwrap().into_parts().0;
+/// assert!(path_prefix_pattern(&"/products/".parse().unwrap()).matches(&request_key(&req)));
+/// assert!(!path_prefix_pattern(&"/users/".parse().unwrap()).matches(&request_key(&req)));
+/// ```
+pub fn path_prefix_pattern(uri: &Uri) -> KeyPattern {
+    origin_pattern(uri).prefix(uri.path().as_bytes())
+}
+
+fn origin_pattern(uri: &Uri) -> KeyPattern {
+    let pattern = KeyPattern::new().part(b"http/v1").part(b"GET");
+    match (uri.scheme_str(), uri.authority()) {
+        (Some(scheme), Some(authority)) => pattern
+            .part(scheme.to_ascii_lowercase().as_bytes())
+            .part(authority.as_str().to_ascii_lowercase().as_bytes()),
+        _ => pattern.any().any(),
+    }
+}
+
+/// The internal tag every variant of a URL is stored under (with its
+/// primary entry), so invalidating the URL reaches the variants other
+/// instances stored too.
+pub(crate) fn family_tag(primary: &CacheKey) -> Bytes {
+    Bytes::from(format!("tc-url:{}", primary.hash()))
 }
 
 /// The variant a response with these headers has for this request: the

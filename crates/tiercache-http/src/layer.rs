@@ -211,6 +211,29 @@ impl ResponseCacheLayer {
     pub fn engine(&self) -> &TieredCache {
         &self.engine
     }
+
+    /// Removes every cached response of `uri` (its `Vary` variants and keyed
+    /// copies included) from every tier and every instance; see
+    /// [`url_pattern`](crate::key::url_pattern) for how `uri` matches.
+    pub async fn invalidate_url(&self, uri: &http::Uri) {
+        self.engine
+            .invalidate_prefix(crate::key::url_pattern(uri))
+            .await;
+    }
+
+    /// Removes every cached response whose path starts with `uri`'s path
+    /// (of its host when `uri` is absolute), from every tier and instance.
+    pub async fn invalidate_path_prefix(&self, uri: &http::Uri) {
+        self.engine
+            .invalidate_prefix(crate::key::path_prefix_pattern(uri))
+            .await;
+    }
+
+    /// Removes every response recorded under `tag` (a route's
+    /// [`Policy::tag`] or a `Surrogate-Key` the origin sent).
+    pub async fn invalidate_tag(&self, tag: impl Into<bytes::Bytes>) {
+        self.engine.invalidate_tag(tag).await;
+    }
 }
 
 impl<S> Layer<S> for ResponseCacheLayer {

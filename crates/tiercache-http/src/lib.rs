@@ -52,4 +52,4 @@ mod variants;
 
 pub use body::CacheBody;
 pub use layer::ResponseCacheLayer;
-pub use service::ResponseCache;
+pub use service::{ResponseCache, SURROGATE_KEY};

@@ -15,8 +15,8 @@ use http::{HeaderMap, Method, Request, Response, StatusCode, request, response};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use tiercache_core::{
-    CacheKey, Entry, Fill, FlightError, FlightResult, Freshness, Join, Leader, Lifetime, Lookup,
-    Policy, Source, TieredCache, Waited,
+    CacheKey, Entry, Fill, FleetJoin, FleetLock, FlightError, FlightResult, Freshness, Join,
+    Leader, Lifetime, Lookup, Policy, Source, TieredCache, Waited,
 };
 use tower::{Service, ServiceExt};
 
@@ -27,7 +27,7 @@ use crate::freshness::OriginFreshness;
 use crate::future::ResponseFuture;
 use crate::headers::{self, Outcome, strip_hop_by_hop};
 use crate::invalidate::{invalidation_keys, is_safe, location_keys};
-use crate::key::{request_variant, variant_for, variant_key, variant_matches};
+use crate::key::{family_tag, request_variant, variant_for, variant_key, variant_matches};
 use crate::layer::{HttpConfig, ResponseCacheLayer};
 use crate::request::{Conditional, prepare};
 use crate::variants::Variants;
@@ -279,11 +279,15 @@ where
     let res = future.await?;
     if res.status().is_success() || res.status().is_redirection() {
         keys.extend(location_keys(res.headers(), &request));
-        for key in &keys {
-            ctx.engine.invalidate(key).await;
-            for variant in ctx.variants.take(key) {
-                ctx.engine.invalidate(&variant).await;
-            }
+        let primaries = keys.clone();
+        for key in &primaries {
+            keys.extend(ctx.variants.take(key));
+        }
+        ctx.engine.invalidate_keys(&keys).await;
+        // The variants other instances stored are recorded under the URL's
+        // family tag in the shared tier.
+        for key in &primaries {
+            ctx.engine.invalidate_tag(family_tag(key)).await;
         }
     }
     let mut res = res.map(CacheBody::stream);
@@ -486,12 +490,29 @@ where
         }
         stale = Some(entry);
     }
+    // One load per key across the fleet: take the shared lock, or wait for
+    // the instance that holds it and answer with what it stored.
+    let lock = if revalidate {
+        FleetLock::local()
+    } else {
+        let fits = |e: &Entry| ctx.fits(e, &request_headers) && !ctx.must_revalidate(e);
+        match ctx.engine.lead_fleet(&keys.flight, &ctx.policy, fits).await {
+            FleetJoin::Filled(entry) => {
+                leader.complete(FlightResult::Shared(entry.clone(), Source::L2));
+                return Ok(Filled::Entry(entry, Source::L2));
+            }
+            FleetJoin::Lead(lock) => lock,
+        }
+    };
     let req = match &stale {
         Some(stale) => with_validators(req, stale),
         None => req,
     };
     let usable_on_error = |stale: &Option<Entry>| stale.clone().filter(|e| ctx.stale_usable(e));
-    match load(&ctx, inner, req, &keys, stale.as_ref(), credentialed).await {
+    let loaded = load(&ctx, inner, req, &keys, stale.as_ref(), credentialed).await;
+    // After the store was queued: the waiting instances read it.
+    lock.release(matches!(loaded, Ok(Loaded::Stored(_))));
+    match loaded {
         Ok(Loaded::Stored(entry)) => {
             leader.complete(FlightResult::Shared(entry.clone(), Source::Origin));
             Ok(Filled::Entry(entry, Source::Origin))
@@ -677,8 +698,13 @@ where
     let took = started.elapsed();
     ctx.engine.record_origin_load(took);
     let body = concat(frames, total);
+    let tags = tags_for(ctx, &parts.headers, varied.as_ref().map(|_| &keys.primary));
     let value = headers::to_value(parts.status, &parts.headers, body);
-    let fill = plan.fill(value).variant(variant).origin_latency(took);
+    let fill = plan
+        .fill(value)
+        .variant(variant)
+        .origin_latency(took)
+        .tags(tags);
     // A variant is stored under its own key, and as the URL's latest
     // response under the primary key (whose `Vary` names lead to the rest).
     if let Some(key) = &varied {
@@ -771,11 +797,38 @@ fn renew(ctx: &Ctx, stale: &Entry, not_modified: &HeaderMap, took: std::time::Du
             Fill::new(value).lifetime(Lifetime::Declared(std::time::Duration::from_millis(1)))
         }
     };
-    let fill = fill.variant(stale.variant().clone()).origin_latency(took);
     // Renewed where it was stored (its primary or its variant key).
     let key = CacheKey::from_full(stale.key().clone());
+    let tags = tags_for(ctx, &merged, None);
+    let fill = fill
+        .variant(stale.variant().clone())
+        .origin_latency(took)
+        .tags(tags);
     ctx.engine.store(&key, fill, &ctx.policy)
 }
+
+/// The tags a response is recorded under: the route's, those its
+/// `Surrogate-Key` header lists (space separated), and for a `Vary`ing URL
+/// its family tag.
+fn tags_for(ctx: &Ctx, headers: &HeaderMap, family: Option<&CacheKey>) -> Vec<Bytes> {
+    let mut tags: Vec<Bytes> = ctx.policy.tags().to_vec();
+    for value in headers.get_all(SURROGATE_KEY) {
+        for tag in value.as_bytes().split(|b| b.is_ascii_whitespace()) {
+            if !tag.is_empty() && tags.len() < MAX_TAGS {
+                tags.push(Bytes::copy_from_slice(tag));
+            }
+        }
+    }
+    tags.extend(family.map(family_tag));
+    tags.sort_unstable();
+    tags.dedup();
+    tags
+}
+
+/// The response header naming an entry's tags (surrogate keys).
+pub const SURROGATE_KEY: HeaderName = HeaderName::from_static("surrogate-key");
+/// Most tags one response is recorded under (each costs a write to L2).
+const MAX_TAGS: usize = 32;
 
 fn concat(frames: VecDeque<Frame<Bytes>>, total: usize) -> Bytes {
     let mut data = frames.into_iter().filter_map(|f| f.into_data().ok());

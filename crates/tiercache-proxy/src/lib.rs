@@ -7,7 +7,7 @@
 //!                 [--stale-if-error 5m] [--negative-ttl 5s] [--origin-soft-timeout 500ms]
 //!                 [--xfetch-beta 1.0] [--ignore-cookies | --key-cookie NAME ...]
 //!                 [--key-header NAME ...] [--target cdn-cache-control ...]
-//!                 [--max-error-ttl 60s] [--honor-client-no-cache]
+//!                 [--max-error-ttl 60s] [--honor-client-no-cache] [--lock-timeout 5s]
 //! ```
 //!
 //! Every GET and HEAD goes through the layer with its safe defaults. Without
@@ -16,7 +16,10 @@
 //! `Expires`), never guessing a lifetime; with `--ttl` other storable
 //! responses get that ttl, as on an annotated route. Successful unsafe
 //! requests (POST, PUT, PATCH, DELETE) invalidate their target. The admin
-//! address serves `GET /stats`. The same proxy runs in
+//! address serves `GET /stats` and `POST /invalidate?key=URL|tag=TAG|prefix=PATH`.
+//! With `--valkey`, several proxies on one Valkey (standalone, or a cluster
+//! through a `redis-cluster://` URL) behave as one cache: one origin load
+//! per key across them, and invalidations that reach every proxy's L1. The same proxy runs in
 //! process through [`Proxy::start`]:
 //!
 //! ```no_run
@@ -90,6 +93,9 @@ pub struct ProxyConfig {
     pub max_error_ttl: Duration,
     /// Let a client's `no-cache` / `max-age=0` force a trip to the origin.
     pub honor_client_no_cache: bool,
+    /// Longest wait on another request's origin load (here or on another
+    /// instance), and the life of a fleet-wide fill lock whose owner died.
+    pub lock_timeout: Duration,
 }
 
 impl ProxyConfig {
@@ -116,6 +122,7 @@ impl ProxyConfig {
             targets: Vec::new(),
             max_error_ttl: ResponseCacheLayer::DEFAULT_MAX_ERROR_TTL,
             honor_client_no_cache: false,
+            lock_timeout: Policy::DEFAULT_LOCK_TIMEOUT,
         }
     }
 
@@ -154,7 +161,8 @@ impl ProxyConfig {
             .jitter(self.jitter)
             .stale_while_revalidate(self.stale_while_revalidate)
             .stale_if_error(self.stale_if_error)
-            .xfetch_beta(self.xfetch_beta);
+            .xfetch_beta(self.xfetch_beta)
+            .lock_timeout(self.lock_timeout);
         if let Some(ttl) = self.negative_ttl {
             policy = policy.negative_ttl(ttl);
         }
@@ -218,7 +226,7 @@ impl Proxy {
         if let Some(admin_addr) = config.admin {
             let (listener, bound) = bind(admin_addr).await?;
             admin = Some(bound);
-            let router = admin_router(engine.clone());
+            let router = admin_router(layer.clone());
             tasks.push(tokio::spawn(async move {
                 if let Err(e) = axum::serve(listener, router).await {
                     eprintln!("tiercache-proxy: admin server stopped: {e}");
@@ -349,11 +357,58 @@ impl std::error::Error for ProxyError {
     }
 }
 
-fn admin_router(engine: TieredCache) -> Router {
+fn admin_router(layer: ResponseCacheLayer) -> Router {
     Router::new()
         .route(
             "/stats",
-            get(|State(engine): State<TieredCache>| async move { axum::Json(engine.stats()) }),
+            get(|State(layer): State<ResponseCacheLayer>| async move {
+                axum::Json(layer.engine().stats())
+            }),
         )
-        .with_state(engine)
+        .route("/invalidate", axum::routing::post(invalidate))
+        .with_state(layer)
+}
+
+/// What `POST /invalidate` takes: exactly one of them.
+#[derive(Debug, serde::Deserialize)]
+struct InvalidateQuery {
+    /// A URL (`http://host/path?q`) or a path (`/path?q`, any host).
+    key: Option<String>,
+    /// A tag (surrogate key).
+    tag: Option<String>,
+    /// A path prefix (`/products/`), or an absolute URL prefix.
+    prefix: Option<String>,
+}
+
+/// `POST /invalidate?key=URL|tag=TAG|prefix=PATH`: drops the matching
+/// entries from L1, Valkey and every instance's L1 before answering.
+async fn invalidate(
+    State(layer): State<ResponseCacheLayer>,
+    axum::extract::Query(q): axum::extract::Query<InvalidateQuery>,
+) -> (http::StatusCode, String) {
+    let bad = |msg: String| (http::StatusCode::BAD_REQUEST, msg + "\n");
+    let uri = |name: &str, value: &str| {
+        value
+            .parse::<Uri>()
+            .ok()
+            .filter(|u| u.path().starts_with('/'))
+            .ok_or_else(|| {
+                bad(format!(
+                    "{name}=`{value}` is not a URL or a path starting with /"
+                ))
+            })
+    };
+    match (q.key, q.tag, q.prefix) {
+        (Some(key), None, None) => match uri("key", &key) {
+            Ok(u) => layer.invalidate_url(&u).await,
+            Err(e) => return e,
+        },
+        (None, Some(tag), None) if !tag.is_empty() => layer.invalidate_tag(tag).await,
+        (None, None, Some(prefix)) => match uri("prefix", &prefix) {
+            Ok(u) => layer.invalidate_path_prefix(&u).await,
+            Err(e) => return e,
+        },
+        _ => return bad("give exactly one of key=URL, tag=TAG, prefix=PATH".into()),
+    }
+    (http::StatusCode::OK, "invalidated\n".into())
 }

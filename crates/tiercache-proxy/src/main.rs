@@ -67,7 +67,12 @@ struct Args {
     /// Let a client's Cache-Control: no-cache / max-age=0 force a trip to the origin.
     #[arg(long)]
     honor_client_no_cache: bool,
-    /// Admin address serving GET /stats.
+    /// How long a request waits on another's origin load for the same key
+    /// (in this process, or another instance's on the shared Valkey), and
+    /// how long a fleet-wide fill lock lives if its owner dies.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    lock_timeout: Duration,
+    /// Admin address serving GET /stats and POST /invalidate?key=URL|tag=T|prefix=PATH.
     #[arg(long)]
     admin: Option<SocketAddr>,
 }
@@ -92,6 +97,7 @@ async fn main() -> ExitCode {
     config.negative_ttl = args.negative_ttl;
     config.origin_soft_timeout = args.origin_soft_timeout;
     config.xfetch_beta = args.xfetch_beta;
+    config.lock_timeout = args.lock_timeout;
     if let Some(url) = args.valkey {
         config = config.valkey(url);
     }

@@ -5,11 +5,14 @@
 //! - [`Server`]: an axum app on a free loopback port, stopped on drop;
 //! - [`eventually`]: waits for a condition with a deadline, yielding, never sleeping;
 //! - [`valkey`]: real `valkey-server` processes, provisioned with no manual step;
+//! - [`cluster`]: a real loopback Valkey Cluster, formed without `valkey-cli`;
 //! - [`fault`]: a TCP fault proxy (latency, blackhole, reset).
 
+pub mod cluster;
 pub mod fault;
 pub mod valkey;
 
+pub use cluster::ValkeyCluster;
 pub use fault::{Fault, FaultProxy};
 pub use valkey::ValkeyServer;
 

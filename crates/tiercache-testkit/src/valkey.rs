@@ -139,7 +139,11 @@ impl ValkeyServer {
 
     /// Starts `binary` (e.g. Debian's `redis-server`) with extra arguments.
     pub fn start_with(binary: PathBuf, extra: &[&str]) -> Self {
-        let port = free_port();
+        Self::start_on(binary, free_port(), extra)
+    }
+
+    /// Starts `binary` on `port` with extra arguments.
+    pub fn start_on(binary: PathBuf, port: u16, extra: &[&str]) -> Self {
         let dir = target_dir()
             .join("valkey-data")
             .join(format!("{}-{port}", std::process::id()));
@@ -194,6 +198,16 @@ impl ValkeyServer {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// The server's port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Whether the process is running (not killed).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
     }
 
     /// `redis://127.0.0.1:PORT`.

@@ -8,6 +8,14 @@
 //! circuit breaker. Nothing here ever fails a request: errors are counted and
 //! read as misses.
 //!
+//! For fleets (many instances on one Valkey, standalone or cluster) it also
+//! carries invalidations to every instance over pub/sub (`PREFIX:inv`; an
+//! instance whose subscriber reconnects drops its L1, having perhaps missed
+//! some), keeps tag sets (`PREFIX:{TAGHASH}:tag`) and prefix bans
+//! (`PREFIX:bans`), and holds fleet-wide fill locks (`PREFIX:{HASH}:lock`,
+//! `SET NX PX` with a random token, released by its owner only) whose
+//! waiters are woken on the key's shard channel (`SPUBLISH PREFIX:{HASH}:done`).
+//!
 //! ```no_run
 //! use tiercache_core::TieredCache;
 //! use tiercache_valkey::{ValkeyConfig, ValkeyTier};
@@ -22,7 +30,8 @@
 //! features of its own.
 
 mod breaker;
+mod bus;
 pub mod codec;
 mod tier;
 
-pub use tier::{ValkeyConfig, ValkeyError, ValkeyTier};
+pub use tier::{BAN_RETENTION, ValkeyConfig, ValkeyError, ValkeyTier};

@@ -1,19 +1,38 @@
 //! [`ValkeyTier`]: the shared tier on Valkey (or Redis) through fred.
 
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::time::Duration;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use fred::prelude::{
-    Builder, Client, ClientLike, Config, Expiration, KeysInterface, ReconnectPolicy, Value,
+    Builder, Client, ClientLike, Config, EventInterface, Expiration, HashesInterface,
+    KeysInterface, LuaInterface, PubsubInterface, ReconnectPolicy, SetsInterface, Value,
 };
-use tiercache_core::{BoxFuture, CacheKey, Entry, Tier, TierError, TierHit, TierReport};
+use fred::types::ExpireOptions;
+use rand::Rng;
+use tiercache_core::{
+    BoxFuture, CacheKey, Entry, Invalidation, InvalidationSink, KeyHash, LockAttempt, LockToken,
+    Tier, TierError, TierHit, TierReport, Unlocked,
+};
 use tokio::sync::mpsc;
 
 use crate::breaker::Breaker;
+use crate::bus::{self, Ban, Bus};
 use crate::codec;
+
+/// How long a prefix ban is kept: entries it covers that outlive it (ttl
+/// plus stale windows longer than this) could be read from L2 again.
+pub const BAN_RETENTION: Duration = Duration::from_secs(24 * 3600);
+
+/// Takes the lock (`SET NX PX`) or tells how long it is still held.
+const LOCK_SCRIPT: &str = "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then \
+     return -10 else return redis.call('PTTL', KEYS[1]) end";
+
+/// Deletes the lock only if it still holds this owner's token.
+const UNLOCK_SCRIPT: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
+     return redis.call('DEL', KEYS[1]) else return 0 end";
 
 /// How to reach Valkey and how to behave when it misbehaves.
 ///
@@ -153,6 +172,7 @@ pub struct ValkeyTier {
 
 struct Inner {
     client: Client,
+    bus: Arc<Bus>,
     prefix: String,
     command_timeout: Duration,
     breaker: Breaker,
@@ -163,10 +183,25 @@ struct Inner {
     skipped: AtomicU64,
 }
 
-struct Write {
-    key: String,
-    value: Bytes,
-    px: i64,
+enum Write {
+    /// `SET key value PX px`, then the key's hash into each tag set.
+    Set {
+        key: String,
+        value: Bytes,
+        px: i64,
+        tags: Vec<String>,
+        member: String,
+    },
+    /// Release a fill lock and announce how the fill ended, after the
+    /// writes queued before it.
+    Unlock {
+        lock: String,
+        channel: String,
+        token: Bytes,
+        filled: bool,
+    },
+    /// Answers once every write queued before it is done.
+    Flush(tokio::sync::oneshot::Sender<()>),
 }
 
 impl fmt::Debug for ValkeyTier {
@@ -216,9 +251,27 @@ impl ValkeyTier {
         if !client.is_connected() {
             let _connection = client.connect();
         }
+        let subscriber = Builder::from_config(client.client_config())
+            .set_connection_config(client.connection_config().clone())
+            .set_performance_config(client.perf_config())
+            .set_policy(
+                client
+                    .client_reconnect_policy()
+                    .unwrap_or(ReconnectPolicy::new_exponential(0, 50, 250, 2)),
+            )
+            .build_subscriber_client()
+            .map_err(|e| ValkeyError::Client(e.to_string()))?;
+        let instance = bus::hex(&rand::rng().random::<[u8; 16]>());
+        let bus = Arc::new(Bus::new(
+            subscriber.clone(),
+            instance,
+            format!("{}:inv", config.prefix),
+        ));
+        runtime.spawn(bus::dispatch(Arc::downgrade(&bus), subscriber.message_rx()));
         let (tx, rx) = mpsc::channel(config.write_queue);
         let inner = Arc::new(Inner {
             client,
+            bus: bus.clone(),
             prefix: config.prefix,
             command_timeout: config.command_timeout,
             breaker: Breaker::new(config.breaker_failures, config.breaker_interval),
@@ -229,7 +282,138 @@ impl ValkeyTier {
             skipped: AtomicU64::new(0),
         });
         runtime.spawn(writer(Arc::downgrade(&inner), rx));
+        let weak = Arc::downgrade(&inner);
+        runtime.spawn(bus::on_reconnect(
+            Arc::downgrade(&bus),
+            subscriber.reconnect_rx(),
+            move || load_bans(weak.clone()),
+        ));
+        runtime.spawn(bus::heartbeat(
+            Arc::downgrade(&bus),
+            Duration::from_secs(1),
+            config.command_timeout.max(Duration::from_millis(500)),
+        ));
+        let _connection = subscriber.connect();
         Ok(Self { inner })
+    }
+
+    /// This instance's id on the invalidation channel.
+    pub fn instance_id(&self) -> &str {
+        &self.inner.bus.instance
+    }
+
+    /// The Valkey key of `key`'s fill lock: `PREFIX:{HASH}:lock`, in the entry's slot.
+    pub fn lock_key(&self, key: &CacheKey) -> String {
+        format!("{}:{{{}}}:lock", self.inner.prefix, key.hash())
+    }
+
+    fn done_channel(&self, key: &CacheKey) -> String {
+        format!("{}:{{{}}}:done", self.inner.prefix, key.hash())
+    }
+
+    /// The Valkey set of the keys stored with `tag`: `PREFIX:{TAGHASH}:tag`.
+    pub fn tag_key(&self, tag: &[u8]) -> String {
+        let hash = CacheKey::builder().part(b"tag").part(tag).finish().hash();
+        format!("{}:{{{hash}}}:tag", self.inner.prefix)
+    }
+
+    fn entry_key_of(&self, hash: &KeyHash) -> String {
+        format!("{}:{{{hash}}}:e", self.inner.prefix)
+    }
+
+    fn bans_key(&self) -> String {
+        format!("{}:bans", self.inner.prefix)
+    }
+
+    async fn publish(
+        &self,
+        invalidation: Invalidation,
+        at: Option<SystemTime>,
+    ) -> Result<(), TierError> {
+        let text = bus::encode(&bus::Message {
+            from: self.inner.bus.instance.clone(),
+            invalidation,
+            at,
+        });
+        let published: Result<i64, _> = self
+            .inner
+            .client
+            .publish(&self.inner.bus.channel, text)
+            .await;
+        published.map(drop).map_err(fred_error)
+    }
+
+    async fn delete_entries(&self, hashes: &[KeyHash]) -> Result<(), TierError> {
+        if hashes.is_empty() {
+            return Ok(());
+        }
+        // One key per DEL: in a cluster the entries live on many slots.
+        let pipe = self.inner.client.pipeline();
+        for hash in hashes {
+            let queued: Result<(), _> = pipe.del(self.entry_key_of(hash)).await;
+            queued.map_err(fred_error)?;
+        }
+        let _: Vec<Value> = pipe.all().await.map_err(fred_error)?;
+        Ok(())
+    }
+
+    /// Waits until the writes queued so far are done, so a delete that
+    /// follows cannot be overtaken by an earlier fill's `SET`.
+    async fn flush(&self) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.inner.writes.try_send(Write::Flush(tx)).is_ok() {
+            let _ = tokio::time::timeout(self.inner.command_timeout * 2, rx).await;
+        }
+    }
+
+    async fn apply_invalidation(&self, invalidation: Invalidation) -> Result<(), TierError> {
+        self.flush().await;
+        match invalidation {
+            Invalidation::Keys(hashes) => {
+                self.delete_entries(&hashes).await?;
+                self.publish(Invalidation::Keys(hashes), None).await
+            }
+            Invalidation::Tag(tag, mut hashes) => {
+                let set = self.tag_key(&tag);
+                let members: Vec<String> =
+                    self.inner.client.smembers(&set).await.map_err(fred_error)?;
+                hashes.extend(members.iter().filter_map(|m| KeyHash::from_hex(m)));
+                hashes.sort_unstable();
+                hashes.dedup();
+                // This instance's L1 too: it may hold copies promoted from L2,
+                // which its own tag index never saw.
+                if let Some(sink) = self.inner.bus.sink() {
+                    sink.apply(&Invalidation::Keys(hashes.clone()));
+                }
+                self.delete_entries(&hashes).await?;
+                let deleted: Result<i64, _> = self.inner.client.del(&set).await;
+                deleted.map_err(fred_error)?;
+                self.publish(Invalidation::Tag(tag, hashes), None).await
+            }
+            Invalidation::Prefix(pattern) => {
+                let at = SystemTime::now();
+                let field = bus::hex(&pattern.to_bytes());
+                let recorded: Result<i64, _> = self
+                    .inner
+                    .client
+                    .hset(self.bans_key(), (field, bus::millis(at).to_string()))
+                    .await;
+                recorded.map_err(fred_error)?;
+                let ttl = BAN_RETENTION.as_millis() as i64;
+                let kept: Result<i64, _> =
+                    self.inner.client.pexpire(self.bans_key(), ttl, None).await;
+                kept.map_err(fred_error)?;
+                self.inner.bus.add_ban(
+                    Ban {
+                        pattern: pattern.clone(),
+                        at,
+                    },
+                    BAN_RETENTION,
+                );
+                self.publish(Invalidation::Prefix(pattern), Some(at)).await
+            }
+            other => self.publish(other, None).await,
+        }
     }
 
     /// The Valkey key an entry is stored under: `PREFIX:{HASH}:e`. The hash
@@ -313,6 +497,10 @@ impl Tier for ValkeyTier {
                     return Ok(None);
                 }
             };
+            // Covered by a prefix invalidation: gone, like a deleted key.
+            if self.inner.bus.banned(entry.key(), entry.times().created_at) {
+                return Ok(None);
+            }
             let remaining = match pttl {
                 // No expiry on the server: the entry's own times decide.
                 -1 => Duration::MAX,
@@ -324,26 +512,135 @@ impl Tier for ValkeyTier {
         })
     }
 
-    fn put(&self, key: &CacheKey, entry: &Entry, ttl: Duration) {
+    fn put(&self, key: &CacheKey, entry: &Entry, ttl: Duration, tags: &[Bytes]) {
         let px = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX).max(1);
-        let write = Write {
+        let write = Write::Set {
             key: self.entry_key(key),
             value: codec::encode(entry),
             px,
+            tags: tags.iter().map(|t| self.tag_key(t)).collect(),
+            member: key.hash().to_hex(),
         };
         if self.inner.writes.try_send(write).is_err() {
             self.inner.write_drops.fetch_add(1, Relaxed);
         }
     }
 
-    fn delete<'a>(&'a self, key: &'a CacheKey) -> BoxFuture<'a, Result<(), TierError>> {
+    fn invalidate<'a>(
+        &'a self,
+        invalidation: Invalidation,
+    ) -> BoxFuture<'a, Result<(), TierError>> {
         Box::pin(async move {
-            let vkey = self.entry_key(key);
-            self.bounded(async {
-                let deleted: Result<i64, _> = self.inner.client.del(&vkey).await;
-                deleted.map(drop).map_err(fred_error)
+            // A few round trips (a tag's members, deletes, the message):
+            // bounded by a few command timeouts, not one.
+            let bound = self.inner.command_timeout * 6;
+            let op = self.apply_invalidation(invalidation);
+            let result = match tokio::time::timeout(bound, op).await {
+                Ok(result) => result,
+                Err(_) => Err(TierError::timeout(format!(
+                    "invalidation took over {bound:?}"
+                ))),
+            };
+            match &result {
+                Ok(()) => self.inner.breaker.success(),
+                Err(_) => self.inner.breaker.failure(),
+            }
+            result
+        })
+    }
+
+    fn listen(&self, sink: Weak<dyn InvalidationSink>) {
+        self.inner.bus.set_sink(sink);
+    }
+
+    fn try_lock<'a>(
+        &'a self,
+        key: &'a CacheKey,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<LockAttempt, TierError>> {
+        Box::pin(async move {
+            if !self.inner.breaker.allow() {
+                self.inner.skipped.fetch_add(1, Relaxed);
+                return Ok(LockAttempt::Unsupported);
+            }
+            let token = Bytes::from(bus::hex(&rand::rng().random::<[u8; 16]>()));
+            let px = ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
+            let lock = self.lock_key(key);
+            let reply: i64 = self
+                .bounded(async {
+                    let r: Result<i64, _> = self
+                        .inner
+                        .client
+                        .eval(
+                            LOCK_SCRIPT,
+                            vec![lock],
+                            vec![Value::from(token.clone()), px.into()],
+                        )
+                        .await;
+                    r.map_err(fred_error)
+                })
+                .await?;
+            Ok(match reply {
+                -10 => {
+                    self.inner.bus.locks_acquired.fetch_add(1, Relaxed);
+                    LockAttempt::Acquired(LockToken(token))
+                }
+                ms if ms > 0 => LockAttempt::Held(Duration::from_millis(ms as u64)),
+                // Gone between SET and PTTL, or no expiry (not ours to judge).
+                _ => LockAttempt::Held(Duration::ZERO),
             })
-            .await
+        })
+    }
+
+    fn unlock(&self, key: &CacheKey, token: &LockToken, filled: bool) {
+        let write = Write::Unlock {
+            lock: self.lock_key(key),
+            channel: self.done_channel(key),
+            token: token.0.clone(),
+            filled,
+        };
+        if self.inner.writes.try_send(write).is_err() {
+            // The lock expires by its PX; waiters read L2 then.
+            self.inner.write_drops.fetch_add(1, Relaxed);
+        }
+    }
+
+    fn wait_unlock<'a>(
+        &'a self,
+        key: &'a CacheKey,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Unlocked, TierError>> {
+        Box::pin(async move {
+            self.inner.bus.lock_waits.fetch_add(1, Relaxed);
+            let channel = self.done_channel(key);
+            let mut waiter = self.inner.bus.wait_on(&channel);
+            if waiter.first {
+                let subscriber = self.inner.bus.subscriber.clone();
+                self.bounded(async {
+                    subscriber
+                        .ssubscribe(channel.clone())
+                        .await
+                        .map_err(fred_error)
+                })
+                .await?;
+            }
+            // Subscribed: a release from now on is heard. One before it left
+            // no lock behind.
+            let lock = self.lock_key(key);
+            let held: i64 = self
+                .bounded(async {
+                    let r: Result<i64, _> = self.inner.client.exists(lock).await;
+                    r.map_err(fred_error)
+                })
+                .await?;
+            if held == 0 {
+                return Ok(Unlocked::Gone);
+            }
+            match tokio::time::timeout(timeout, waiter.rx.wait_for(Option::is_some)).await {
+                Ok(Ok(how)) => Ok(how.unwrap_or(Unlocked::Gone)),
+                Ok(Err(_)) => Ok(Unlocked::Gone),
+                Err(_) => Ok(Unlocked::TimedOut),
+            }
         })
     }
 
@@ -356,33 +653,104 @@ impl Tier for ValkeyTier {
         report.skipped = i.skipped.load(Relaxed);
         report.breaker_trips = i.breaker.trips.load(Relaxed);
         report.breaker_open = i.breaker.is_open();
+        report.invalidations_received = i.bus.received.load(Relaxed);
+        report.resyncs = i.bus.resyncs.load(Relaxed);
+        report.locks_acquired = i.bus.locks_acquired.load(Relaxed);
+        report.lock_waits = i.bus.lock_waits.load(Relaxed);
         report
     }
 }
 
-/// Drains the write queue; ends when the tier is dropped.
+/// Reads the recorded prefix bans (on every reconnect).
+async fn load_bans(tier: Weak<Inner>) -> Option<Vec<Ban>> {
+    let inner = tier.upgrade()?;
+    let key = format!("{}:bans", inner.prefix);
+    let read = inner
+        .client
+        .hgetall::<std::collections::HashMap<String, String>, _>(key);
+    let fields = tokio::time::timeout(inner.command_timeout * 4, read)
+        .await
+        .ok()?
+        .ok()?;
+    let now = SystemTime::now();
+    Some(
+        fields
+            .into_iter()
+            .filter_map(|(pattern, at)| {
+                let pattern = tiercache_core::KeyPattern::from_bytes(&bus::unhex(&pattern)?)?;
+                let at = std::time::UNIX_EPOCH + Duration::from_millis(at.parse().ok()?);
+                (at + BAN_RETENTION > now).then_some(Ban { pattern, at })
+            })
+            .collect(),
+    )
+}
+
+/// Drains the write queue in order; ends when the tier is dropped.
 async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<Write>) {
     while let Some(write) = rx.recv().await {
         let Some(inner) = tier.upgrade() else {
             return;
         };
+        if let Write::Flush(done) = write {
+            let _ = done.send(());
+            continue;
+        }
         if !inner.breaker.allow() {
             inner.skipped.fetch_add(1, Relaxed);
             continue;
         }
-        let set = inner.client.set::<(), _, _>(
-            write.key,
-            write.value,
-            Some(Expiration::PX(write.px)),
-            None,
-            false,
-        );
-        match tokio::time::timeout(inner.command_timeout, set).await {
+        let done = tokio::time::timeout(inner.command_timeout, apply(&inner, write)).await;
+        match done {
             Ok(Ok(())) => inner.breaker.success(),
             _ => {
                 inner.write_errors.fetch_add(1, Relaxed);
                 inner.breaker.failure();
             }
+        }
+    }
+}
+
+async fn apply(inner: &Inner, write: Write) -> Result<(), fred::error::Error> {
+    let client = &inner.client;
+    match write {
+        Write::Set {
+            key,
+            value,
+            px,
+            tags,
+            member,
+        } => {
+            client
+                .set::<(), _, _>(key, value, Some(Expiration::PX(px)), None, false)
+                .await?;
+            for set in tags {
+                // The set lives as long as its longest-lived member.
+                client.sadd::<i64, _, _>(&set, member.as_str()).await?;
+                client
+                    .pexpire::<i64, _>(&set, px, Some(ExpireOptions::NX))
+                    .await?;
+                client
+                    .pexpire::<i64, _>(&set, px, Some(ExpireOptions::GT))
+                    .await?;
+            }
+            Ok(())
+        }
+        Write::Unlock {
+            lock,
+            channel,
+            token,
+            filled,
+        } => {
+            client
+                .eval::<i64, _, _, _>(UNLOCK_SCRIPT, vec![lock], vec![Value::from(token)])
+                .await?;
+            let word = if filled { "1" } else { "0" };
+            client.spublish::<i64, _, _>(channel, word).await?;
+            Ok(())
+        }
+        Write::Flush(done) => {
+            let _ = done.send(());
+            Ok(())
         }
     }
 }

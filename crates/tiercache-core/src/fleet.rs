@@ -1,0 +1,142 @@
+//! Many instances, one shared tier: cluster-wide fill locks and
+//! invalidations that reach every instance's L1.
+//!
+//! The engine speaks to the fleet only through its [`Tier`]: a tier that
+//! supports it takes fill locks ([`Tier::try_lock`]), wakes the instances
+//! waiting on one ([`Tier::unlock`], [`Tier::wait_unlock`]), and carries
+//! [`Invalidation`]s to the other instances, which apply them through the
+//! [`InvalidationSink`] the engine registers ([`Tier::listen`]).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::{CacheKey, KeyHash, KeyPattern, Tier};
+
+/// What an invalidation reaches. Sent to the other instances as is; each
+/// drops the matching entries from its L1.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Invalidation {
+    /// These keys.
+    Keys(Vec<KeyHash>),
+    /// Every entry stored with this tag (surrogate key), and these keys,
+    /// which the sender found under the tag.
+    Tag(Bytes, Vec<KeyHash>),
+    /// Every key the pattern matches.
+    Prefix(KeyPattern),
+}
+
+/// A fill lock held in the shared tier, identified by a random token so only
+/// its owner releases it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct LockToken(pub Bytes);
+
+impl fmt::Debug for LockToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("LockToken(..)")
+    }
+}
+
+/// The answer to [`Tier::try_lock`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LockAttempt {
+    /// This instance holds the lock now.
+    Acquired(LockToken),
+    /// Another instance holds it, for at most this much longer.
+    Held(Duration),
+    /// The tier has no locks (the engine keeps its local single flight only).
+    Unsupported,
+}
+
+/// How a wait on another instance's lock ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Unlocked {
+    /// The owner stored a fill: read the shared tier.
+    Filled,
+    /// The owner's response may not be shared (or its load failed): go to
+    /// the origin without waiting on anyone.
+    Passed,
+    /// The lock is gone without a word (expired, or released before the
+    /// wait began): read the shared tier, then try to lock.
+    Gone,
+    /// The wait's time ran out with the lock still held.
+    TimedOut,
+}
+
+/// What a tier calls when another instance invalidated something, or when
+/// it may have missed messages.
+pub trait InvalidationSink: Send + Sync + 'static {
+    /// Applies another instance's invalidation to this instance's L1.
+    fn apply(&self, invalidation: &Invalidation);
+
+    /// The tier lost its message stream (reconnect, lag): messages may have
+    /// been missed, so every L1 entry is dropped.
+    fn resync(&self);
+}
+
+/// A leader's hold on the fleet-wide fill lock for one key. Release it with
+/// [`release`](Self::release) once the fill is stored (queued writes land
+/// first); dropping it releases it as not filled, so waiting instances go to
+/// the origin at once instead of waiting out the lock.
+#[must_use = "dropping the lock releases it as not filled"]
+pub struct FleetLock {
+    held: Option<(Arc<dyn Tier>, CacheKey, LockToken)>,
+}
+
+impl fmt::Debug for FleetLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FleetLock")
+            .field("held", &self.held.is_some())
+            .finish()
+    }
+}
+
+impl FleetLock {
+    /// No lock in the shared tier (none there, or it is unreachable): the
+    /// local single flight alone protects the origin.
+    pub fn local() -> Self {
+        Self { held: None }
+    }
+
+    pub(crate) fn held(tier: Arc<dyn Tier>, key: CacheKey, token: LockToken) -> Self {
+        Self {
+            held: Some((tier, key, token)),
+        }
+    }
+
+    /// Whether a lock is held in the shared tier.
+    pub fn is_held(&self) -> bool {
+        self.held.is_some()
+    }
+
+    /// Releases the lock; `filled` tells the waiting instances whether a
+    /// shareable entry was stored (they read it) or not (they load).
+    pub fn release(mut self, filled: bool) {
+        if let Some((tier, key, token)) = self.held.take() {
+            tier.unlock(&key, &token, filled);
+        }
+    }
+}
+
+impl Drop for FleetLock {
+    fn drop(&mut self) {
+        if let Some((tier, key, token)) = self.held.take() {
+            tier.unlock(&key, &token, false);
+        }
+    }
+}
+
+/// What [`TieredCache::lead_fleet`](crate::TieredCache::lead_fleet) decided.
+#[derive(Debug)]
+pub enum FleetJoin {
+    /// Load from the origin, holding this lock (perhaps only a local one).
+    Lead(FleetLock),
+    /// Another instance filled the key while this one waited: its entry,
+    /// read from the shared tier and promoted to L1.
+    Filled(crate::Entry),
+}

@@ -1,0 +1,378 @@
+//! The invalidation bus and the fill-lock wake-ups, over Valkey pub/sub.
+//!
+//! Invalidations go out on one channel per prefix (`PREFIX:inv`, plain
+//! `PUBLISH`, which a cluster forwards to every node). A released fill lock
+//! is announced on the key's own shard channel (`PREFIX:{HASH}:done`,
+//! `SPUBLISH`, in the key's slot), to which only the instances waiting on
+//! it subscribe. Every reconnect of the subscriber, and any lag in reading
+//! its messages, counts as missed messages: the engine drops its L1.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use fred::clients::SubscriberClient;
+use fred::prelude::{ClientLike, PubsubInterface};
+use tiercache_core::{Invalidation, InvalidationSink, KeyHash, KeyPattern, Unlocked};
+use tokio::sync::{broadcast, watch};
+
+/// A prefix ban: entries matching `pattern` created at or before `at` are
+/// gone, wherever they are read from.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Ban {
+    pub(crate) pattern: KeyPattern,
+    pub(crate) at: SystemTime,
+}
+
+/// One message on the invalidation channel.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Message {
+    /// The sending instance (its own messages are not applied twice).
+    pub(crate) from: String,
+    pub(crate) invalidation: Invalidation,
+    /// For a prefix: when the ban was recorded.
+    pub(crate) at: Option<SystemTime>,
+}
+
+/// `FROM K HASH…`, `FROM T TAGHEX HASH…`, `FROM P PATTERNHEX MILLIS`: ASCII,
+/// space separated, nothing from a URL in the clear.
+pub(crate) fn encode(message: &Message) -> String {
+    let hashes = |h: &[KeyHash]| h.iter().map(|h| format!(" {h}")).collect::<String>();
+    match &message.invalidation {
+        Invalidation::Keys(h) => format!("{} K{}", message.from, hashes(h)),
+        Invalidation::Tag(tag, h) => format!("{} T {}{}", message.from, hex(tag), hashes(h)),
+        Invalidation::Prefix(p) => format!(
+            "{} P {} {}",
+            message.from,
+            hex(&p.to_bytes()),
+            millis(message.at.unwrap_or(UNIX_EPOCH))
+        ),
+        _ => format!("{} ?", message.from),
+    }
+}
+
+/// Reads [`encode`]'s output; `None` for anything else.
+pub(crate) fn decode(text: &str) -> Option<Message> {
+    let mut words = text.split(' ');
+    let from = words.next()?.to_owned();
+    let kind = words.next()?;
+    let hashes = |words: std::str::Split<'_, char>| -> Option<Vec<KeyHash>> {
+        words.map(KeyHash::from_hex).collect()
+    };
+    let (invalidation, at) = match kind {
+        "K" => (Invalidation::Keys(hashes(words)?), None),
+        "T" => {
+            let tag = Bytes::from(unhex(words.next()?)?);
+            (Invalidation::Tag(tag, hashes(words)?), None)
+        }
+        "P" => {
+            let pattern = KeyPattern::from_bytes(&unhex(words.next()?)?)?;
+            let at = UNIX_EPOCH + Duration::from_millis(words.next()?.parse().ok()?);
+            if words.next().is_some() {
+                return None;
+            }
+            (Invalidation::Prefix(pattern), Some(at))
+        }
+        _ => return None,
+    };
+    Some(Message {
+        from,
+        invalidation,
+        at,
+    })
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+pub(crate) fn unhex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+pub(crate) fn millis(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
+}
+
+/// The subscriber side of one tier.
+pub(crate) struct Bus {
+    pub(crate) subscriber: SubscriberClient,
+    /// This instance's random id.
+    pub(crate) instance: String,
+    pub(crate) channel: String,
+    waiters: Mutex<HashMap<String, Arc<watch::Sender<Option<Unlocked>>>>>,
+    sink: Mutex<Option<Weak<dyn InvalidationSink>>>,
+    bans: RwLock<Vec<Ban>>,
+    pub(crate) received: AtomicU64,
+    pub(crate) resyncs: AtomicU64,
+    pub(crate) locks_acquired: AtomicU64,
+    pub(crate) lock_waits: AtomicU64,
+}
+
+impl Bus {
+    pub(crate) fn new(subscriber: SubscriberClient, instance: String, channel: String) -> Self {
+        Self {
+            subscriber,
+            instance,
+            channel,
+            waiters: Mutex::default(),
+            sink: Mutex::default(),
+            bans: RwLock::default(),
+            received: AtomicU64::new(0),
+            resyncs: AtomicU64::new(0),
+            locks_acquired: AtomicU64::new(0),
+            lock_waits: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn set_sink(&self, sink: Weak<dyn InvalidationSink>) {
+        *self.sink.lock().unwrap_or_else(|e| e.into_inner()) = Some(sink);
+    }
+
+    pub(crate) fn sink(&self) -> Option<Arc<dyn InvalidationSink>> {
+        self.sink
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .and_then(Weak::upgrade)
+    }
+
+    /// Messages may have been missed: drop L1.
+    fn resync(&self) {
+        self.resyncs.fetch_add(1, Relaxed);
+        if let Some(sink) = self.sink() {
+            sink.resync();
+        }
+    }
+
+    /// Whether a ban covers an entry of this full key created at `created`.
+    pub(crate) fn banned(&self, full: &[u8], created: SystemTime) -> bool {
+        let bans = self.bans.read().unwrap_or_else(|e| e.into_inner());
+        bans.iter()
+            .any(|ban| created <= ban.at && ban.pattern.matches_full(full))
+    }
+
+    pub(crate) fn add_ban(&self, ban: Ban, retention: Duration) {
+        let mut bans = self.bans.write().unwrap_or_else(|e| e.into_inner());
+        let now = SystemTime::now();
+        bans.retain(|b| b.at + retention > now && b.pattern != ban.pattern);
+        bans.push(ban);
+    }
+
+    pub(crate) fn replace_bans(&self, loaded: Vec<Ban>) {
+        *self.bans.write().unwrap_or_else(|e| e.into_inner()) = loaded;
+    }
+
+    /// Registers interest in `channel`'s next message; the first waiter for
+    /// a channel must subscribe to it (`first`).
+    pub(crate) fn wait_on(self: &Arc<Self>, channel: &str) -> Waiter {
+        let mut waiters = self.waiters.lock().unwrap_or_else(|e| e.into_inner());
+        let (tx, first) = match waiters.get(channel) {
+            Some(tx) => (tx.clone(), false),
+            None => {
+                let tx = Arc::new(watch::channel(None).0);
+                waiters.insert(channel.to_owned(), tx.clone());
+                (tx, true)
+            }
+        };
+        Waiter {
+            rx: tx.subscribe(),
+            bus: self.clone(),
+            channel: channel.to_owned(),
+            first,
+        }
+    }
+
+    fn wake(&self, channel: &str, how: Unlocked) {
+        let waiters = self.waiters.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(tx) = waiters.get(channel) {
+            tx.send_replace(Some(how));
+        }
+    }
+
+    fn on_message(&self, message: fred::types::Message) {
+        let channel: &str = &message.channel;
+        let Some(text) = message.value.as_str() else {
+            return;
+        };
+        if channel != self.channel {
+            let how = if text == "1" {
+                Unlocked::Filled
+            } else {
+                Unlocked::Passed
+            };
+            self.wake(channel, how);
+            return;
+        }
+        let Some(decoded) = decode(&text) else {
+            return;
+        };
+        if decoded.from == self.instance {
+            return;
+        }
+        self.received.fetch_add(1, Relaxed);
+        if let (Invalidation::Prefix(pattern), Some(at)) = (&decoded.invalidation, decoded.at) {
+            self.add_ban(
+                Ban {
+                    pattern: pattern.clone(),
+                    at,
+                },
+                crate::tier::BAN_RETENTION,
+            );
+        }
+        if let Some(sink) = self.sink() {
+            sink.apply(&decoded.invalidation);
+        }
+    }
+}
+
+/// One wait on a shard channel; unsubscribes when the last waiter goes.
+pub(crate) struct Waiter {
+    pub(crate) rx: watch::Receiver<Option<Unlocked>>,
+    bus: Arc<Bus>,
+    channel: String,
+    pub(crate) first: bool,
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        let mut waiters = self.bus.waiters.lock().unwrap_or_else(|e| e.into_inner());
+        // The map's sender and this receiver's: nobody else waits.
+        if waiters
+            .get(&self.channel)
+            .is_some_and(|tx| tx.receiver_count() <= 1)
+        {
+            waiters.remove(&self.channel);
+            let subscriber = self.bus.subscriber.clone();
+            let channel = self.channel.clone();
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let _ = subscriber.sunsubscribe(channel).await;
+                });
+            }
+        }
+    }
+}
+
+/// Reads the subscriber's messages until the bus is gone; a lag is a resync.
+pub(crate) async fn dispatch(bus: Weak<Bus>, mut rx: broadcast::Receiver<fred::types::Message>) {
+    loop {
+        let received = rx.recv().await;
+        let Some(bus) = bus.upgrade() else {
+            return;
+        };
+        match received {
+            Ok(message) => bus.on_message(message),
+            Err(broadcast::error::RecvError::Lagged(_)) => bus.resync(),
+            Err(broadcast::error::RecvError::Closed) => return,
+        }
+    }
+}
+
+/// On every (re)connection of the subscriber: subscribe again, reload the
+/// bans, and (after the first) drop L1, since messages sent while it was
+/// away were missed. `reload` reads the bans from Valkey.
+pub(crate) async fn on_reconnect<F, Fut>(
+    bus: Weak<Bus>,
+    mut rx: broadcast::Receiver<fred::prelude::Server>,
+    reload: F,
+) where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Option<Vec<Ban>>>,
+{
+    let mut first = true;
+    loop {
+        let event = rx.recv().await;
+        let Some(live) = bus.upgrade() else {
+            return;
+        };
+        if matches!(event, Err(broadcast::error::RecvError::Closed)) {
+            return;
+        }
+        let _ = live.subscriber.resubscribe_all().await;
+        let _ = live.subscriber.subscribe(live.channel.clone()).await;
+        drop(live);
+        let bans = reload().await;
+        let Some(live) = bus.upgrade() else {
+            return;
+        };
+        if let Some(bans) = bans {
+            live.replace_bans(bans);
+        }
+        if !first {
+            live.resync();
+        }
+        first = false;
+    }
+}
+
+/// Pings the subscriber every `every`: a connection that swallows traffic
+/// (no reset, no answer) is closed and reopened, which counts as a resync.
+pub(crate) async fn heartbeat(bus: Weak<Bus>, every: Duration, timeout: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(bus) = bus.upgrade() else {
+            return;
+        };
+        if !bus.subscriber.is_connected() {
+            continue;
+        }
+        let ping = bus.subscriber.ping::<fred::prelude::Value>(None);
+        if !matches!(tokio::time::timeout(timeout, ping).await, Ok(Ok(_))) {
+            let _ = tokio::time::timeout(timeout, bus.subscriber.force_reconnection()).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tiercache_core::CacheKey;
+
+    #[test]
+    fn messages_round_trip() {
+        let h = |s: &str| CacheKey::new(s).hash();
+        let at = UNIX_EPOCH + Duration::from_millis(1_800_000_000_123);
+        for invalidation in [
+            Invalidation::Keys(vec![h("a"), h("b")]),
+            Invalidation::Keys(vec![]),
+            Invalidation::Tag(Bytes::from_static(b"product 7 {x}"), vec![h("c")]),
+            Invalidation::Prefix(KeyPattern::new().part(b"GET").any().prefix(b"/p {")),
+        ] {
+            let at = matches!(invalidation, Invalidation::Prefix(_)).then_some(at);
+            let message = Message {
+                from: "0123abcd".into(),
+                invalidation,
+                at,
+            };
+            let text = encode(&message);
+            assert!(text.is_ascii() && !text.contains('{'), "{text}");
+            assert_eq!(decode(&text), Some(message));
+        }
+    }
+
+    #[test]
+    fn foreign_messages_are_ignored() {
+        for text in [
+            "",
+            "x",
+            "x K zz",
+            "x T 0",
+            "x P 00 1",
+            "x P 3d 12 extra",
+            "x Q",
+        ] {
+            assert_eq!(decode(text), None, "{text:?}");
+        }
+    }
+}

@@ -1,0 +1,306 @@
+//! Fleets: several engine instances in one process, each with its own
+//! Valkey connections, behaving as one cache on one real Valkey server.
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, Request, StatusCode};
+use axum::routing::get;
+use http_body_util::BodyExt;
+use tiercache::core::CacheKey;
+use tiercache::http::key::request_key;
+use tiercache::valkey::{ValkeyConfig, ValkeyTier};
+use tiercache::{Policy, ResponseCacheLayer, TieredCache};
+use tiercache_testkit::{Counter, Fault, FaultProxy, Gate, ValkeyServer, bounded, eventually};
+use tokio::sync::Barrier;
+use tower::ServiceExt;
+
+/// One instance: an engine on its own connections to `url`, and its app.
+struct Instance {
+    engine: TieredCache,
+    layer: ResponseCacheLayer,
+    app: Router,
+}
+
+#[derive(Clone)]
+struct Origin {
+    calls: Counter,
+    gate: Gate,
+    version: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Origin {
+    fn new() -> Self {
+        Self {
+            calls: Counter::new(),
+            gate: Gate::new(),
+            version: Default::default(),
+        }
+    }
+
+    fn version(&self) -> usize {
+        self.version.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn bump_version(&self) {
+        self.version
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+async fn instance(url: &str, origin: &Origin) -> Instance {
+    let config = ValkeyConfig::from_url(url).unwrap();
+    let tier = ValkeyTier::connect(config).await.unwrap();
+    let engine = TieredCache::builder()
+        .l2(tier)
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let layer = ResponseCacheLayer::new(engine.clone());
+    let policy = Policy::ttl(Duration::from_secs(60))
+        .lock_timeout(Duration::from_secs(10))
+        .tag("products");
+    let route = layer.route(policy).unwrap();
+    // `/p/{id}` answers after the gate opens, with the data's version and
+    // a surrogate key naming the product.
+    let app = Router::new()
+        .route(
+            "/p/{id}",
+            get(
+                |State(o): State<Origin>, Path(id): Path<String>| async move {
+                    o.calls.bump();
+                    o.gate.passed().await;
+                    let surrogate = format!("product-{id}");
+                    (
+                        [("surrogate-key", surrogate)],
+                        format!("product {id} v{}", o.version()),
+                    )
+                },
+            )
+            .post(|State(o): State<Origin>| async move {
+                o.bump_version();
+                "updated"
+            })
+            .layer(route),
+        )
+        .with_state(origin.clone());
+    Instance { engine, layer, app }
+}
+
+async fn send(app: &Router, method: &str, path: &str) -> (StatusCode, HeaderMap, String) {
+    let req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "shop.test")
+        .body(Body::empty())
+        .unwrap();
+    let res = app.clone().oneshot(req).await.unwrap();
+    let (parts, body) = res.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    (
+        parts.status,
+        parts.headers,
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+fn x_cache(headers: &HeaderMap) -> &str {
+    headers
+        .get("x-cache")
+        .map(|v| v.to_str().unwrap())
+        .unwrap_or("")
+}
+
+fn key(path: &str) -> CacheKey {
+    let req = Request::get(path)
+        .header("host", "shop.test")
+        .body(())
+        .unwrap();
+    request_key(&req.into_parts().0)
+}
+
+/// Waits until `n` instances listen on the invalidation channel.
+/// (An external server's state: polled every 10 ms, for 10 s at most.)
+async fn subscribed(server: &ValkeyServer, n: usize) {
+    for _ in 0..1000 {
+        let reply = server.cmd(&["PUBSUB", "NUMSUB", "tc:inv"]);
+        if reply.lines().nth(1).and_then(|c| c.parse::<usize>().ok()) >= Some(n) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{n} instances did not subscribe to tc:inv within 10 s");
+}
+
+fn coalesced(fleet: &[Instance]) -> u64 {
+    fleet.iter().map(|i| i.engine.stats().coalesced).sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_times_300_cold_requests_cost_one_origin_call() {
+    let server = ValkeyServer::start();
+    let origin = Origin::new();
+    let mut fleet = Vec::new();
+    for _ in 0..3 {
+        fleet.push(instance(&server.url(), &origin).await);
+    }
+    let start = std::sync::Arc::new(Barrier::new(300));
+    let mut requests = Vec::new();
+    for i in 0..300 {
+        let app = fleet[i % 3].app.clone();
+        let start = start.clone();
+        requests.push(tokio::spawn(async move {
+            start.wait().await;
+            send(&app, "GET", "/p/7").await
+        }));
+    }
+    // Every request is waiting: 99 local followers per instance, and two
+    // instances' leaders waiting on the third's lock in Valkey.
+    bounded("all 300 requests to wait on one load", async {
+        eventually("299 coalesced waits", || coalesced(&fleet) >= 299).await;
+    })
+    .await;
+    assert_eq!(origin.calls.get(), 1);
+    origin.gate.open();
+    for r in requests {
+        let (status, _, body) = r.await.unwrap();
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(body, "product 7 v0");
+    }
+    assert_eq!(origin.calls.get(), 1, "one origin call for the whole fleet");
+    let locks: u64 = fleet
+        .iter()
+        .map(|i| i.engine.stats().l2.locks_acquired)
+        .sum();
+    let waits: u64 = fleet.iter().map(|i| i.engine.stats().l2.lock_waits).sum();
+    assert_eq!((locks, waits), (1, 2));
+    assert_eq!(server.keys("tc:*:lock").len(), 0, "the lock was released");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalidation_by_key_tag_and_url_reaches_every_instances_l1() {
+    let server = ValkeyServer::start();
+    let origin = Origin::new();
+    origin.gate.open();
+    let mut fleet = Vec::new();
+    for _ in 0..3 {
+        fleet.push(instance(&server.url(), &origin).await);
+    }
+    subscribed(&server, 3).await;
+    let fill_everywhere = |path: &'static str| {
+        let apps: Vec<Router> = fleet.iter().map(|i| i.app.clone()).collect();
+        async move {
+            for app in &apps {
+                let (status, headers, _) = send(app, "GET", path).await;
+                assert_eq!(status, StatusCode::OK);
+                assert_ne!(x_cache(&headers), "BYPASS");
+            }
+        }
+    };
+    let in_l1 = |fleet: &[Instance], path: &str| -> Vec<bool> {
+        fleet
+            .iter()
+            .map(|i| i.engine.peek(&key(path)).is_some())
+            .collect()
+    };
+
+    // By key, from instance 0.
+    fill_everywhere("/p/1").await;
+    assert_eq!(in_l1(&fleet, "/p/1"), [true; 3]);
+    fleet[0].engine.invalidate(&key("/p/1")).await;
+    eventually("/p/1 gone from every L1", || {
+        in_l1(&fleet, "/p/1") == [false; 3]
+    })
+    .await;
+    assert!(server.keys("tc:*:e").len() <= 1, "and from Valkey");
+
+    // By tag: the origin's Surrogate-Key, from instance 1.
+    fill_everywhere("/p/2").await;
+    fill_everywhere("/p/3").await;
+    fleet[1].layer.invalidate_tag("product-2").await;
+    eventually("/p/2 gone from every L1", || {
+        in_l1(&fleet, "/p/2") == [false; 3]
+    })
+    .await;
+    assert_eq!(in_l1(&fleet, "/p/3"), [true; 3], "other tags stay");
+    // By the route's tag: everything.
+    fleet[2].engine.invalidate_tag("products").await;
+    eventually("/p/3 gone from every L1", || {
+        in_l1(&fleet, "/p/3") == [false; 3]
+    })
+    .await;
+
+    // By URL: a POST through instance 2 makes instance 0 miss.
+    fill_everywhere("/p/4").await;
+    let (_, headers, body) = send(&fleet[0].app, "GET", "/p/4").await;
+    assert_eq!((x_cache(&headers), body.as_str()), ("HIT", "product 4 v0"));
+    let (status, _, _) = send(&fleet[2].app, "POST", "/p/4").await;
+    assert_eq!(status, StatusCode::OK);
+    eventually("/p/4 gone from every L1", || {
+        in_l1(&fleet, "/p/4") == [false; 3]
+    })
+    .await;
+    let (_, headers, body) = send(&fleet[0].app, "GET", "/p/4").await;
+    assert_eq!((x_cache(&headers), body.as_str()), ("MISS", "product 4 v1"));
+
+    // By prefix: every product, from instance 0; Valkey's copies are banned.
+    fill_everywhere("/p/5").await;
+    fleet[0]
+        .layer
+        .invalidate_path_prefix(&"/p/".parse().unwrap())
+        .await;
+    eventually("/p/5 and /p/4 gone from every L1", || {
+        in_l1(&fleet, "/p/5") == [false; 3] && in_l1(&fleet, "/p/4") == [false; 3]
+    })
+    .await;
+    origin.bump_version();
+    let (_, headers, body) = send(&fleet[1].app, "GET", "/p/5").await;
+    assert_eq!((x_cache(&headers), body.as_str()), ("MISS", "product 5 v2"));
+    let received: u64 = fleet
+        .iter()
+        .map(|i| i.engine.stats().l2.invalidations_received)
+        .sum();
+    assert!(received >= 10, "messages received: {received}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_that_missed_an_invalidation_drops_its_l1_on_reconnect() {
+    let server = ValkeyServer::start();
+    let origin = Origin::new();
+    origin.gate.open();
+    let a = instance(&server.url(), &origin).await;
+    let witness = instance(&server.url(), &origin).await;
+    let link = FaultProxy::start(server.addr()).await;
+    let b = instance(&link.redis_url(), &origin).await;
+    subscribed(&server, 3).await;
+    send(&a.app, "GET", "/p/9").await;
+    let (_, headers, body) = send(&b.app, "GET", "/p/9").await;
+    assert_eq!((x_cache(&headers), body.as_str()), ("HIT", "product 9 v0"));
+    assert!(b.engine.peek(&key("/p/9")).is_some());
+
+    // B is cut off; A updates and invalidates; B hears nothing.
+    link.set(Fault::Reset);
+    origin.bump_version();
+    a.engine.invalidate(&key("/p/9")).await;
+    eventually("the witness to hear it", || {
+        witness.engine.stats().l2.invalidations_received >= 1
+    })
+    .await;
+    assert!(
+        b.engine.peek(&key("/p/9")).is_some(),
+        "B cannot have heard the invalidation"
+    );
+
+    // B is back: it assumes it missed messages and drops its L1.
+    link.set(Fault::Pass);
+    bounded("B to resync after reconnecting", async {
+        eventually("a resync", || b.engine.stats().l2.resyncs >= 1).await;
+    })
+    .await;
+    assert!(b.engine.peek(&key("/p/9")).is_none());
+    let (_, headers, body) = send(&b.app, "GET", "/p/9").await;
+    assert_eq!(body, "product 9 v1", "never the old entry after reconnect");
+    assert_eq!(x_cache(&headers), "MISS");
+}
