@@ -357,9 +357,10 @@ impl ValkeyTier {
         Ok(())
     }
 
-    /// Waits until the writes queued so far are done, so a delete that
-    /// follows cannot be overtaken by an earlier fill's `SET`.
-    async fn flush(&self) {
+    /// Waits (at most two command timeouts) until the writes queued so far
+    /// are done: before a delete, so an earlier fill's `SET` cannot land
+    /// after it, and before a graceful shutdown.
+    pub async fn flush(&self) {
         let (tx, rx) = tokio::sync::oneshot::channel();
         if self.inner.writes.try_send(Write::Flush(tx)).is_ok() {
             let _ = tokio::time::timeout(self.inner.command_timeout * 2, rx).await;

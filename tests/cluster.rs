@@ -1,0 +1,314 @@
+//! The L2 on a real Valkey Cluster (3 primaries, 3 replicas) that the test
+//! forms itself: keys spread over the slots, fleets on the cluster, and a
+//! killed or paused primary under load costing no failed request.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, Request, StatusCode};
+use axum::routing::get;
+use http_body_util::BodyExt;
+use tiercache::http::key::request_key;
+use tiercache::valkey::{ValkeyConfig, ValkeyTier};
+use tiercache::{Policy, ResponseCacheLayer, TieredCache};
+use tiercache_testkit::cluster::SLOTS;
+use tiercache_testkit::{Counter, Gate, ValkeyCluster, bounded, eventually};
+use tokio::sync::Barrier;
+use tower::ServiceExt;
+
+struct Instance {
+    tier: ValkeyTier,
+    engine: TieredCache,
+    app: Router,
+}
+
+#[derive(Clone, Default)]
+struct Origin {
+    calls: Counter,
+    gate: Gate,
+}
+
+async fn instance(cluster: &ValkeyCluster, origin: &Origin) -> Instance {
+    let config = ValkeyConfig::from_url(&cluster.url()).unwrap();
+    let tier = ValkeyTier::connect(config).await.unwrap();
+    let engine = TieredCache::builder()
+        .l2(tier.clone())
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let layer = ResponseCacheLayer::new(engine.clone());
+    let policy = Policy::ttl(Duration::from_secs(60)).lock_timeout(Duration::from_secs(10));
+    let app = Router::new()
+        .route(
+            "/p/{id}",
+            get(
+                |State(o): State<Origin>, Path(id): Path<String>| async move {
+                    o.calls.bump();
+                    o.gate.passed().await;
+                    (
+                        [("surrogate-key", format!("p{id} all"))],
+                        format!("product {id}"),
+                    )
+                },
+            )
+            .layer(layer.route(policy).unwrap()),
+        )
+        .with_state(origin.clone());
+    Instance { tier, engine, app }
+}
+
+async fn send(app: &Router, path: &str) -> (StatusCode, HeaderMap, String) {
+    let req = Request::get(path)
+        .header("host", "shop.test")
+        .body(Body::empty())
+        .unwrap();
+    let res = app.clone().oneshot(req).await.unwrap();
+    let (parts, body) = res.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    (
+        parts.status,
+        parts.headers,
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+fn tier_of(headers: &HeaderMap) -> &str {
+    headers
+        .get("x-cache-tier")
+        .map(|v| v.to_str().unwrap())
+        .unwrap_or("")
+}
+
+fn url_key(path: &str) -> tiercache::core::CacheKey {
+    let req = Request::get(path)
+        .header("host", "shop.test")
+        .body(())
+        .unwrap();
+    request_key(&req.into_parts().0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_spread_over_the_slots_and_braces_in_urls_do_not_steer_them() {
+    let cluster = ValkeyCluster::start(3);
+    let origin = Origin::default();
+    let a = instance(&cluster, &origin).await;
+    let mut slots = Vec::new();
+    for i in 0..1000 {
+        // A third of the URLs carry the same `{hash tag}`.
+        let path = match i % 3 {
+            0 => format!("/p/{i}"),
+            1 => format!("/p/{{user1000}}/{i}"),
+            _ => format!("/s?q={{x}}{i}&r=}}{{"),
+        };
+        let entry = a.tier.entry_key(&url_key(&path));
+        let lock = a.tier.lock_key(&url_key(&path));
+        let slot = cluster.keyslot(&entry);
+        assert_eq!(
+            slot,
+            cluster.keyslot(&lock),
+            "an entry and its lock share a slot"
+        );
+        slots.push(slot);
+    }
+    let mut distinct = slots.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert!(distinct.len() >= 950, "{} distinct slots", distinct.len());
+    let braced: std::collections::HashSet<u16> = slots.iter().skip(1).step_by(3).copied().collect();
+    assert!(
+        braced.len() >= 320,
+        "URLs sharing `{{user1000}}` share slots: {}",
+        braced.len()
+    );
+    let third = SLOTS / 3;
+    for range in 0..3u16 {
+        let inside = slots.iter().filter(|s| **s / third == range).count();
+        assert!(
+            (250..=420).contains(&inside),
+            "primary {range} holds {inside} of 1000"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_on_the_cluster_loads_once_shares_l2_and_invalidates_everywhere() {
+    let cluster = ValkeyCluster::start(3);
+    let origin = Origin::default();
+    let a = instance(&cluster, &origin).await;
+    let b = instance(&cluster, &origin).await;
+
+    // 2 instances × 50 concurrent cold requests → one origin call.
+    let start = Arc::new(Barrier::new(100));
+    let requests: Vec<_> = (0..100)
+        .map(|i| {
+            let app = if i % 2 == 0 {
+                a.app.clone()
+            } else {
+                b.app.clone()
+            };
+            let start = start.clone();
+            tokio::spawn(async move {
+                start.wait().await;
+                send(&app, "/p/1").await
+            })
+        })
+        .collect();
+    bounded("all requests waiting on one load", async {
+        eventually("99 coalesced", || {
+            a.engine.stats().coalesced + b.engine.stats().coalesced >= 99
+        })
+        .await;
+    })
+    .await;
+    origin.gate.open();
+    for r in requests {
+        assert_eq!(r.await.unwrap().2, "product 1");
+    }
+    assert_eq!(origin.calls.get(), 1);
+
+    // Entries written through A on every slot are read by B from L2.
+    for i in 2..102 {
+        send(&a.app, &format!("/p/{i}")).await;
+    }
+    // Fills are written off the request path: let them land.
+    a.tier.flush().await;
+    for i in 2..102 {
+        let path = format!("/p/{i}");
+        let (_, headers, _) = send(&b.app, &path).await;
+        assert_eq!(tier_of(&headers), "l2", "{path}");
+    }
+    assert_eq!(origin.calls.get(), 101);
+
+    // A tag spans slots; its invalidation reaches both instances.
+    a.engine.invalidate_tag("all").await;
+    eventually("every product gone from both L1s", || {
+        (1..102).all(|i| {
+            let key = url_key(&format!("/p/{i}"));
+            a.engine.peek(&key).is_none() && b.engine.peek(&key).is_none()
+        })
+    })
+    .await;
+    let (_, headers, _) = send(&b.app, "/p/50").await;
+    assert_eq!(tier_of(&headers), "origin");
+}
+
+/// Runs `clients` request loops over fresh URLs (every request a miss: an
+/// L2 read, a lock, an origin call and an L2 write) until `stop`, counting
+/// answers and failures.
+fn load(
+    app: Router,
+    clients: usize,
+    stop: Arc<AtomicBool>,
+) -> (
+    Arc<AtomicUsize>,
+    Arc<AtomicUsize>,
+    Vec<tokio::task::JoinHandle<()>>,
+) {
+    let ok = Arc::new(AtomicUsize::new(0));
+    let failed = Arc::new(AtomicUsize::new(0));
+    let next = Arc::new(AtomicUsize::new(0));
+    let tasks = (0..clients)
+        .map(|_| {
+            let (app, stop, ok, failed, next) = (
+                app.clone(),
+                stop.clone(),
+                ok.clone(),
+                failed.clone(),
+                next.clone(),
+            );
+            tokio::spawn(async move {
+                while !stop.load(SeqCst) {
+                    let i = next.fetch_add(1, SeqCst);
+                    let (status, _, body) = send(&app, &format!("/p/load{i}")).await;
+                    if status == StatusCode::OK && body == format!("product load{i}") {
+                        ok.fetch_add(1, SeqCst);
+                    } else {
+                        failed.fetch_add(1, SeqCst);
+                    }
+                }
+            })
+        })
+        .collect();
+    (ok, failed, tasks)
+}
+
+async fn wait_for_answers(ok: &AtomicUsize, more: usize) {
+    let target = ok.load(SeqCst) + more;
+    bounded("the load to make progress", async {
+        eventually(&format!("{target} answers"), || ok.load(SeqCst) >= target).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_primary_under_load_fails_no_request() {
+    let mut cluster = ValkeyCluster::start(3);
+    let origin = Origin::default();
+    origin.gate.open();
+    let a = instance(&cluster, &origin).await;
+    let b = instance(&cluster, &origin).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed, tasks) = load(a.app.clone(), 16, stop.clone());
+    wait_for_answers(&ok, 300).await;
+
+    cluster.node_mut(0).kill();
+    wait_for_answers(&ok, 300).await;
+    // Its replica takes over (cluster-node-timeout 2 s).
+    bounded("the replica to take over", async {
+        while !cluster.is_primary(3) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    tokio::task::block_in_place(|| cluster.wait_ok());
+    wait_for_answers(&ok, 300).await;
+    stop.store(true, SeqCst);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(failed.load(SeqCst), 0, "of {} requests", ok.load(SeqCst));
+
+    // L2 is in use again on every slot: what A stores now, B reads from L2.
+    bounded("L2 to serve again after the failover", async {
+        let mut i = 0;
+        loop {
+            i += 1;
+            let path = format!("/p/after{i}");
+            send(&a.app, &path).await;
+            a.tier.flush().await;
+            let (_, headers, _) = send(&b.app, &path).await;
+            if tier_of(&headers) == "l2" && i > 20 {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_primary_under_load_fails_no_request() {
+    let cluster = ValkeyCluster::start(3);
+    let origin = Origin::default();
+    origin.gate.open();
+    let a = instance(&cluster, &origin).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed, tasks) = load(a.app.clone(), 16, stop.clone());
+    wait_for_answers(&ok, 300).await;
+    cluster.node(1).pause(3000);
+    // Answers keep coming while the primary holds every command.
+    wait_for_answers(&ok, 600).await;
+    let during = a.engine.stats();
+    assert!(
+        during.l2_errors > 0 || during.l2.skipped > 0,
+        "the pause was felt"
+    );
+    stop.store(true, SeqCst);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(failed.load(SeqCst), 0, "of {} requests", ok.load(SeqCst));
+}
