@@ -54,6 +54,7 @@ pub struct ValkeyConfig {
     write_queue: usize,
     breaker_failures: u32,
     breaker_interval: Duration,
+    fill_locks: bool,
 }
 
 impl ValkeyConfig {
@@ -96,7 +97,16 @@ impl ValkeyConfig {
             write_queue: Self::DEFAULT_WRITE_QUEUE,
             breaker_failures: Self::DEFAULT_BREAKER_FAILURES,
             breaker_interval: Self::DEFAULT_BREAKER_INTERVAL,
+            fill_locks: true,
         }
+    }
+
+    /// Whether instances take fleet-wide fill locks (default on): one origin
+    /// load per key across every instance on this Valkey. Off, each
+    /// instance loads on its own (its local single flight still applies).
+    pub fn fill_locks(mut self, on: bool) -> Self {
+        self.fill_locks = on;
+        self
     }
 
     /// The key prefix (default `tc`): caches with different prefixes on one
@@ -173,6 +183,7 @@ pub struct ValkeyTier {
 struct Inner {
     client: Client,
     bus: Arc<Bus>,
+    fill_locks: bool,
     prefix: String,
     command_timeout: Duration,
     breaker: Breaker,
@@ -251,9 +262,13 @@ impl ValkeyTier {
         if !client.is_connected() {
             let _connection = client.connect();
         }
+        let mut perf = client.perf_config();
+        // A burst of invalidations must not overrun the message stream (a
+        // lag is read as missed messages: the whole L1 would be dropped).
+        perf.broadcast_channel_capacity = perf.broadcast_channel_capacity.max(4096);
         let subscriber = Builder::from_config(client.client_config())
             .set_connection_config(client.connection_config().clone())
-            .set_performance_config(client.perf_config())
+            .set_performance_config(perf)
             .set_policy(
                 client
                     .client_reconnect_policy()
@@ -272,6 +287,7 @@ impl ValkeyTier {
         let inner = Arc::new(Inner {
             client,
             bus: bus.clone(),
+            fill_locks: config.fill_locks,
             prefix: config.prefix,
             command_timeout: config.command_timeout,
             breaker: Breaker::new(config.breaker_failures, config.breaker_interval),
@@ -325,8 +341,11 @@ impl ValkeyTier {
         format!("{}:bans", self.inner.prefix)
     }
 
-    async fn publish(
+    /// Deletes `keys` and announces `invalidation`, in one pipeline (one
+    /// key per `DEL`: in a cluster the entries live on many slots).
+    async fn delete_and_publish(
         &self,
+        keys: Vec<String>,
         invalidation: Invalidation,
         at: Option<SystemTime>,
     ) -> Result<(), TierError> {
@@ -335,25 +354,14 @@ impl ValkeyTier {
             invalidation,
             at,
         });
-        let published: Result<i64, _> = self
-            .inner
-            .client
-            .publish(&self.inner.bus.channel, text)
-            .await;
-        published.map(drop).map_err(fred_error)
-    }
-
-    async fn delete_entries(&self, hashes: &[KeyHash]) -> Result<(), TierError> {
-        if hashes.is_empty() {
-            return Ok(());
-        }
-        // One key per DEL: in a cluster the entries live on many slots.
         let pipe = self.inner.client.pipeline();
-        for hash in hashes {
-            let queued: Result<(), _> = pipe.del(self.entry_key_of(hash)).await;
+        for key in keys {
+            let queued: Result<(), _> = pipe.del(key).await;
             queued.map_err(fred_error)?;
         }
-        let _: Vec<Value> = pipe.all().await.map_err(fred_error)?;
+        let queued: Result<(), _> = pipe.publish(&self.inner.bus.channel, text).await;
+        queued.map_err(fred_error)?;
+        let _: Value = pipe.all().await.map_err(fred_error)?;
         Ok(())
     }
 
@@ -371,8 +379,9 @@ impl ValkeyTier {
         self.flush().await;
         match invalidation {
             Invalidation::Keys(hashes) => {
-                self.delete_entries(&hashes).await?;
-                self.publish(Invalidation::Keys(hashes), None).await
+                let keys = hashes.iter().map(|h| self.entry_key_of(h)).collect();
+                self.delete_and_publish(keys, Invalidation::Keys(hashes), None)
+                    .await
             }
             Invalidation::Tag(tag, mut hashes) => {
                 let set = self.tag_key(&tag);
@@ -386,10 +395,10 @@ impl ValkeyTier {
                 if let Some(sink) = self.inner.bus.sink() {
                     sink.apply(&Invalidation::Keys(hashes.clone()));
                 }
-                self.delete_entries(&hashes).await?;
-                let deleted: Result<i64, _> = self.inner.client.del(&set).await;
-                deleted.map_err(fred_error)?;
-                self.publish(Invalidation::Tag(tag, hashes), None).await
+                let mut keys: Vec<String> = hashes.iter().map(|h| self.entry_key_of(h)).collect();
+                keys.push(set);
+                self.delete_and_publish(keys, Invalidation::Tag(tag, hashes), None)
+                    .await
             }
             Invalidation::Prefix(pattern) => {
                 let at = SystemTime::now();
@@ -411,9 +420,10 @@ impl ValkeyTier {
                     },
                     BAN_RETENTION,
                 );
-                self.publish(Invalidation::Prefix(pattern), Some(at)).await
+                self.delete_and_publish(Vec::new(), Invalidation::Prefix(pattern), Some(at))
+                    .await
             }
-            other => self.publish(other, None).await,
+            other => self.delete_and_publish(Vec::new(), other, None).await,
         }
     }
 
@@ -560,6 +570,9 @@ impl Tier for ValkeyTier {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<LockAttempt, TierError>> {
         Box::pin(async move {
+            if !self.inner.fill_locks {
+                return Ok(LockAttempt::Unsupported);
+            }
             if !self.inner.breaker.allow() {
                 self.inner.skipped.fetch_add(1, Relaxed);
                 return Ok(LockAttempt::Unsupported);
