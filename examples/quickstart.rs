@@ -5,6 +5,7 @@
 //! curl -si http://127.0.0.1:3000/products/7   # x-cache: MISS, ~50 ms
 //! curl -si http://127.0.0.1:3000/products/7   # x-cache: HIT, x-cache-tier: l1
 //! curl -s  http://127.0.0.1:3000/stats
+//! curl -s  http://127.0.0.1:3000/metrics      # Prometheus text
 //! ```
 //!
 //! Listens on `$ADDR` (default `127.0.0.1:3000`). L1 only, unless `$VALKEY_URL`
@@ -15,6 +16,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use axum::extract::{Path, State};
 use axum::routing::get;
 use axum::{Json, Router};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde_json::{Value, json};
 use tiercache::valkey::{ValkeyConfig, ValkeyTier};
 use tiercache::{Policy, ResponseCacheLayer, TieredCache};
@@ -29,13 +31,28 @@ async fn product(Path(id): Path<u64>) -> Json<Value> {
     Json(json!({ "id": id, "name": format!("product {id}"), "generated_at_ms": generated_at_ms }))
 }
 
-async fn stats(State(cache): State<TieredCache>) -> Json<tiercache::Stats> {
-    Json(cache.stats())
+async fn stats(State(app): State<App>) -> Json<tiercache::Stats> {
+    Json(app.cache.engine().stats())
+}
+
+/// Prometheus text: the engine's counters are published at each scrape;
+/// the per-route request metrics are live.
+async fn metrics(State(app): State<App>) -> String {
+    app.cache.publish_metrics();
+    app.prometheus.render()
+}
+
+#[derive(Clone)]
+struct App {
+    cache: ResponseCacheLayer,
+    prometheus: PrometheusHandle,
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
+    // Before the layer is built: it takes its metric handles from the recorder.
+    let prometheus = PrometheusBuilder::new().install_recorder()?;
     let mut builder = TieredCache::builder();
     if let Ok(url) = std::env::var("VALKEY_URL") {
         let l2 = ValkeyTier::connect(ValkeyConfig::from_url(&url)?).await?;
@@ -43,15 +60,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("L2: Valkey at {url}");
     }
     let engine = builder.build()?;
-    let cache = ResponseCacheLayer::new(engine.clone());
+    let cache = ResponseCacheLayer::new(engine);
 
     let app = Router::new()
         .route(
             "/products/{id}",
-            get(product).layer(cache.route(Policy::ttl(Duration::from_secs(30)).jitter(0.1))?),
+            get(product).layer(
+                cache.route_named("products", Policy::ttl(Duration::from_secs(30)).jitter(0.1))?,
+            ),
         )
         .route("/stats", get(stats))
-        .with_state(engine);
+        .route("/metrics", get(metrics))
+        .with_state(App { cache, prometheus });
 
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     println!(

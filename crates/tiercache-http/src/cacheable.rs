@@ -55,6 +55,28 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// Every reason, in declaration order.
+    pub const ALL: [Reason; 18] = [
+        Reason::Method,
+        Reason::Authorization,
+        Reason::Cookie,
+        Reason::RequestNoStore,
+        Reason::RequestBody,
+        Reason::Precondition,
+        Reason::Host,
+        Reason::HitForMiss,
+        Reason::Status,
+        Reason::NoFreshness,
+        Reason::SetCookie,
+        Reason::Private,
+        Reason::NoStore,
+        Reason::VaryStar,
+        Reason::VaryLimit,
+        Reason::TooLarge,
+        Reason::Body,
+        Reason::NotFresh,
+    ];
+
     /// The token used in `cache-status` `detail=` and in the stats.
     pub fn as_str(&self) -> &'static str {
         match self {

@@ -64,6 +64,16 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Records the outcome and tier on the current `tiercache` span (a
+    /// no-op when tracing is off or the span has no such fields).
+    pub(crate) fn trace(&self) {
+        let span = tracing::Span::current();
+        if !span.is_disabled() {
+            span.record("outcome", self.x_cache());
+            span.record("tier", self.tier().as_str());
+        }
+    }
+
     fn x_cache(&self) -> &'static str {
         match self {
             Outcome::Hit { .. } => "HIT",

@@ -8,6 +8,7 @@ use http::HeaderName;
 use tiercache_core::{Policy, PolicyError, TieredCache};
 use tower::Layer;
 
+use crate::metrics::{EngineMetrics, RouteMetrics};
 use crate::service::ResponseCache;
 use crate::variants::Variants;
 
@@ -39,6 +40,8 @@ pub struct ResponseCacheLayer {
     pub(crate) variants: Variants,
     pub(crate) policy: Option<Arc<Policy>>,
     pub(crate) config: Arc<HttpConfig>,
+    pub(crate) engine_metrics: Arc<EngineMetrics>,
+    pub(crate) route_metrics: Option<Arc<RouteMetrics>>,
 }
 
 /// The layer's HTTP settings; a route's layer carries its own copy.
@@ -97,17 +100,40 @@ impl ResponseCacheLayer {
             variants: Variants::new(),
             policy: None,
             config: Arc::new(HttpConfig::default()),
+            engine_metrics: Arc::new(EngineMetrics::new()),
+            route_metrics: None,
         }
     }
 
     /// A layer for one route: the same engine and settings, with `policy`.
-    /// The policy is validated here; the error names the bad field.
+    /// The policy is validated here; the error names the bad field. Its
+    /// metrics carry `route="default"`; see [`route_named`](Self::route_named).
     pub fn route(&self, policy: Policy) -> Result<Self, PolicyError> {
+        self.route_named("default", policy)
+    }
+
+    /// Like [`route`](Self::route), with `name` as the `route` label of its
+    /// metrics (see [`crate::metrics`]); routes may share a name.
+    pub fn route_named(&self, name: &str, policy: Policy) -> Result<Self, PolicyError> {
         policy.validate()?;
         Ok(Self {
             policy: Some(Arc::new(policy)),
+            route_metrics: Some(Arc::new(RouteMetrics::new(name))),
             ..self.clone()
         })
+    }
+
+    /// Sets the engine's metrics (hit ratio, L1 bytes, expired, evicted, L2
+    /// errors and breaker, …) from its counters, through the recorder in
+    /// force when this layer was built. Call it before each scrape; the
+    /// per-route request metrics are live and need no call.
+    pub fn publish_metrics(&self) {
+        let stats = self.engine.stats();
+        self.engine_metrics.publish(
+            &stats,
+            self.engine.l1_weighted_size(),
+            self.engine.l1_entry_count(),
+        );
     }
 
     /// Largest body buffered and stored; a larger one (by `Content-Length`, or

@@ -45,6 +45,7 @@ pub mod headers;
 pub mod invalidate;
 pub mod key;
 mod layer;
+pub mod metrics;
 pub mod request;
 mod service;
 mod values;

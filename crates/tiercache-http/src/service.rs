@@ -19,6 +19,7 @@ use tiercache_core::{
     Leader, Lifetime, Lookup, Policy, Source, TieredCache, Waited,
 };
 use tower::{Service, ServiceExt};
+use tracing::Instrument;
 
 use crate::body::{BoxError, CacheBody};
 use crate::cache_control::targeted;
@@ -29,6 +30,7 @@ use crate::headers::{self, Outcome, strip_hop_by_hop};
 use crate::invalidate::{invalidation_keys, is_safe, location_keys};
 use crate::key::{family_tag, request_variant, variant_for, variant_key, variant_matches};
 use crate::layer::{HttpConfig, ResponseCacheLayer};
+use crate::metrics::RouteMetrics;
 use crate::request::{Conditional, prepare};
 use crate::variants::Variants;
 
@@ -55,6 +57,9 @@ impl<S> ResponseCache<S> {
                 variants: layer.variants,
                 policy,
                 config: layer.config,
+                metrics: layer
+                    .route_metrics
+                    .unwrap_or_else(|| Arc::new(RouteMetrics::new("default"))),
             })
         });
         Self { inner, ctx }
@@ -73,10 +78,33 @@ struct Ctx {
     variants: Variants,
     policy: Arc<Policy>,
     config: Arc<HttpConfig>,
+    metrics: Arc<RouteMetrics>,
 }
 
 impl Ctx {
+    /// Counts an answer after an L1 miss, in the engine and the route.
+    fn served(&self, source: Source) {
+        self.engine.record_served(source);
+        self.metrics.served(source);
+    }
+
+    fn stale_served(&self) {
+        self.engine.record_stale_served();
+        self.metrics.stale();
+    }
+
+    fn bypass(&self, reason: Reason) {
+        self.engine.record_bypass(reason.as_str());
+        self.metrics.bypass(reason);
+    }
+
+    fn origin_load(&self, took: std::time::Duration) {
+        self.engine.record_origin_load(took);
+        self.metrics.origin(took);
+    }
+
     fn label(&self, headers: &mut HeaderMap, outcome: &Outcome) {
+        outcome.trace();
         if self.config.emit_headers {
             headers::apply(headers, outcome, self.engine.hit_ratio());
         }
@@ -89,6 +117,7 @@ impl Ctx {
         ask: &Ask,
         outcome: &Outcome,
     ) -> Response<CacheBody<B>> {
+        outcome.trace();
         let label = self
             .config
             .emit_headers
@@ -171,7 +200,7 @@ where
         let engine = &ctx.engine;
         let (mut parts, body) = req.into_parts();
         if !is_safe(&parts.method) {
-            engine.record_bypass(Reason::Method.as_str());
+            ctx.bypass(Reason::Method);
             let (keys, target) = invalidation_keys(&parts, &ctx.config);
             let future = self.inner.call(Request::from_parts(parts, body));
             return ResponseFuture::boxed(Box::pin(write_through(ctx, future, keys, target)));
@@ -187,7 +216,8 @@ where
         let prepared = match prepared {
             Ok(prepared) => prepared,
             Err(reason) => {
-                engine.record_bypass(reason.as_str());
+                ctx.bypass(reason);
+                tracing::debug!(outcome = "BYPASS", reason = reason.as_str(), "tiercache");
                 let label = ctx
                     .config
                     .emit_headers
@@ -223,6 +253,18 @@ where
             }
             lookup
         };
+        if matches!(lookup, Lookup::Fresh { .. }) {
+            ctx.metrics.hit_l1();
+        }
+        // One span per cached request: outcome, tier and the key's hash
+        // (never the key or the body).
+        let span = tracing::debug_span!(
+            "tiercache",
+            key = %primary.hash(),
+            outcome = tracing::field::Empty,
+            tier = tracing::field::Empty,
+        );
+        let entered = span.enter();
         let keys = Keys {
             primary,
             flight: key,
@@ -245,7 +287,7 @@ where
                 return ResponseFuture::ready(ctx.entry_response(&entry, now, &ask, &outcome));
             }
             Lookup::Stale { entry } => {
-                engine.record_stale_served();
+                ctx.stale_served();
                 self.refresh_in_background(&ctx, &parts, &keys, &entry, &ask);
                 let outcome = Outcome::Stale { detail: None };
                 return ResponseFuture::ready(ctx.entry_response(&entry, now, &ask, &outcome));
@@ -260,7 +302,8 @@ where
             fallback,
             revalidate,
         };
-        ResponseFuture::boxed(Box::pin(miss.run(ctx, inner, req)))
+        drop(entered);
+        ResponseFuture::boxed(Box::pin(miss.run(ctx, inner, req).instrument(span)))
     }
 }
 
@@ -384,7 +427,7 @@ impl Miss {
             revalidate,
         } = self;
         if ctx.engine.is_uncacheable(&keys.primary) {
-            ctx.engine.record_bypass(Reason::HitForMiss.as_str());
+            ctx.bypass(Reason::HitForMiss);
             let loaded = load(&ctx, inner, as_get(req), &keys, None, ask.credentialed).await?;
             return Ok(respond_loaded(
                 &ctx,
@@ -438,7 +481,9 @@ impl Miss {
                 })
             }
             Join::Follower(follower) => {
+                let started = tokio::time::Instant::now();
                 let waited = ctx.engine.wait(follower, &ctx.policy).await;
+                ctx.metrics.lock_wait(started.elapsed());
                 match waited {
                     Waited::Done(FlightResult::Shared(entry, source))
                         if ctx.fits(&entry, req.headers()) =>
@@ -446,7 +491,7 @@ impl Miss {
                         Ok(respond_entry(&ctx, &entry, source, &ask, true))
                     }
                     Waited::Done(FlightResult::Failed(FlightError::Panicked)) => {
-                        ctx.engine.record_served(Source::Origin);
+                        ctx.served(Source::Origin);
                         Ok(error_response(&ctx, StatusCode::INTERNAL_SERVER_ERROR))
                     }
                     // Released (not shareable), another variant, a timeout or an
@@ -621,7 +666,7 @@ where
     let res = match result {
         Ok(res) => res,
         Err(e) => {
-            ctx.engine.record_origin_load(started.elapsed());
+            ctx.origin_load(started.elapsed());
             return Err(e);
         }
     };
@@ -630,11 +675,12 @@ where
         && let Some(stale) = revalidating
     {
         let took = started.elapsed();
-        ctx.engine.record_origin_load(took);
+        ctx.origin_load(took);
         return Ok(Loaded::Stored(renew(ctx, stale, &parts.headers, took)));
     }
     let pass = |parts: response::Parts, body: CacheBody<ResB>, reason: Reason| {
-        ctx.engine.record_origin_load(started.elapsed());
+        ctx.origin_load(started.elapsed());
+        ctx.metrics.not_stored(reason);
         if reason.marks_key() && (parts.status.is_success() || parts.status.is_redirection()) {
             ctx.engine.mark_uncacheable(&keys.primary, &ctx.policy);
         }
@@ -696,7 +742,7 @@ where
         }
     }
     let took = started.elapsed();
-    ctx.engine.record_origin_load(took);
+    ctx.origin_load(took);
     let body = concat(frames, total);
     let tags = tags_for(ctx, &parts.headers, varied.as_ref().map(|_| &keys.primary));
     let value = headers::to_value(parts.status, &parts.headers, body);
@@ -878,7 +924,7 @@ fn respond_entry<B>(
             collapsed,
         },
     };
-    ctx.engine.record_served(source);
+    ctx.served(source);
     ctx.entry_response(entry, now, ask, &outcome)
 }
 
@@ -888,7 +934,7 @@ fn respond_stale<B>(
     ask: &Ask,
     detail: &'static str,
 ) -> Response<CacheBody<B>> {
-    ctx.engine.record_stale_served();
+    ctx.stale_served();
     let outcome = Outcome::Stale {
         detail: Some(detail),
     };
@@ -911,7 +957,7 @@ fn respond_loaded<B>(
             let outcome = match bypass {
                 Some(reason) => Outcome::Bypass(reason),
                 None => {
-                    ctx.engine.record_served(Source::Origin);
+                    ctx.served(Source::Origin);
                     Outcome::Miss {
                         stored: false,
                         reason: Some(reason),

@@ -16,7 +16,8 @@
 //! `Expires`), never guessing a lifetime; with `--ttl` other storable
 //! responses get that ttl, as on an annotated route. Successful unsafe
 //! requests (POST, PUT, PATCH, DELETE) invalidate their target. The admin
-//! address serves `GET /stats` and `POST /invalidate?key=URL|tag=TAG|prefix=PATH`.
+//! address serves `GET /stats`, `GET /metrics` (Prometheus text; see
+//! `tiercache_http::metrics`) and `POST /invalidate?key=URL|tag=TAG|prefix=PATH`.
 //! With `--valkey`, several proxies on one Valkey (standalone, or a cluster
 //! through a `redis-cluster://` URL) behave as one cache: one origin load
 //! per key across them, and invalidations that reach every proxy's L1. The same proxy runs in
@@ -210,7 +211,13 @@ impl Proxy {
         let engine = builder
             .build()
             .map_err(|e| ProxyError::Config(e.to_string()))?;
-        let layer = http_layer(&config, engine.clone(), policy)?;
+        // This proxy's own Prometheus registry: the layer takes its metric
+        // handles from it (several proxies in one process stay apart).
+        let recorder = metrics_recorder();
+        let prometheus = recorder.handle();
+        let layer = metrics::with_local_recorder(&recorder, || {
+            http_layer(&config, engine.clone(), policy)
+        })?;
         let forward = Forward::new(&config.upstream).map_err(ProxyError::Config)?;
         let app = Router::new().fallback_service(tower::Layer::layer(&layer, forward));
 
@@ -226,7 +233,10 @@ impl Proxy {
         if let Some(admin_addr) = config.admin {
             let (listener, bound) = bind(admin_addr).await?;
             admin = Some(bound);
-            let router = admin_router(layer.clone());
+            let router = admin_router(Admin {
+                layer: layer.clone(),
+                prometheus,
+            });
             tasks.push(tokio::spawn(async move {
                 if let Err(e) = axum::serve(listener, router).await {
                     eprintln!("tiercache-proxy: admin server stopped: {e}");
@@ -286,7 +296,7 @@ fn http_layer(
         .max_body(usize::try_from(config.max_body).unwrap_or(usize::MAX))
         .max_error_ttl(config.max_error_ttl)
         .honor_client_no_cache(config.honor_client_no_cache)
-        .route(policy)
+        .route_named("proxy", policy)
         .map_err(|e| ProxyError::Config(e.to_string()))?;
     if config.ttl.is_none() {
         layer = layer.explicit_freshness_only();
@@ -357,16 +367,50 @@ impl std::error::Error for ProxyError {
     }
 }
 
-fn admin_router(layer: ResponseCacheLayer) -> Router {
+/// What the admin endpoints work on.
+#[derive(Clone)]
+struct Admin {
+    layer: ResponseCacheLayer,
+    prometheus: metrics_exporter_prometheus::PrometheusHandle,
+}
+
+fn admin_router(admin: Admin) -> Router {
     Router::new()
         .route(
             "/stats",
-            get(|State(layer): State<ResponseCacheLayer>| async move {
-                axum::Json(layer.engine().stats())
+            get(|State(admin): State<Admin>| async move {
+                axum::Json(admin.layer.engine().stats())
+            }),
+        )
+        .route(
+            "/metrics",
+            get(|State(admin): State<Admin>| async move {
+                admin.layer.publish_metrics();
+                (
+                    [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                    admin.prometheus.render(),
+                )
             }),
         )
         .route("/invalidate", axum::routing::post(invalidate))
-        .with_state(layer)
+        .with_state(admin)
+}
+
+/// A Prometheus recorder whose `*_seconds` histograms have buckets from
+/// 0.5 ms to 10 s.
+fn metrics_recorder() -> metrics_exporter_prometheus::PrometheusRecorder {
+    const BUCKETS: &[f64] = &[
+        0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    ];
+    let builder = metrics_exporter_prometheus::PrometheusBuilder::new();
+    match builder.set_buckets_for_metric(
+        metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
+        BUCKETS,
+    ) {
+        Ok(builder) => builder.build_recorder(),
+        // Unreachable with the fixed, non-empty buckets above.
+        Err(_) => metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder(),
+    }
 }
 
 /// What `POST /invalidate` takes: exactly one of them.
@@ -383,7 +427,7 @@ struct InvalidateQuery {
 /// `POST /invalidate?key=URL|tag=TAG|prefix=PATH`: drops the matching
 /// entries from L1, Valkey and every instance's L1 before answering.
 async fn invalidate(
-    State(layer): State<ResponseCacheLayer>,
+    State(Admin { layer, .. }): State<Admin>,
     axum::extract::Query(q): axum::extract::Query<InvalidateQuery>,
 ) -> (http::StatusCode, String) {
     let bad = |msg: String| (http::StatusCode::BAD_REQUEST, msg + "\n");

@@ -236,3 +236,86 @@ async fn the_binary_serves_and_rejects_bad_flags() {
     assert_eq!(state.calls.get(), 1);
     child.kill().await.unwrap();
 }
+
+/// The value of the Prometheus sample `name{labels…}` whose labels include
+/// every one of `labels` (0 when absent).
+fn sample(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.rsplit_once(' '))
+        .find(|(series, _)| {
+            let (metric, rest) = series.split_once('{').unwrap_or((series, ""));
+            metric == name && labels.iter().all(|label| rest.contains(label))
+        })
+        .map(|(_, value)| value.parse().unwrap())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn metrics_are_scraped_from_the_admin_address_and_agree_with_stats() {
+    let (server, _) = upstream().await;
+    let proxy = proxy_for(&server).await;
+    let addr = proxy.addr();
+    let admin = proxy.admin_addr().unwrap();
+    fetch(get_req(addr, "/echo")).await;
+    let (_, headers, _) = fetch(get_req(addr, "/echo")).await;
+    assert_eq!(headers["x-cache"], "HIT");
+    // Credentials: a miss under its own key, not stored.
+    let with_credentials = Request::get(format!("http://{addr}/echo?me"))
+        .header("authorization", "Bearer alice")
+        .body(Body::empty())
+        .unwrap();
+    fetch(with_credentials).await;
+    // A cookie: bypassed (not a lookup).
+    let with_cookie = Request::get(format!("http://{addr}/echo"))
+        .header("cookie", "session=bob")
+        .body(Body::empty())
+        .unwrap();
+    fetch(with_cookie).await;
+
+    let (status, headers, text) = fetch(get_req(admin, "/metrics")).await;
+    assert_eq!(status, StatusCode::OK);
+    let content_type = headers["content-type"].to_str().unwrap();
+    assert!(content_type.starts_with("text/plain"), "{content_type}");
+    let route = "route=\"proxy\"";
+    let requests = |outcome: &str, tier: &str| {
+        let (o, t) = (format!("outcome=\"{outcome}\""), format!("tier=\"{tier}\""));
+        sample(&text, "tiercache_requests_total", &[route, &o, &t])
+    };
+    assert_eq!(requests("hit", "l1"), 1.0, "{text}");
+    assert_eq!(requests("miss", "origin"), 2.0, "{text}");
+    let by_reason =
+        |name: &str, reason: &str| sample(&text, name, &[route, &format!("reason=\"{reason}\"")]);
+    assert_eq!(
+        by_reason("tiercache_not_stored_total", "authorization"),
+        1.0
+    );
+    assert_eq!(by_reason("tiercache_bypass_total", "cookie"), 1.0);
+    let origin = "tiercache_origin_duration_seconds";
+    assert_eq!(sample(&text, &format!("{origin}_count"), &[route]), 2.0);
+    let le_inf = [route, "le=\"+Inf\""];
+    assert_eq!(sample(&text, &format!("{origin}_bucket"), &le_inf), 2.0);
+
+    let (_, _, stats) = fetch(get_req(admin, "/stats")).await;
+    let stats: serde_json::Value = serde_json::from_str(&stats).unwrap();
+    for (metric, field) in [
+        ("tiercache_origin_loads_total", "origin_loads"),
+        ("tiercache_expired_total", "expired"),
+        ("tiercache_evicted_total", "evicted"),
+        ("tiercache_coalesced_total", "coalesced"),
+        ("tiercache_lock_timeouts_total", "lock_timeouts"),
+        ("tiercache_l2_errors_total", "l2_errors"),
+    ] {
+        let field = stats[field].as_f64().unwrap();
+        assert_eq!(sample(&text, metric, &[]), field, "{metric}");
+    }
+    assert_eq!(sample(&text, "tiercache_origin_loads_total", &[]), 2.0);
+    assert_eq!(sample(&text, "tiercache_l1_entries", &[]), 1.0);
+    assert!(sample(&text, "tiercache_l1_bytes", &[]) > 0.0);
+    // One hit in three lookups, in the metrics, the stats and the header.
+    let ratio = sample(&text, "tiercache_hit_ratio", &[]);
+    assert!((ratio - 1.0 / 3.0).abs() < 1e-9, "{ratio}");
+    assert_eq!(stats["hit_ratio"].as_f64(), Some(ratio));
+    let (_, headers, _) = fetch(get_req(addr, "/echo")).await;
+    assert_eq!(headers["x-cache-hit-ratio"], "0.5000");
+}
