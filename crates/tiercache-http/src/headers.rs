@@ -138,12 +138,32 @@ impl Outcome {
 
 /// Writes the cache headers for `outcome` into `headers`.
 pub fn apply(headers: &mut HeaderMap, outcome: &Outcome, hit_ratio: f64) {
-    headers.insert(X_CACHE, HeaderValue::from_static(outcome.x_cache()));
-    headers.insert(
+    apply_with(headers, outcome, hit_ratio, set);
+}
+
+/// [`apply`] on a map built from an entry's view, whose own fields are
+/// single placeholders: each is set in place with one lookup.
+fn apply_own(headers: &mut HeaderMap, outcome: &Outcome, hit_ratio: f64) {
+    apply_with(headers, outcome, hit_ratio, set_own);
+}
+
+fn apply_with(
+    headers: &mut HeaderMap,
+    outcome: &Outcome,
+    hit_ratio: f64,
+    set: fn(&mut HeaderMap, HeaderName, HeaderValue),
+) {
+    set(
+        headers,
+        X_CACHE,
+        HeaderValue::from_static(outcome.x_cache()),
+    );
+    set(
+        headers,
         X_CACHE_TIER,
         HeaderValue::from_static(outcome.tier().as_str()),
     );
-    headers.insert(X_CACHE_HIT_RATIO, values::hit_ratio(hit_ratio));
+    set(headers, X_CACHE_HIT_RATIO, values::hit_ratio(hit_ratio));
     let tabled = match outcome {
         Outcome::Hit {
             tier: Source::L1,
@@ -153,8 +173,31 @@ pub fn apply(headers: &mut HeaderMap, outcome: &Outcome, hit_ratio: f64) {
         _ => None,
     };
     if let Some(v) = tabled.or_else(|| HeaderValue::try_from(outcome.cache_status()).ok()) {
-        headers.insert(CACHE_STATUS, v);
+        set(headers, CACHE_STATUS, v);
     }
+}
+
+/// Sets a single-valued field: in place when it is there (a hit's map is a
+/// clone with placeholders and no spare room: `insert` would regrow it).
+/// Sets a field this cache put in the map as a single placeholder.
+fn set_own(headers: &mut HeaderMap, name: HeaderName, value: HeaderValue) {
+    match headers.get_mut(&name) {
+        Some(slot) => *slot = value,
+        None => {
+            headers.insert(name, value);
+        }
+    }
+}
+
+/// A field with several values (an upstream's own) is replaced whole.
+fn set(headers: &mut HeaderMap, name: HeaderName, value: HeaderValue) {
+    let mut values = headers.get_all(&name).iter();
+    let single = values.next().is_some() && values.next().is_none();
+    if single && let Some(slot) = headers.get_mut(&name) {
+        *slot = value;
+        return;
+    }
+    headers.insert(name, value);
 }
 
 /// The hop-by-hop fields (RFC 9110 §7.6.1), never stored or forwarded.
@@ -388,9 +431,9 @@ pub(crate) fn from_entry<B>(
         (view.status, view.headers.clone(), body)
     };
     let mut res = Response::new(body);
-    headers.insert(AGE, values::age(entry.age(now)));
+    set_own(&mut headers, AGE, values::age(entry.age(now)));
     match label {
-        Some((outcome, hit_ratio)) => apply(&mut headers, outcome, hit_ratio),
+        Some((outcome, hit_ratio)) => apply_own(&mut headers, outcome, hit_ratio),
         None => {
             for name in &OWN_FIELDS[1..] {
                 headers.remove(name);

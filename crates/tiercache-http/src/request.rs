@@ -41,6 +41,24 @@ pub const UNKEYED: [&str; 14] = [
     "x-method-override",
 ];
 
+/// [`UNKEYED`] as header names, built at compile time.
+const UNKEYED_NAMES: [HeaderName; 14] = [
+    HeaderName::from_static(UNKEYED[0]),
+    HeaderName::from_static(UNKEYED[1]),
+    HeaderName::from_static(UNKEYED[2]),
+    HeaderName::from_static(UNKEYED[3]),
+    HeaderName::from_static(UNKEYED[4]),
+    HeaderName::from_static(UNKEYED[5]),
+    HeaderName::from_static(UNKEYED[6]),
+    HeaderName::from_static(UNKEYED[7]),
+    HeaderName::from_static(UNKEYED[8]),
+    HeaderName::from_static(UNKEYED[9]),
+    HeaderName::from_static(UNKEYED[10]),
+    HeaderName::from_static(UNKEYED[11]),
+    HeaderName::from_static(UNKEYED[12]),
+    HeaderName::from_static(UNKEYED[13]),
+];
+
 /// A cacheable request, ready for the cache.
 #[derive(Debug)]
 pub(crate) struct Prepared {
@@ -86,12 +104,18 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
             }
         }
     }
-    for name in UNKEYED {
-        let name = HeaderName::from_static(name);
-        if config.keyed_headers.contains(&name) {
-            continue;
+    // One pass over the request's few fields finds whether any unkeyed one
+    // is there at all; most requests carry none and remove nothing.
+    let unkeyed = headers.keys().any(|n| {
+        let n = n.as_str();
+        (n.starts_with("x-") || n == "forwarded") && UNKEYED.contains(&n)
+    });
+    if unkeyed {
+        for name in UNKEYED_NAMES {
+            if !config.keyed_headers.contains(&name) {
+                headers.remove(&name);
+            }
         }
-        headers.remove(&name);
     }
     for name in &config.keyed_headers {
         key.push(b"header");
@@ -158,6 +182,12 @@ pub(crate) struct Conditional {
 
 impl Conditional {
     fn take(headers: &mut HeaderMap) -> Self {
+        if !headers
+            .keys()
+            .any(|n| *n == IF_NONE_MATCH || *n == IF_MODIFIED_SINCE)
+        {
+            return Self::default();
+        }
         let mut if_none_match: Option<Vec<u8>> = None;
         for v in headers.get_all(IF_NONE_MATCH) {
             let list = if_none_match.get_or_insert_with(Vec::new);
