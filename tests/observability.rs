@@ -1,0 +1,179 @@
+//! Traces: one `tiercache` span per cached request, with the key's hash,
+//! the outcome and the tier, and nothing from the URL or the body.
+
+use std::fmt::Debug;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::Request;
+use axum::routing::get;
+use http_body_util::BodyExt;
+use tiercache::{Policy, ResponseCacheLayer, TieredCache};
+use tower::ServiceExt;
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Metadata, Subscriber};
+
+/// Every field written to a span or event, as `(span id or 0, name, value)`.
+#[derive(Clone, Default)]
+struct Capture {
+    fields: Arc<Mutex<Vec<(u64, String, String)>>>,
+    next: Arc<Mutex<u64>>,
+    /// Entered spans, innermost last (what `Span::current()` reads).
+    stack: Arc<Mutex<Vec<(u64, &'static Metadata<'static>)>>>,
+    metadata: Arc<Mutex<std::collections::HashMap<u64, &'static Metadata<'static>>>>,
+}
+
+struct Fields<'a>(&'a Capture, u64);
+
+impl Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &Field, value: &dyn Debug) {
+        let value = format!("{value:?}").trim_matches('"').to_owned();
+        let mut fields = self.0.fields.lock().unwrap();
+        fields.push((self.1, field.name().to_owned(), value));
+    }
+}
+
+impl Subscriber for Capture {
+    fn enabled(&self, _: &Metadata<'_>) -> bool {
+        true
+    }
+
+    fn new_span(&self, span: &Attributes<'_>) -> Id {
+        let mut next = self.next.lock().unwrap();
+        *next += 1;
+        let id = *next;
+        self.fields
+            .lock()
+            .unwrap()
+            .push((id, "span".into(), span.metadata().name().into()));
+        span.record(&mut Fields(self, id));
+        self.metadata.lock().unwrap().insert(id, span.metadata());
+        Id::from_u64(id)
+    }
+
+    fn record(&self, span: &Id, values: &Record<'_>) {
+        values.record(&mut Fields(self, span.into_u64()));
+    }
+
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+
+    fn event(&self, event: &Event<'_>) {
+        event.record(&mut Fields(self, 0));
+    }
+
+    fn enter(&self, span: &Id) {
+        let meta = self.metadata.lock().unwrap()[&span.into_u64()];
+        self.stack.lock().unwrap().push((span.into_u64(), meta));
+    }
+
+    fn exit(&self, span: &Id) {
+        let mut stack = self.stack.lock().unwrap();
+        if let Some(i) = stack.iter().rposition(|(id, _)| *id == span.into_u64()) {
+            stack.remove(i);
+        }
+    }
+
+    fn current_span(&self) -> tracing_core::span::Current {
+        match self.stack.lock().unwrap().last() {
+            Some((id, meta)) => tracing_core::span::Current::new(Id::from_u64(*id), meta),
+            None => tracing_core::span::Current::none(),
+        }
+    }
+}
+
+impl Capture {
+    /// The fields of span `id`.
+    fn span(&self, id: u64) -> Vec<(String, String)> {
+        let fields = self.fields.lock().unwrap();
+        fields
+            .iter()
+            .filter(|(i, _, _)| *i == id)
+            .map(|(_, n, v)| (n.clone(), v.clone()))
+            .collect()
+    }
+
+    fn spans(&self) -> Vec<u64> {
+        let fields = self.fields.lock().unwrap();
+        fields
+            .iter()
+            .filter(|(_, n, v)| n == "span" && v == "tiercache")
+            .map(|(i, _, _)| *i)
+            .collect()
+    }
+}
+
+#[tokio::test]
+async fn each_cached_request_has_a_span_with_outcome_tier_and_key_hash_only() {
+    let capture = Capture::default();
+    let _default = tracing::subscriber::set_default(capture.clone());
+    let engine = TieredCache::builder().sweep_interval(None).build().unwrap();
+    let cache = ResponseCacheLayer::new(engine);
+    let route = cache.route(Policy::ttl(Duration::from_secs(60))).unwrap();
+    let app = Router::new().route(
+        "/secret-path/{id}",
+        get(|| async { "secret body" }).layer(route),
+    );
+    let send = |req: Request<Body>| {
+        let app = app.clone();
+        async move {
+            let res = app.oneshot(req).await.unwrap();
+            res.into_body().collect().await.unwrap();
+        }
+    };
+    let get = |path: &str| {
+        Request::get(path)
+            .header("host", "shop.test")
+            .body(Body::empty())
+            .unwrap()
+    };
+    send(get("/secret-path/7?token=abc")).await;
+    send(get("/secret-path/7?token=abc")).await;
+    let mut with_cookie = get("/secret-path/7?token=abc");
+    with_cookie
+        .headers_mut()
+        .insert("cookie", "session=s3cr3t".parse().unwrap());
+    send(with_cookie).await;
+
+    let spans = capture.spans();
+    assert_eq!(spans.len(), 2, "one span per cached request");
+    let field = |span: u64, name: &str| {
+        capture
+            .span(span)
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v)
+            .unwrap_or_default()
+    };
+    let (miss, hit) = (spans[0], spans[1]);
+    assert_eq!(
+        (
+            field(miss, "outcome").as_str(),
+            field(miss, "tier").as_str()
+        ),
+        ("MISS", "origin")
+    );
+    assert_eq!(
+        (field(hit, "outcome").as_str(), field(hit, "tier").as_str()),
+        ("HIT", "l1")
+    );
+    let key = field(hit, "key");
+    assert_eq!(key.len(), 32, "{key}");
+    assert!(key.bytes().all(|b| b.is_ascii_hexdigit()));
+    assert_eq!(field(miss, "key"), key);
+
+    let everything = capture.fields.lock().unwrap().clone();
+    assert!(
+        everything
+            .iter()
+            .any(|(_, n, v)| n == "reason" && v == "cookie"),
+        "the bypass is an event with its reason"
+    );
+    for (_, name, value) in everything {
+        for secret in ["secret", "token", "abc", "s3cr3t"] {
+            assert!(!value.contains(secret), "{name}={value} leaks {secret}");
+        }
+    }
+}
