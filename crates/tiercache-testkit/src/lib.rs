@@ -6,14 +6,17 @@
 //! - [`eventually`]: waits for a condition with a deadline, yielding, never sleeping;
 //! - [`valkey`]: real `valkey-server` processes, provisioned with no manual step;
 //! - [`cluster`]: a real loopback Valkey Cluster, formed without `valkey-cli`;
+//! - [`sentinel`]: a real Sentinel group (primary, replica, Sentinel);
 //! - [`fault`]: a TCP fault proxy (latency, blackhole, reset).
 
 pub mod cluster;
 pub mod fault;
+pub mod sentinel;
 pub mod valkey;
 
 pub use cluster::ValkeyCluster;
 pub use fault::{Fault, FaultProxy};
+pub use sentinel::ValkeySentinel;
 pub use valkey::ValkeyServer;
 
 use std::future::Future;

@@ -298,6 +298,12 @@ impl Drop for ValkeyServer {
     }
 }
 
+/// Runs one command against the server on loopback `port` (any Valkey
+/// process: a Sentinel too); the reply as text, an error reply as `Err`.
+pub fn command(port: u16, args: &[&str]) -> Result<String, String> {
+    raw_cmd(port, args)
+}
+
 fn raw_cmd(port: u16, args: &[&str]) -> Result<String, String> {
     let args: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
     raw_cmd_bytes(port, &args)
