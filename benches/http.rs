@@ -26,11 +26,14 @@
 //! the same cold URL at once; the origin takes 300 ms and counts calls.
 //!
 //! Last measured (2 cores, shared machine, 2026-12-03; nginx 1.22, Varnish
-//! 7.1 from Debian 12): req/s × bare / CPU per request × bare: layer 0.81 /
-//! 1.26, tiercache-proxy 0.75 / 1.31, nginx 0.56 / 1.80, Varnish 0.58 / 2.30
-//! (bare 57,524 req/s, 16.9 µs CPU per request). 1,000 concurrent cold
-//! requests: one origin call each for layer, proxy, nginx and Varnish, none
-//! failed.
+//! 7.1 from Debian 12), req/s × bare / CPU per request × bare, two runs:
+//! layer 0.81 / 1.26 and 0.74 / 1.36; tiercache-proxy 0.75 / 1.31 and
+//! 0.80 / 1.26; nginx 0.56 / 1.80 and 0.51 / 1.99; Varnish 0.58 / 2.30 and
+//! 0.51 / 2.53 (bare 57,524 and 81,713 req/s; 16.9 and 12.0 µs CPU per
+//! request). A run in between is left out: an interrupted run had left
+//! nginx helpers behind (servers now lead their own process groups and go
+//! whole). 1,000 concurrent cold requests: one origin call each for layer,
+//! proxy, nginx and Varnish, none failed.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -158,7 +161,10 @@ impl Server {
         if let Some(up) = upstream {
             cmd.env("UPSTREAM", up.to_string());
         }
-        Self::wait(cmd.spawn().expect("spawn a bench server"), port)
+        Self::wait(
+            own_group(&mut cmd).spawn().expect("spawn a bench server"),
+            port,
+        )
     }
 
     fn wait(child: Child, port: u16) -> Self {
@@ -188,9 +194,10 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        for pid in descendants(self.child.id()).into_iter().rev() {
-            let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
-        }
+        // Each server leads its own process group: the group goes at once,
+        // workers and helpers started late included.
+        let group = format!("-{}", self.child.id());
+        let _ = Command::new("kill").args(["-9", "--", &group]).status();
         let _ = self.child.wait();
     }
 }
@@ -314,7 +321,7 @@ http {{
 "
     );
     std::fs::write(dir.join("nginx.conf"), conf).map_err(|e| e.to_string())?;
-    let child = Command::new(bin)
+    let child = own_group(&mut Command::new(bin))
         .arg("-p")
         .arg(&dir)
         .arg("-c")
@@ -330,7 +337,7 @@ fn varnish(dir: &Path, origin: SocketAddr) -> Result<Server, String> {
     let dir = dir.join("varnish");
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let port = free_port();
-    let child = Command::new(bin)
+    let child = own_group(&mut Command::new(bin))
         .args([
             "-F",
             "-a",
@@ -432,6 +439,11 @@ fn stampede(addr: SocketAddr, path: &str, n: usize) -> usize {
 }
 
 // ------------------------------------------------------------------ helpers
+
+fn own_group(cmd: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    cmd.process_group(0)
+}
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")

@@ -2,8 +2,9 @@
 //! and whether a response may be stored, with the reason when not.
 
 use http::header::{
-    CONTENT_LENGTH, HOST, IF_MATCH, IF_RANGE, IF_UNMODIFIED_SINCE, RANGE, SET_COOKIE,
-    TRANSFER_ENCODING, VARY,
+    AUTHORIZATION, CACHE_CONTROL, CONTENT_LENGTH, COOKIE, HOST, IF_MATCH, IF_MODIFIED_SINCE,
+    IF_NONE_MATCH, IF_RANGE, IF_UNMODIFIED_SINCE, PRAGMA, RANGE, SET_COOKIE, TRANSFER_ENCODING,
+    VARY,
 };
 use http::{HeaderMap, Method, StatusCode, request};
 
@@ -131,22 +132,68 @@ impl Reason {
 /// assert_eq!(request_cacheable(&req.into_parts().0), Err(Reason::RequestBody));
 /// ```
 pub fn request_cacheable(req: &request::Parts) -> Result<(), Reason> {
+    cacheable_scanned(req, &Scan::of(&req.headers))
+}
+
+/// Which fields a request carries that the cache must look at, found in one
+/// pass over its (few) field names instead of a hashed look-up per field.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Scan {
+    pub(crate) framing: bool,
+    pub(crate) precondition: bool,
+    pub(crate) cache_control: bool,
+    pub(crate) cookie: bool,
+    pub(crate) authorization: bool,
+    pub(crate) conditional: bool,
+    pub(crate) unkeyed: bool,
+}
+
+impl Scan {
+    pub(crate) fn of(headers: &HeaderMap) -> Self {
+        let mut scan = Self::default();
+        for name in headers.keys() {
+            if name == CONTENT_LENGTH || name == TRANSFER_ENCODING {
+                scan.framing = true;
+            } else if name == RANGE
+                || name == IF_RANGE
+                || name == IF_MATCH
+                || name == IF_UNMODIFIED_SINCE
+            {
+                scan.precondition = true;
+            } else if name == CACHE_CONTROL || name == PRAGMA {
+                scan.cache_control = true;
+            } else if name == COOKIE {
+                scan.cookie = true;
+            } else if name == AUTHORIZATION {
+                scan.authorization = true;
+            } else if name == IF_NONE_MATCH || name == IF_MODIFIED_SINCE {
+                scan.conditional = true;
+            } else {
+                let n = name.as_str();
+                scan.unkeyed |= (n.starts_with("x-") || n == "forwarded")
+                    && crate::request::UNKEYED.contains(&n);
+            }
+        }
+        scan
+    }
+}
+
+/// [`request_cacheable`] with the fields already scanned.
+pub(crate) fn cacheable_scanned(req: &request::Parts, scan: &Scan) -> Result<(), Reason> {
     if req.method != Method::GET && req.method != Method::HEAD {
         return Err(Reason::Method);
     }
-    if content_length(&req.headers).is_some_and(|n| n > 0)
-        || req.headers.contains_key(TRANSFER_ENCODING)
-        || (req.headers.contains_key(CONTENT_LENGTH) && content_length(&req.headers).is_none())
+    if scan.framing
+        && (content_length(&req.headers).is_some_and(|n| n > 0)
+            || req.headers.contains_key(TRANSFER_ENCODING)
+            || (req.headers.contains_key(CONTENT_LENGTH) && content_length(&req.headers).is_none()))
     {
         return Err(Reason::RequestBody);
     }
-    if [RANGE, IF_RANGE, IF_MATCH, IF_UNMODIFIED_SINCE]
-        .iter()
-        .any(|h| req.headers.contains_key(h))
-    {
+    if scan.precondition {
         return Err(Reason::Precondition);
     }
-    if has_directive(&req.headers, "no-store") {
+    if scan.cache_control && has_directive(&req.headers, "no-store") {
         return Err(Reason::RequestNoStore);
     }
     let mut hosts = req.headers.get_all(HOST).iter();

@@ -51,7 +51,11 @@ pub(crate) fn uri_key(
     key.push(b"http/v1");
     // GET and HEAD share one entry; only they are stored.
     key.push(b"GET");
-    key.push(scheme.to_ascii_lowercase().as_bytes());
+    if scheme.bytes().any(|b| b.is_ascii_uppercase()) {
+        key.push(scheme.to_ascii_lowercase().as_bytes());
+    } else {
+        key.push(scheme.as_bytes());
+    }
     if authority.iter().any(u8::is_ascii_uppercase) {
         key.push(&authority.to_ascii_lowercase());
     } else {

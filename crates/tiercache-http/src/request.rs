@@ -15,7 +15,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, request};
 use tiercache_core::CacheKey;
 
 use crate::cache_control::{directive_value, has_directive};
-use crate::cacheable::{Reason, request_cacheable};
+use crate::cacheable::{Reason, Scan, cacheable_scanned};
 use crate::freshness::parse_http_date;
 use crate::key::target_key;
 use crate::layer::{Cookies, HttpConfig};
@@ -74,19 +74,26 @@ pub(crate) struct Prepared {
 /// Checks `parts` and rewrites its head for the origin; the error is why the
 /// request bypasses the cache (the head is then untouched).
 pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result<Prepared, Reason> {
-    request_cacheable(parts)?;
-    if parts.headers.contains_key(COOKIE) && config.cookies == Cookies::Bypass {
+    let scan = Scan::of(&parts.headers);
+    cacheable_scanned(parts, &scan)?;
+    if scan.cookie && config.cookies == Cookies::Bypass {
         return Err(Reason::Cookie);
     }
     let mut key = target_key(parts);
     let headers = &mut parts.headers;
-    if let Some(credential) = headers.get(AUTHORIZATION) {
+    let credential = if scan.authorization {
+        headers.get(AUTHORIZATION)
+    } else {
+        None
+    };
+    if let Some(credential) = credential {
         key.push(b"authorization");
         key.push_secret(credential.as_bytes());
     }
-    let credentialed = headers.contains_key(AUTHORIZATION);
+    let credentialed = credential.is_some();
     match &config.cookies {
         Cookies::Bypass => {}
+        Cookies::Ignore if !scan.cookie => {}
         Cookies::Ignore => {
             headers.remove(COOKIE);
         }
@@ -104,13 +111,8 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
             }
         }
     }
-    // One pass over the request's few fields finds whether any unkeyed one
-    // is there at all; most requests carry none and remove nothing.
-    let unkeyed = headers.keys().any(|n| {
-        let n = n.as_str();
-        (n.starts_with("x-") || n == "forwarded") && UNKEYED.contains(&n)
-    });
-    if unkeyed {
+    // Most requests carry no unkeyed field and remove nothing.
+    if scan.unkeyed {
         for name in UNKEYED_NAMES {
             if !config.keyed_headers.contains(&name) {
                 headers.remove(&name);
@@ -124,8 +126,12 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
             key.push(v.as_bytes());
         }
     }
-    let conditional = Conditional::take(headers);
-    let reload = config.honor_client_no_cache && asks_reload(headers);
+    let conditional = if scan.conditional {
+        Conditional::take(headers)
+    } else {
+        Conditional::default()
+    };
+    let reload = config.honor_client_no_cache && scan.cache_control && asks_reload(headers);
     Ok(Prepared {
         key: key.finish(),
         head: parts.method == Method::HEAD,
@@ -182,12 +188,6 @@ pub(crate) struct Conditional {
 
 impl Conditional {
     fn take(headers: &mut HeaderMap) -> Self {
-        if !headers
-            .keys()
-            .any(|n| *n == IF_NONE_MATCH || *n == IF_MODIFIED_SINCE)
-        {
-            return Self::default();
-        }
         let mut if_none_match: Option<Vec<u8>> = None;
         for v in headers.get_all(IF_NONE_MATCH) {
             let list = if_none_match.get_or_insert_with(Vec::new);
