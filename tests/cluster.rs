@@ -3,22 +3,19 @@
 //! killed or paused primary under load costing no failed request.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, Request, StatusCode};
+use axum::http::Request;
 use axum::routing::get;
-use http_body_util::BodyExt;
 use tiercache::http::key::request_key;
 use tiercache::valkey::{ValkeyConfig, ValkeyTier};
 use tiercache::{Policy, ResponseCacheLayer, TieredCache};
 use tiercache_testkit::cluster::SLOTS;
+use tiercache_testkit::http::{Load, header, send};
 use tiercache_testkit::{Counter, Gate, ValkeyCluster, bounded, eventually};
 use tokio::sync::Barrier;
-use tower::ServiceExt;
 
 struct Instance {
     tier: ValkeyTier,
@@ -59,28 +56,6 @@ async fn instance(cluster: &ValkeyCluster, origin: &Origin) -> Instance {
         )
         .with_state(origin.clone());
     Instance { tier, engine, app }
-}
-
-async fn send(app: &Router, path: &str) -> (StatusCode, HeaderMap, String) {
-    let req = Request::get(path)
-        .header("host", "shop.test")
-        .body(Body::empty())
-        .unwrap();
-    let res = app.clone().oneshot(req).await.unwrap();
-    let (parts, body) = res.into_parts();
-    let body = body.collect().await.unwrap().to_bytes();
-    (
-        parts.status,
-        parts.headers,
-        String::from_utf8_lossy(&body).into_owned(),
-    )
-}
-
-fn tier_of(headers: &HeaderMap) -> &str {
-    headers
-        .get("x-cache-tier")
-        .map(|v| v.to_str().unwrap())
-        .unwrap_or("")
 }
 
 fn url_key(path: &str) -> tiercache::core::CacheKey {
@@ -153,7 +128,7 @@ async fn a_fleet_on_the_cluster_loads_once_shares_l2_and_invalidates_everywhere(
             let start = start.clone();
             tokio::spawn(async move {
                 start.wait().await;
-                send(&app, "/p/1").await
+                send(&app, "GET", "/p/1").await
             })
         })
         .collect();
@@ -172,14 +147,14 @@ async fn a_fleet_on_the_cluster_loads_once_shares_l2_and_invalidates_everywhere(
 
     // Entries written through A on every slot are read by B from L2.
     for i in 2..102 {
-        send(&a.app, &format!("/p/{i}")).await;
+        send(&a.app, "GET", &format!("/p/{i}")).await;
     }
     // Fills are written off the request path: let them land.
     a.tier.flush().await;
     for i in 2..102 {
         let path = format!("/p/{i}");
-        let (_, headers, _) = send(&b.app, &path).await;
-        assert_eq!(tier_of(&headers), "l2", "{path}");
+        let (_, headers, _) = send(&b.app, "GET", &path).await;
+        assert_eq!(header(&headers, "x-cache-tier"), "l2", "{path}");
     }
     assert_eq!(origin.calls.get(), 101);
 
@@ -192,56 +167,8 @@ async fn a_fleet_on_the_cluster_loads_once_shares_l2_and_invalidates_everywhere(
         })
     })
     .await;
-    let (_, headers, _) = send(&b.app, "/p/50").await;
-    assert_eq!(tier_of(&headers), "origin");
-}
-
-/// Runs `clients` request loops over fresh URLs (every request a miss: an
-/// L2 read, a lock, an origin call and an L2 write) until `stop`, counting
-/// answers and failures.
-fn load(
-    app: Router,
-    clients: usize,
-    stop: Arc<AtomicBool>,
-) -> (
-    Arc<AtomicUsize>,
-    Arc<AtomicUsize>,
-    Vec<tokio::task::JoinHandle<()>>,
-) {
-    let ok = Arc::new(AtomicUsize::new(0));
-    let failed = Arc::new(AtomicUsize::new(0));
-    let next = Arc::new(AtomicUsize::new(0));
-    let tasks = (0..clients)
-        .map(|_| {
-            let (app, stop, ok, failed, next) = (
-                app.clone(),
-                stop.clone(),
-                ok.clone(),
-                failed.clone(),
-                next.clone(),
-            );
-            tokio::spawn(async move {
-                while !stop.load(SeqCst) {
-                    let i = next.fetch_add(1, SeqCst);
-                    let (status, _, body) = send(&app, &format!("/p/load{i}")).await;
-                    if status == StatusCode::OK && body == format!("product load{i}") {
-                        ok.fetch_add(1, SeqCst);
-                    } else {
-                        failed.fetch_add(1, SeqCst);
-                    }
-                }
-            })
-        })
-        .collect();
-    (ok, failed, tasks)
-}
-
-async fn wait_for_answers(ok: &AtomicUsize, more: usize) {
-    let target = ok.load(SeqCst) + more;
-    bounded("the load to make progress", async {
-        eventually(&format!("{target} answers"), || ok.load(SeqCst) >= target).await;
-    })
-    .await;
+    let (_, headers, _) = send(&b.app, "GET", "/p/50").await;
+    assert_eq!(header(&headers, "x-cache-tier"), "origin");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -251,12 +178,11 @@ async fn a_killed_primary_under_load_fails_no_request() {
     origin.gate.open();
     let a = instance(&cluster, &origin).await;
     let b = instance(&cluster, &origin).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let (ok, failed, tasks) = load(a.app.clone(), 16, stop.clone());
-    wait_for_answers(&ok, 300).await;
+    let load = Load::start(&a.app, 16);
+    load.answers(300).await;
 
     cluster.node_mut(0).kill();
-    wait_for_answers(&ok, 300).await;
+    load.answers(300).await;
     // Its replica takes over (cluster-node-timeout 2 s).
     bounded("the replica to take over", async {
         while !cluster.is_primary(3) {
@@ -265,12 +191,9 @@ async fn a_killed_primary_under_load_fails_no_request() {
     })
     .await;
     tokio::task::block_in_place(|| cluster.wait_ok());
-    wait_for_answers(&ok, 300).await;
-    stop.store(true, SeqCst);
-    for t in tasks {
-        t.await.unwrap();
-    }
-    assert_eq!(failed.load(SeqCst), 0, "of {} requests", ok.load(SeqCst));
+    load.answers(300).await;
+    let (ok, failed) = load.finish().await;
+    assert_eq!(failed, 0, "of {ok} requests");
 
     // L2 is in use again on every slot: what A stores now, B reads from L2.
     bounded("L2 to serve again after the failover", async {
@@ -278,10 +201,10 @@ async fn a_killed_primary_under_load_fails_no_request() {
         loop {
             i += 1;
             let path = format!("/p/after{i}");
-            send(&a.app, &path).await;
+            send(&a.app, "GET", &path).await;
             a.tier.flush().await;
-            let (_, headers, _) = send(&b.app, &path).await;
-            if tier_of(&headers) == "l2" && i > 20 {
+            let (_, headers, _) = send(&b.app, "GET", &path).await;
+            if header(&headers, "x-cache-tier") == "l2" && i > 20 {
                 break;
             }
         }
@@ -295,20 +218,16 @@ async fn a_paused_primary_under_load_fails_no_request() {
     let origin = Origin::default();
     origin.gate.open();
     let a = instance(&cluster, &origin).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let (ok, failed, tasks) = load(a.app.clone(), 16, stop.clone());
-    wait_for_answers(&ok, 300).await;
+    let load = Load::start(&a.app, 16);
+    load.answers(300).await;
     cluster.node(1).pause(3000);
     // Answers keep coming while the primary holds every command.
-    wait_for_answers(&ok, 600).await;
+    load.answers(600).await;
     let during = a.engine.stats();
     assert!(
         during.l2_errors > 0 || during.l2.skipped > 0,
         "the pause was felt"
     );
-    stop.store(true, SeqCst);
-    for t in tasks {
-        t.await.unwrap();
-    }
-    assert_eq!(failed.load(SeqCst), 0, "of {} requests", ok.load(SeqCst));
+    let (ok, failed) = load.finish().await;
+    assert_eq!(failed, 0, "of {ok} requests");
 }

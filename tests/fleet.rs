@@ -4,18 +4,16 @@
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, Request, StatusCode};
+use axum::http::{Request, StatusCode};
 use axum::routing::get;
-use http_body_util::BodyExt;
 use tiercache::core::CacheKey;
 use tiercache::http::key::request_key;
 use tiercache::valkey::{ValkeyConfig, ValkeyTier};
 use tiercache::{Policy, ResponseCacheLayer, TieredCache};
+use tiercache_testkit::http::{header, send};
 use tiercache_testkit::{Counter, Fault, FaultProxy, Gate, ValkeyServer, bounded, eventually};
 use tokio::sync::Barrier;
-use tower::ServiceExt;
 
 /// One instance: an engine on its own connections to `url`, and its app.
 struct Instance {
@@ -87,30 +85,6 @@ async fn instance(url: &str, origin: &Origin) -> Instance {
         )
         .with_state(origin.clone());
     Instance { engine, layer, app }
-}
-
-async fn send(app: &Router, method: &str, path: &str) -> (StatusCode, HeaderMap, String) {
-    let req = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "shop.test")
-        .body(Body::empty())
-        .unwrap();
-    let res = app.clone().oneshot(req).await.unwrap();
-    let (parts, body) = res.into_parts();
-    let body = body.collect().await.unwrap().to_bytes();
-    (
-        parts.status,
-        parts.headers,
-        String::from_utf8_lossy(&body).into_owned(),
-    )
-}
-
-fn x_cache(headers: &HeaderMap) -> &str {
-    headers
-        .get("x-cache")
-        .map(|v| v.to_str().unwrap())
-        .unwrap_or("")
 }
 
 fn key(path: &str) -> CacheKey {
@@ -195,7 +169,7 @@ async fn invalidation_by_key_tag_and_url_reaches_every_instances_l1() {
             for app in &apps {
                 let (status, headers, _) = send(app, "GET", path).await;
                 assert_eq!(status, StatusCode::OK);
-                assert_ne!(x_cache(&headers), "BYPASS");
+                assert_ne!(header(&headers, "x-cache"), "BYPASS");
             }
         }
     };
@@ -235,7 +209,10 @@ async fn invalidation_by_key_tag_and_url_reaches_every_instances_l1() {
     // By URL: a POST through instance 2 makes instance 0 miss.
     fill_everywhere("/p/4").await;
     let (_, headers, body) = send(&fleet[0].app, "GET", "/p/4").await;
-    assert_eq!((x_cache(&headers), body.as_str()), ("HIT", "product 4 v0"));
+    assert_eq!(
+        (header(&headers, "x-cache"), body.as_str()),
+        ("HIT", "product 4 v0")
+    );
     let (status, _, _) = send(&fleet[2].app, "POST", "/p/4").await;
     assert_eq!(status, StatusCode::OK);
     eventually("/p/4 gone from every L1", || {
@@ -243,7 +220,10 @@ async fn invalidation_by_key_tag_and_url_reaches_every_instances_l1() {
     })
     .await;
     let (_, headers, body) = send(&fleet[0].app, "GET", "/p/4").await;
-    assert_eq!((x_cache(&headers), body.as_str()), ("MISS", "product 4 v1"));
+    assert_eq!(
+        (header(&headers, "x-cache"), body.as_str()),
+        ("MISS", "product 4 v1")
+    );
 
     // By prefix: every product, from instance 0; Valkey's copies are banned.
     fill_everywhere("/p/5").await;
@@ -257,7 +237,10 @@ async fn invalidation_by_key_tag_and_url_reaches_every_instances_l1() {
     .await;
     origin.bump_version();
     let (_, headers, body) = send(&fleet[1].app, "GET", "/p/5").await;
-    assert_eq!((x_cache(&headers), body.as_str()), ("MISS", "product 5 v2"));
+    assert_eq!(
+        (header(&headers, "x-cache"), body.as_str()),
+        ("MISS", "product 5 v2")
+    );
     let received: u64 = fleet
         .iter()
         .map(|i| i.engine.stats().l2.invalidations_received)
@@ -277,7 +260,10 @@ async fn an_instance_that_missed_an_invalidation_drops_its_l1_on_reconnect() {
     subscribed(&server, 3).await;
     send(&a.app, "GET", "/p/9").await;
     let (_, headers, body) = send(&b.app, "GET", "/p/9").await;
-    assert_eq!((x_cache(&headers), body.as_str()), ("HIT", "product 9 v0"));
+    assert_eq!(
+        (header(&headers, "x-cache"), body.as_str()),
+        ("HIT", "product 9 v0")
+    );
     assert!(b.engine.peek(&key("/p/9")).is_some());
 
     // B is cut off; A updates and invalidates; B hears nothing.
@@ -302,5 +288,5 @@ async fn an_instance_that_missed_an_invalidation_drops_its_l1_on_reconnect() {
     assert!(b.engine.peek(&key("/p/9")).is_none());
     let (_, headers, body) = send(&b.app, "GET", "/p/9").await;
     assert_eq!(body, "product 9 v1", "never the old entry after reconnect");
-    assert_eq!(x_cache(&headers), "MISS");
+    assert_eq!(header(&headers, "x-cache"), "MISS");
 }

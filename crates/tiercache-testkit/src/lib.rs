@@ -7,10 +7,12 @@
 //! - [`valkey`]: real `valkey-server` processes, provisioned with no manual step;
 //! - [`cluster`]: a real loopback Valkey Cluster, formed without `valkey-cli`;
 //! - [`sentinel`]: a real Sentinel group (primary, replica, Sentinel);
+//! - [`http`]: one request through an axum app, read whole;
 //! - [`fault`]: a TCP fault proxy (latency, blackhole, reset).
 
 pub mod cluster;
 pub mod fault;
+pub mod http;
 pub mod sentinel;
 pub mod valkey;
 

@@ -1,0 +1,101 @@
+//! Driving an axum app in process, the way the integration tests do.
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{HeaderMap, Request, StatusCode};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+
+/// The host every helper request names.
+pub const HOST: &str = "shop.test";
+
+/// Sends `method path` (with `Host: shop.test`, no body) to `app` and reads
+/// the whole answer: status, headers, body as text.
+pub async fn send(app: &Router, method: &str, path: &str) -> (StatusCode, HeaderMap, String) {
+    let req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", HOST)
+        .body(Body::empty())
+        .expect("a valid request");
+    let res = app.clone().oneshot(req).await.expect("routers do not fail");
+    let (parts, body) = res.into_parts();
+    let body = body.collect().await.expect("a readable body").to_bytes();
+    (
+        parts.status,
+        parts.headers,
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+/// A header's value as text (empty when absent).
+pub fn header<'a>(headers: &'a HeaderMap, name: &str) -> &'a str {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+}
+
+/// Request loops over fresh URLs (`/p/load0`, `/p/load1`, …: every request
+/// a cold miss) against an app whose `/p/{id}` answers `product {id}`,
+/// counting right answers and everything else, until [`finish`](Self::finish).
+#[derive(Debug)]
+pub struct Load {
+    ok: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    failed: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    /// Starts `clients` loops on `app`.
+    pub fn start(app: &Router, clients: usize) -> Self {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        let load = Self {
+            ok: Default::default(),
+            failed: Default::default(),
+            stop: Default::default(),
+            tasks: Vec::new(),
+        };
+        let next = std::sync::Arc::new(AtomicUsize::new(0));
+        let tasks = (0..clients)
+            .map(|_| {
+                let (app, next) = (app.clone(), next.clone());
+                let (ok, failed, stop) = (load.ok.clone(), load.failed.clone(), load.stop.clone());
+                tokio::spawn(async move {
+                    while !stop.load(SeqCst) {
+                        let i = next.fetch_add(1, SeqCst);
+                        let (status, _, body) = send(&app, "GET", &format!("/p/load{i}")).await;
+                        if status == StatusCode::OK && body == format!("product load{i}") {
+                            ok.fetch_add(1, SeqCst);
+                        } else {
+                            failed.fetch_add(1, SeqCst);
+                        }
+                    }
+                })
+            })
+            .collect();
+        Self { tasks, ..load }
+    }
+
+    /// Right answers so far.
+    pub fn ok(&self) -> usize {
+        self.ok.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Waits (30 s at most) for `more` right answers than now.
+    pub async fn answers(&self, more: usize) {
+        let target = self.ok() + more;
+        crate::eventually(&format!("{target} answers"), || self.ok() >= target).await;
+    }
+
+    /// Stops the loops; returns `(right answers, failed requests)`.
+    pub async fn finish(self) -> (usize, usize) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        for task in self.tasks {
+            task.await.expect("a load loop panicked");
+        }
+        let ordering = std::sync::atomic::Ordering::SeqCst;
+        (self.ok.load(ordering), self.failed.load(ordering))
+    }
+}
