@@ -12,11 +12,11 @@
 //! count of `hit_path::one` (`callgrind_annotate --inclusive=yes`).
 //!
 //! Last measured (2 cores, shared machine, 2026-12-03): instructions per
-//! request, bare 7,890, layer L1 hit 15,830 (2.01×; the layer's own `call`
-//! 7,815, down from 16,160 the day before: one pass over the request's field
+//! request, bare 7,890, layer L1 hit 15,440 (1.96×; the layer's own `call`
+//! 7,426, down from 16,160 the day before: one pass over the request's field
 //! names instead of a hashed look-up per field, no per-request `HeaderName`
-//! parsing or removal of absent unkeyed fields, and no regrowth of the
-//! cloned header map). Time, 15 alternating rounds (before the last two
+//! parsing or removal of absent unkeyed fields, no regrowth of the
+//! cloned header map, the own fields set in one pass). Time, 15 rounds (before the last three
 //! changes): ratio median 2.28 (min 1.72, max 2.90) on a machine then twice
 //! as slow as the day before (bare 1.51 µs, layer 3.22 µs, raw moka get
 //! 0.18 µs, key build 0.23 µs).

@@ -138,32 +138,17 @@ impl Outcome {
 
 /// Writes the cache headers for `outcome` into `headers`.
 pub fn apply(headers: &mut HeaderMap, outcome: &Outcome, hit_ratio: f64) {
-    apply_with(headers, outcome, hit_ratio, set);
+    let names = [X_CACHE, X_CACHE_TIER, X_CACHE_HIT_RATIO, CACHE_STATUS];
+    for (name, value) in names.into_iter().zip(own_values(outcome, hit_ratio)) {
+        if let Some(value) = value {
+            set(headers, name, value);
+        }
+    }
 }
 
-/// [`apply`] on a map built from an entry's view, whose own fields are
-/// single placeholders: each is set in place with one lookup.
-fn apply_own(headers: &mut HeaderMap, outcome: &Outcome, hit_ratio: f64) {
-    apply_with(headers, outcome, hit_ratio, set_own);
-}
-
-fn apply_with(
-    headers: &mut HeaderMap,
-    outcome: &Outcome,
-    hit_ratio: f64,
-    set: fn(&mut HeaderMap, HeaderName, HeaderValue),
-) {
-    set(
-        headers,
-        X_CACHE,
-        HeaderValue::from_static(outcome.x_cache()),
-    );
-    set(
-        headers,
-        X_CACHE_TIER,
-        HeaderValue::from_static(outcome.tier().as_str()),
-    );
-    set(headers, X_CACHE_HIT_RATIO, values::hit_ratio(hit_ratio));
+/// `x-cache`, `x-cache-tier`, `x-cache-hit-ratio` and `cache-status` for
+/// `outcome` (the last from a static table for the common L1 hit).
+fn own_values(outcome: &Outcome, hit_ratio: f64) -> [Option<HeaderValue>; 4] {
     let tabled = match outcome {
         Outcome::Hit {
             tier: Source::L1,
@@ -172,23 +157,35 @@ fn apply_with(
         } => values::l1_hit_status(*ttl),
         _ => None,
     };
-    if let Some(v) = tabled.or_else(|| HeaderValue::try_from(outcome.cache_status()).ok()) {
-        set(headers, CACHE_STATUS, v);
-    }
+    [
+        Some(HeaderValue::from_static(outcome.x_cache())),
+        Some(HeaderValue::from_static(outcome.tier().as_str())),
+        Some(values::hit_ratio(hit_ratio)),
+        tabled.or_else(|| HeaderValue::try_from(outcome.cache_status()).ok()),
+    ]
 }
 
-/// Sets a single-valued field: in place when it is there (a hit's map is a
-/// clone with placeholders and no spare room: `insert` would regrow it).
-/// Sets a field this cache put in the map as a single placeholder.
-fn set_own(headers: &mut HeaderMap, name: HeaderName, value: HeaderValue) {
-    match headers.get_mut(&name) {
-        Some(slot) => *slot = value,
-        None => {
-            headers.insert(name, value);
+/// Sets this cache's own fields in a map built from an entry's view, where
+/// each is a single placeholder: one pass over the map's few fields, no
+/// hashed look-ups (five of those cost more than the rest of the response).
+/// Order as in [`OWN_FIELDS`]; a field not found is inserted.
+fn set_own_fields(headers: &mut HeaderMap, mut own: [Option<HeaderValue>; 5]) {
+    for (name, value) in headers.iter_mut() {
+        if let Some(i) = OWN_FIELDS.iter().position(|f| f == name)
+            && let Some(v) = own[i].take()
+        {
+            *value = v;
+        }
+    }
+    for (i, v) in own.into_iter().enumerate() {
+        if let Some(v) = v {
+            headers.insert(OWN_FIELDS[i].clone(), v);
         }
     }
 }
 
+/// Sets a single-valued field in place when it is there once (a hit's map
+/// is a clone with placeholders and no spare room: `insert` would regrow it).
 /// A field with several values (an upstream's own) is replaced whole.
 fn set(headers: &mut HeaderMap, name: HeaderName, value: HeaderValue) {
     let mut values = headers.get_all(&name).iter();
@@ -431,10 +428,14 @@ pub(crate) fn from_entry<B>(
         (view.status, view.headers.clone(), body)
     };
     let mut res = Response::new(body);
-    set_own(&mut headers, AGE, values::age(entry.age(now)));
+    let age = Some(values::age(entry.age(now)));
     match label {
-        Some((outcome, hit_ratio)) => apply_own(&mut headers, outcome, hit_ratio),
+        Some((outcome, hit_ratio)) => {
+            let [x_cache, tier, ratio, status] = own_values(outcome, hit_ratio);
+            set_own_fields(&mut headers, [age, x_cache, tier, ratio, status]);
+        }
         None => {
+            set_own_fields(&mut headers, [age, None, None, None, None]);
             for name in &OWN_FIELDS[1..] {
                 headers.remove(name);
             }
