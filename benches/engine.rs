@@ -15,9 +15,9 @@
 //!   axum router (default budget 256 MiB, 1 KiB bodies); RSS after, and the
 //!   bounded maps (L1 entries, its expiry index, keys in flight).
 //!
-//! Last measured (2 cores, shared machine, 2026-12-03): sweep 0.21 M
+//! Last measured (2 cores, shared machine, 2026-12-03): sweep 0.22 M
 //! entries/s on the wall clock (moka's timer wheel: 2.3 s for 500,000) and
-//! 0.17 M/s with the engine's clock ahead (goal 2 M/s: not met, see
+//! 0.20 M/s with the engine's clock ahead (goal 2 M/s: not met, see
 //! docs/NOTES.md); full L1 at 256 MiB: RSS grew 266 MiB = 1.04× (79,871
 //! entries of 2 KiB); 1,000,000 unique URLs in 27.5 s: RSS grew 284 MiB
 //! (1.11× the budget), L1 116,069 entries, expiry index 158,964 records,

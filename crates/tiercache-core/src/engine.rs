@@ -632,12 +632,6 @@ impl TieredCache {
         }
     }
 
-    /// Drops every L1 entry (what an instance does when it may have missed
-    /// invalidations).
-    pub fn clear_l1(&self) {
-        self.inner.resync();
-    }
-
     /// Before an origin load for `key` (its L2 read missed): takes the
     /// fleet-wide fill lock, or waits for the instance holding it and
     /// returns what it stored. Without a shared tier that has locks, or when
@@ -670,14 +664,12 @@ impl TieredCache {
         bump(&self.inner.counters.coalesced);
         // A little past the lock's own end, so an expired lock is seen gone.
         let bound = wait.min(held_for + Duration::from_millis(20));
-        let unlocked = l2.wait_unlock(key, bound).await.unwrap_or(Unlocked::Gone);
-        if unlocked != Unlocked::Passed
-            && let Some(entry) = self.lookup_l2(key, &accept).await
-        {
-            return FleetJoin::Filled(entry);
-        }
-        if unlocked == Unlocked::Passed {
+        // Passed: the owner's answer may not be shared; load without a lock.
+        if l2.wait_unlock(key, bound).await.unwrap_or(Unlocked::Gone) == Unlocked::Passed {
             return FleetJoin::Lead(FleetLock::local());
+        }
+        if let Some(entry) = self.lookup_l2(key, &accept).await {
+            return FleetJoin::Filled(entry);
         }
         match l2.try_lock(key, wait).await {
             Ok(LockAttempt::Acquired(token)) => {

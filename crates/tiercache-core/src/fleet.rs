@@ -109,11 +109,6 @@ impl FleetLock {
         }
     }
 
-    /// Whether a lock is held in the shared tier.
-    pub fn is_held(&self) -> bool {
-        self.held.is_some()
-    }
-
     /// Releases the lock; `filled` tells the waiting instances whether a
     /// shareable entry was stored (they read it) or not (they load).
     pub fn release(mut self, filled: bool) {

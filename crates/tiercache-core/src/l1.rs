@@ -7,6 +7,7 @@
 //! cache still gives its memory back.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -99,7 +100,9 @@ impl L1 {
         if entry.freshness(now) != Freshness::Dead {
             return Some(entry);
         }
-        self.remove_if(hash, |live| live.ptr_eq(&entry));
+        if self.remove_if(hash, |live| live.ptr_eq(&entry)) {
+            bump(&self.counters.expired);
+        }
         None
     }
 
@@ -136,10 +139,7 @@ impl L1 {
         for (hash, entry) in self.cache.iter() {
             if doomed(&entry) {
                 // Only the entry seen: a newer fill under the key stays.
-                let _ = self.cache.entry(*hash).and_compute_with(|live| match live {
-                    Some(live) if live.value().ptr_eq(&entry) => Op::Remove,
-                    _ => Op::Nop,
-                });
+                self.remove_if(&hash, |live| live.ptr_eq(&entry));
             }
         }
     }
@@ -159,16 +159,9 @@ impl L1 {
         // moka first: its timer wheel drops, in bulk, every entry whose
         // memory bound (the hard lifetime, on moka's clock) has passed, and
         // its listener counts them as expired.
-        let expired_before = self
-            .counters
-            .expired
-            .load(std::sync::atomic::Ordering::Relaxed);
+        let expired_before = self.counters.expired.load(Relaxed);
         self.cache.run_pending_tasks();
-        let by_moka = self
-            .counters
-            .expired
-            .load(std::sync::atomic::Ordering::Relaxed)
-            - expired_before;
+        let by_moka = self.counters.expired.load(Relaxed) - expired_before;
         let now = self.clock.now();
         let due = {
             let mut index = self.index.lock().unwrap();
@@ -178,38 +171,29 @@ impl L1 {
             due
         };
         // Then what is dead on the engine's clock and still held (a clock
-        // that ran ahead of moka's, as a mock clock does): a read, and a
-        // removal only of what is dead. (A fill that lands between the two
-        // is removed too: one extra miss, never a stale answer.)
-        let mut reclaimed = by_moka;
-        let mut removed = false;
+        // that ran ahead of moka's, as a mock clock does).
+        let mut removed = 0;
         for hash in due.into_values().flatten() {
-            if let Some(live) = self.cache.get(&hash)
-                && live.freshness(now) == Freshness::Dead
-            {
-                self.cache.invalidate(&hash);
-                bump(&self.counters.expired);
-                reclaimed += 1;
-                removed = true;
+            if self.remove_if(&hash, |live| live.freshness(now) == Freshness::Dead) {
+                removed += 1;
             }
         }
-        if removed {
+        if removed > 0 {
+            self.counters.expired.fetch_add(removed, Relaxed);
             self.cache.run_pending_tasks();
         }
-        reclaimed
+        by_moka + removed
     }
 
     /// Removes `hash` if its live entry satisfies `dead`; counts it as expired.
-    fn remove_if(&self, hash: &KeyHash, dead: impl FnOnce(&Entry) -> bool) -> bool {
+    /// Removes the live entry under `hash` if `doomed` picks it, atomically
+    /// (a fill that replaced it meanwhile stays); the caller counts why.
+    fn remove_if(&self, hash: &KeyHash, doomed: impl FnOnce(&Entry) -> bool) -> bool {
         let result = self.cache.entry(*hash).and_compute_with(|live| match live {
-            Some(live) if dead(live.value()) => Op::Remove,
+            Some(live) if doomed(live.value()) => Op::Remove,
             _ => Op::Nop,
         });
-        let removed = matches!(result, CompResult::Removed(_));
-        if removed {
-            bump(&self.counters.expired);
-        }
-        removed
+        matches!(result, CompResult::Removed(_))
     }
 
     pub(crate) fn entry_count(&self) -> u64 {

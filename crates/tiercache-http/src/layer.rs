@@ -38,10 +38,10 @@ use crate::variants::Variants;
 pub struct ResponseCacheLayer {
     pub(crate) engine: TieredCache,
     pub(crate) variants: Variants,
-    pub(crate) policy: Option<Arc<Policy>>,
+    /// The route's policy and metrics; none on the unannotated layer.
+    pub(crate) route: Option<(Arc<Policy>, Arc<RouteMetrics>)>,
     pub(crate) config: Arc<HttpConfig>,
     pub(crate) engine_metrics: Arc<EngineMetrics>,
-    pub(crate) route_metrics: Option<Arc<RouteMetrics>>,
 }
 
 /// The layer's HTTP settings; a route's layer carries its own copy.
@@ -98,10 +98,9 @@ impl ResponseCacheLayer {
         Self {
             engine,
             variants: Variants::new(),
-            policy: None,
+            route: None,
             config: Arc::new(HttpConfig::default()),
             engine_metrics: Arc::new(EngineMetrics::new()),
-            route_metrics: None,
         }
     }
 
@@ -117,8 +116,7 @@ impl ResponseCacheLayer {
     pub fn route_named(&self, name: &str, policy: Policy) -> Result<Self, PolicyError> {
         policy.validate()?;
         Ok(Self {
-            policy: Some(Arc::new(policy)),
-            route_metrics: Some(Arc::new(RouteMetrics::new(name))),
+            route: Some((Arc::new(policy), Arc::new(RouteMetrics::new(name)))),
             ..self.clone()
         })
     }

@@ -51,15 +51,13 @@ pub struct ResponseCache<S> {
 impl<S> ResponseCache<S> {
     /// Wraps `inner` with `layer`'s engine, policy and settings.
     pub fn new(inner: S, layer: ResponseCacheLayer) -> Self {
-        let ctx = layer.policy.map(|policy| {
+        let ctx = layer.route.map(|(policy, metrics)| {
             Arc::new(Ctx {
                 engine: layer.engine,
                 variants: layer.variants,
                 policy,
                 config: layer.config,
-                metrics: layer
-                    .route_metrics
-                    .unwrap_or_else(|| Arc::new(RouteMetrics::new("default"))),
+                metrics,
             })
         });
         Self { inner, ctx }

@@ -194,7 +194,16 @@ struct Inner {
     skipped: AtomicU64,
 }
 
+/// What the writer task does, in queue order.
 enum Write {
+    /// Sends a command (skipped while the breaker is open).
+    Command(Command),
+    /// Answers once every write queued before it is done.
+    Flush(tokio::sync::oneshot::Sender<()>),
+}
+
+/// A queued command.
+enum Command {
     /// `SET key value PX px`, then the key's hash into each tag set.
     Set {
         key: String,
@@ -211,8 +220,6 @@ enum Write {
         token: Bytes,
         filled: bool,
     },
-    /// Answers once every write queued before it is done.
-    Flush(tokio::sync::oneshot::Sender<()>),
 }
 
 impl fmt::Debug for ValkeyTier {
@@ -313,32 +320,23 @@ impl ValkeyTier {
         Ok(Self { inner })
     }
 
-    /// This instance's id on the invalidation channel.
-    pub fn instance_id(&self) -> &str {
-        &self.inner.bus.instance
-    }
-
     /// The Valkey key of `key`'s fill lock: `PREFIX:{HASH}:lock`, in the entry's slot.
     pub fn lock_key(&self, key: &CacheKey) -> String {
-        format!("{}:{{{}}}:lock", self.inner.prefix, key.hash())
+        slot_key(&self.inner.prefix, &key.hash(), "lock")
     }
 
     fn done_channel(&self, key: &CacheKey) -> String {
-        format!("{}:{{{}}}:done", self.inner.prefix, key.hash())
+        slot_key(&self.inner.prefix, &key.hash(), "done")
     }
 
     /// The Valkey set of the keys stored with `tag`: `PREFIX:{TAGHASH}:tag`.
     pub fn tag_key(&self, tag: &[u8]) -> String {
         let hash = CacheKey::builder().part(b"tag").part(tag).finish().hash();
-        format!("{}:{{{hash}}}:tag", self.inner.prefix)
+        slot_key(&self.inner.prefix, &hash, "tag")
     }
 
     fn entry_key_of(&self, hash: &KeyHash) -> String {
-        format!("{}:{{{hash}}}:e", self.inner.prefix)
-    }
-
-    fn bans_key(&self) -> String {
-        format!("{}:bans", self.inner.prefix)
+        slot_key(&self.inner.prefix, hash, "e")
     }
 
     /// Deletes `keys` and announces `invalidation`, in one pipeline (one
@@ -406,12 +404,18 @@ impl ValkeyTier {
                 let recorded: Result<i64, _> = self
                     .inner
                     .client
-                    .hset(self.bans_key(), (field, bus::millis(at).to_string()))
+                    .hset(
+                        bans_key(&self.inner.prefix),
+                        (field, bus::millis(at).to_string()),
+                    )
                     .await;
                 recorded.map_err(fred_error)?;
                 let ttl = BAN_RETENTION.as_millis() as i64;
-                let kept: Result<i64, _> =
-                    self.inner.client.pexpire(self.bans_key(), ttl, None).await;
+                let kept: Result<i64, _> = self
+                    .inner
+                    .client
+                    .pexpire(bans_key(&self.inner.prefix), ttl, None)
+                    .await;
                 kept.map_err(fred_error)?;
                 self.inner.bus.add_ban(
                     Ban {
@@ -431,7 +435,7 @@ impl ValkeyTier {
     /// tag keeps an entry and its lock on one cluster slot, and no URL byte
     /// reaches the key.
     pub fn entry_key(&self, key: &CacheKey) -> String {
-        format!("{}:{{{}}}:e", self.inner.prefix, key.hash())
+        self.entry_key_of(&key.hash())
     }
 
     /// The fred client, for callers that need the server directly.
@@ -525,13 +529,13 @@ impl Tier for ValkeyTier {
 
     fn put(&self, key: &CacheKey, entry: &Entry, ttl: Duration, tags: &[Bytes]) {
         let px = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX).max(1);
-        let write = Write::Set {
+        let write = Write::Command(Command::Set {
             key: self.entry_key(key),
             value: codec::encode(entry),
             px,
             tags: tags.iter().map(|t| self.tag_key(t)).collect(),
             member: key.hash().to_hex(),
-        };
+        });
         if self.inner.writes.try_send(write).is_err() {
             self.inner.write_drops.fetch_add(1, Relaxed);
         }
@@ -607,12 +611,12 @@ impl Tier for ValkeyTier {
     }
 
     fn unlock(&self, key: &CacheKey, token: &LockToken, filled: bool) {
-        let write = Write::Unlock {
+        let write = Write::Command(Command::Unlock {
             lock: self.lock_key(key),
             channel: self.done_channel(key),
             token: token.0.clone(),
             filled,
-        };
+        });
         if self.inner.writes.try_send(write).is_err() {
             // The lock expires by its PX; waiters read L2 then.
             self.inner.write_drops.fetch_add(1, Relaxed);
@@ -675,10 +679,21 @@ impl Tier for ValkeyTier {
     }
 }
 
+/// `PREFIX:{HASH}:SUFFIX`: the hash tag puts everything about one key (its
+/// entry, lock and wake-up channel) on one cluster slot.
+fn slot_key(prefix: &str, hash: &KeyHash, suffix: &str) -> String {
+    format!("{prefix}:{{{hash}}}:{suffix}")
+}
+
+/// The hash of recorded prefix bans: `PREFIX:bans`.
+fn bans_key(prefix: &str) -> String {
+    format!("{prefix}:bans")
+}
+
 /// Reads the recorded prefix bans (on every reconnect).
 async fn load_bans(tier: Weak<Inner>) -> Option<Vec<Ban>> {
     let inner = tier.upgrade()?;
-    let key = format!("{}:bans", inner.prefix);
+    let key = bans_key(&inner.prefix);
     let read = inner
         .client
         .hgetall::<std::collections::HashMap<String, String>, _>(key);
@@ -705,15 +720,18 @@ async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<Write>) {
         let Some(inner) = tier.upgrade() else {
             return;
         };
-        if let Write::Flush(done) = write {
-            let _ = done.send(());
-            continue;
-        }
+        let command = match write {
+            Write::Flush(done) => {
+                let _ = done.send(());
+                continue;
+            }
+            Write::Command(command) => command,
+        };
         if !inner.breaker.allow() {
             inner.skipped.fetch_add(1, Relaxed);
             continue;
         }
-        let done = tokio::time::timeout(inner.command_timeout, apply(&inner, write)).await;
+        let done = tokio::time::timeout(inner.command_timeout, apply(&inner, command)).await;
         match done {
             Ok(Ok(())) => inner.breaker.success(),
             _ => {
@@ -724,10 +742,10 @@ async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<Write>) {
     }
 }
 
-async fn apply(inner: &Inner, write: Write) -> Result<(), fred::error::Error> {
+async fn apply(inner: &Inner, command: Command) -> Result<(), fred::error::Error> {
     let client = &inner.client;
-    match write {
-        Write::Set {
+    match command {
+        Command::Set {
             key,
             value,
             px,
@@ -749,7 +767,7 @@ async fn apply(inner: &Inner, write: Write) -> Result<(), fred::error::Error> {
             }
             Ok(())
         }
-        Write::Unlock {
+        Command::Unlock {
             lock,
             channel,
             token,
@@ -760,10 +778,6 @@ async fn apply(inner: &Inner, write: Write) -> Result<(), fred::error::Error> {
                 .await?;
             let word = if filled { "1" } else { "0" };
             client.spublish::<i64, _, _>(channel, word).await?;
-            Ok(())
-        }
-        Write::Flush(done) => {
-            let _ = done.send(());
             Ok(())
         }
     }
