@@ -8,16 +8,21 @@
 //! and the report says so).
 //!
 //! Every server is its own process (this binary re-executed in a serve mode,
-//! or nginx, or varnishd), all on loopback. The same origin (axum, a 2 KiB
-//! body, `Cache-Control: public, max-age=3600`) is behind every cache:
+//! `benches/peers`' binary, nginx or varnishd), all on loopback. The same
+//! origin (`benches/support/origin.rs`: axum, a 2 KiB body,
+//! `Cache-Control: public, max-age=3600`) is behind every cache:
 //!
 //! - `bare`: the origin itself, the limit on this machine;
 //! - `layer`: the same handler wrapped in the tiercache layer (L1 hits);
 //! - `proxy`: `tiercache-proxy` in front of the origin (L1 hits);
+//! - the Rust crates a user might pick instead, each wrapping the same
+//!   handler in its own process: `axum-response-cache` 0.5, `hitbox` 0.2,
+//!   `tower-http-cache` 0.6 and `http-cache-tower-server` 0.2, set up as
+//!   `benches/peers/src/main.rs` says (its own workspace and lock file, built
+//!   by this bench on its first run, a few minutes; if it cannot be built
+//!   the peers are skipped and the report says so);
 //! - `nginx`: `proxy_cache` with `proxy_cache_lock on`, one worker;
-//! - `varnish`: `varnishd` with the default VCL, `-s malloc,256m`;
-//! - `axum-rc`: the crate `axum-response-cache` (0.5) wrapping the same
-//!   handler, as its README shows (no request coalescing of its own).
+//! - `varnish`: `varnishd` with the default VCL, `-s malloc,256m`.
 //!
 //! Throughput: `wrk -t1 -c32 -d4s` per target, three alternating rounds
 //! (A B C … A B C …); server CPU per request is the server's `utime+stime`
@@ -28,27 +33,37 @@
 //! the same cold URL at once; the origin takes 300 ms and counts calls.
 //!
 //! Last measured (2 cores, shared machine, 2026-12-03; nginx 1.22, Varnish
-//! 7.1 from Debian 12), req/s × bare / CPU per request × bare, three runs:
-//! layer 0.81 / 1.26, 0.74 / 1.36, 0.82 / 1.23; tiercache-proxy 0.75 /
-//! 1.31, 0.80 / 1.26, 0.70 / 1.44; nginx 0.56 / 1.80, 0.51 / 1.99, 0.57 /
-//! 1.78; Varnish 0.58 / 2.30, 0.51 / 2.53, 0.56 / 2.30; axum-response-cache
-//! (third run only) 0.93 / 1.05 (bare 57,524, 81,713, 81,216 req/s; 16.9,
-//! 12.0, 12.0 µs CPU per request). A run between the first two is left
-//! out: an interrupted run had left nginx helpers behind (servers now lead
-//! their own process groups and go whole). 1,000 concurrent cold requests:
-//! one origin call each for layer, proxy, nginx and Varnish;
-//! axum-response-cache 1,000; none failed.
+//! 7.1 from Debian 12), req/s × bare / CPU per request × bare. The first
+//! run with every peer (bare 93,931 req/s, 10.5 µs CPU per request): layer
+//! 0.76 / 1.31; tiercache-proxy 0.81 / 1.23; axum-response-cache 0.81 /
+//! 1.24; hitbox 0.53 / 1.91; tower-http-cache 0.65 / 1.53;
+//! http-cache-tower-server 0.12 / 8.19; nginx 0.50 / 2.01; Varnish 0.44 /
+//! 2.84. Three earlier runs without the last three Rust peers: layer 0.81 /
+//! 1.26, 0.74 / 1.36, 0.82 / 1.23; proxy 0.75 / 1.31, 0.80 / 1.26, 0.70 /
+//! 1.44; nginx 0.56 / 1.80, 0.51 / 1.99, 0.57 / 1.78; Varnish 0.58 / 2.30,
+//! 0.51 / 2.53, 0.56 / 2.30; axum-response-cache (third run) 0.93 / 1.05.
+//! 1,000 concurrent cold requests: one origin call each for layer, proxy,
+//! hitbox, tower-http-cache, nginx and Varnish; 1,000 for
+//! axum-response-cache and http-cache-tower-server (neither coalesces);
+//! none failed.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
-const BODY: &[u8] = &[b'x'; 2048];
+#[path = "support/origin.rs"]
+mod origin;
+
+/// The Rust peers, each served by `benches/peers` (`bench-peer NAME PORT`).
+const RUST_PEERS: [&str; 4] = [
+    "axum-response-cache",
+    "hitbox",
+    "tower-http-cache",
+    "http-cache-tower-server",
+];
 
 fn main() {
     if let Ok(mode) = std::env::var("TIERCACHE_BENCH_SERVE") {
@@ -68,12 +83,16 @@ fn main() {
             "proxy",
             Server::spawn_self("proxy", free_port(), Some(origin.addr)),
         ),
-        (
-            "axum-rc",
-            Server::spawn_self("axum-response-cache", free_port(), None),
-        ),
     ];
     let mut skipped = Vec::new();
+    match build_peers() {
+        Ok(bin) => {
+            for name in RUST_PEERS {
+                targets.push((name, Server::spawn_peer(&bin, name)));
+            }
+        }
+        Err(e) => skipped.push(format!("the Rust peers: {e}")),
+    }
     match nginx(&dir, origin.addr) {
         Ok(s) => targets.push(("nginx", s)),
         Err(e) => skipped.push(format!("nginx: {e}")),
@@ -114,7 +133,7 @@ fn main() {
     let (bare_rps, bare_cpu) = (median(&mut bare_rps), median(&mut bare_cpu));
     println!("== hit throughput, 2 KiB body, wrk -t1 -c32 -d4s, median of 3 alternating rounds");
     println!(
-        "{:<10} {:>10} {:>8} {:>14} {:>8}",
+        "{:<24} {:>10} {:>8} {:>14} {:>8}",
         "target", "req/s", "× bare", "CPU µs/req", "× bare"
     );
     for (name, _) in &targets {
@@ -122,7 +141,7 @@ fn main() {
         let mut cpu: Vec<f64> = results[name].iter().map(|r| r.1).collect();
         let (rps, cpu) = (median(&mut rps), median(&mut cpu));
         println!(
-            "{name:<10} {rps:>10.0} {:>8.2} {cpu:>14.1} {:>8.2}",
+            "{name:<24} {rps:>10.0} {:>8.2} {cpu:>14.1} {:>8.2}",
             rps / bare_rps,
             cpu / bare_cpu
         );
@@ -143,7 +162,7 @@ fn main() {
             origin.addr
         });
         println!(
-            "{name:<10} {:>5} origin call(s), {failed} failed",
+            "{name:<24} {:>5} origin call(s), {failed} failed",
             after - before
         );
     }
@@ -157,7 +176,7 @@ fn main() {
 /// Whether the cache runs inside the origin's process (it counts its own
 /// origin calls).
 fn in_process(name: &str) -> bool {
-    matches!(name, "layer" | "axum-rc")
+    name == "layer" || RUST_PEERS.contains(&name)
 }
 
 /// A server process (and its children), stopped on drop.
@@ -179,6 +198,13 @@ impl Server {
             own_group(&mut cmd).spawn().expect("spawn a bench server"),
             port,
         )
+    }
+
+    fn spawn_peer(bin: &Path, name: &str) -> Self {
+        let port = free_port();
+        let mut cmd = Command::new(bin);
+        cmd.arg(name).arg(port.to_string()).stdout(Stdio::null());
+        Self::wait(own_group(&mut cmd).spawn().expect("spawn a peer"), port)
     }
 
     fn wait(child: Child, port: u16) -> Self {
@@ -257,16 +283,6 @@ fn serve(mode: &str) {
                 let proxy = tiercache_proxy::Proxy::start(config).await.unwrap();
                 proxy.wait().await;
             }
-            "axum-response-cache" => {
-                // Its documented use: the route wrapped in its layer (TTL in
-                // seconds), the origin's headers kept in the cached answer.
-                let peer =
-                    axum_response_cache::CacheLayer::with_lifespan(Duration::from_secs(3600))
-                        .add_response_headers();
-                let app = origin_app().layer(peer);
-                let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
-                axum::serve(listener, app).await.unwrap();
-            }
             "layer" => {
                 let engine = tiercache::TieredCache::builder().build().unwrap();
                 let cache = tiercache::ResponseCacheLayer::new(engine);
@@ -285,38 +301,10 @@ fn serve(mode: &str) {
     });
 }
 
-/// `/p/{id}`: 2 KiB, cacheable for an hour; `/slow/{id}`: the same after
-/// 300 ms; `/count`: how many `/slow` calls were made.
+/// The whole origin: its cacheable routes and `/count`.
 fn origin_app() -> axum::Router {
-    use axum::routing::get;
-    let calls = Arc::new(AtomicUsize::new(0));
-    let headers = [
-        ("cache-control", "public, max-age=3600"),
-        ("content-type", "application/octet-stream"),
-    ];
-    let slow_calls = calls.clone();
-    axum::Router::new()
-        .route(
-            "/p/{id}",
-            get(move || async move { (headers, bytes::Bytes::from_static(BODY)) }),
-        )
-        .route(
-            "/slow/{id}",
-            get(move || {
-                slow_calls.fetch_add(1, SeqCst);
-                async move {
-                    tokio::time::sleep(Duration::from_millis(300)).await;
-                    (headers, bytes::Bytes::from_static(BODY))
-                }
-            }),
-        )
-        .route(
-            "/count",
-            get(move || {
-                let n = calls.load(SeqCst);
-                async move { ([("cache-control", "no-store")], n.to_string()) }
-            }),
-        )
+    let (cacheable, count) = origin::origin();
+    cacheable.merge(count)
 }
 
 fn nginx(dir: &Path, origin: SocketAddr) -> Result<Server, String> {
@@ -492,6 +480,31 @@ fn which(name: &str) -> Option<PathBuf> {
         .chain([PathBuf::from("/usr/sbin")])
         .map(|d| d.join(name))
         .find(|p| p.is_file())
+}
+
+/// Builds `benches/peers` (its own workspace and lock file, so the peers'
+/// dependency trees stay out of every test build); the binary's path.
+fn build_peers() -> Result<PathBuf, String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let target = tiercache_testkit::valkey::target_dir().join("bench-peers");
+    println!("building the Rust peers (benches/peers)…");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .args([
+            "build",
+            "--release",
+            "--locked",
+            "--quiet",
+            "--manifest-path",
+        ])
+        .arg(root.join("benches/peers/Cargo.toml"))
+        .env("CARGO_TARGET_DIR", &target)
+        .status()
+        .map_err(|e| format!("cargo: {e}"))?;
+    if !status.success() {
+        return Err(format!("cargo build of benches/peers failed ({status})"));
+    }
+    Ok(target.join("release/bench-peer"))
 }
 
 /// As root, installs what is missing from Debian (once; quietly).
