@@ -363,12 +363,15 @@ async fn head_then_get_returns_the_full_body() {
     let (_, headers, body) = send(&app, get_req("/r")).await;
     assert_eq!(body, "body 1", "HEAD filled the GET entry with its body");
     assert_eq!(h(&headers, "x-cache"), "HIT");
+    assert_eq!(h(&headers, "content-length"), "6");
     let head = Request::head("/r")
         .header("host", "shop.test")
         .body(Body::empty())
         .unwrap();
     let (_, headers, body) = send(&app, head).await;
     assert_eq!((h(&headers, "x-cache"), body.as_str()), ("HIT", ""));
+    // A hit is framed from the stored body: a HEAD says what a GET would send.
+    assert_eq!(h(&headers, "content-length"), "6");
     assert_eq!(origin.calls.get(), 1);
 }
 
@@ -520,4 +523,37 @@ async fn the_query_and_host_are_part_of_the_key() {
         .unwrap();
     assert_eq!(send(&app, other).await.2, "body 3");
     assert_eq!(send(&app, get_req("/r?a=1")).await.2, "body 1");
+}
+
+#[tokio::test]
+async fn an_upstream_caches_own_fields_give_way_to_ours_on_a_hit() {
+    let layer = cache();
+    let origin = Origin::default();
+    let app = app(&layer, origin.clone(), |n| {
+        Response::builder()
+            .header("cache-control", "max-age=60")
+            .header("x-cache", "HIT from upstream")
+            .header("cache-status", "upstream; hit")
+            .header("x-kept", "yes")
+            .body(Body::from(format!("body {n}")))
+            .unwrap()
+    });
+    send(&app, get_req("/r")).await;
+    for _ in 0..2 {
+        let (_, headers, body) = send(&app, get_req("/r")).await;
+        assert_eq!(body, "body 1");
+        let all = |name: &str| -> Vec<&str> {
+            headers
+                .get_all(name)
+                .iter()
+                .map(|v| v.to_str().unwrap())
+                .collect()
+        };
+        assert_eq!(all("x-cache"), ["HIT"]);
+        assert_eq!(all("x-cache-tier"), ["l1"]);
+        assert_eq!(all("cache-status").len(), 1);
+        assert!(all("cache-status")[0].starts_with("tiercache; hit"));
+        assert_eq!(all("x-kept"), ["yes"]);
+    }
+    assert_eq!(origin.calls.get(), 1);
 }

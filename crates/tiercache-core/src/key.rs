@@ -9,8 +9,16 @@ use std::fmt;
 use bytes::Bytes;
 
 /// The fixed-length digest of a full key: what L1 and L2 are indexed by.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct KeyHash([u8; 16]);
+
+impl std::hash::Hash for KeyHash {
+    // One word instead of a length prefix and a byte slice: equal digests
+    // still hash equal, and a map's hasher mixes a single write.
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write_u128(u128::from_le_bytes(self.0));
+    }
+}
 
 impl KeyHash {
     /// The raw digest bytes.

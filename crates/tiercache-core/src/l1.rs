@@ -25,8 +25,12 @@ struct Index {
     records: usize,
 }
 
+/// Keys are already BLAKE3 digests; hashing them again for moka's table
+/// needs only a fast seeded mix, not SipHash (~200 fewer instructions a hit).
+type KeyHasher = foldhash::fast::RandomState;
+
 pub(crate) struct L1 {
-    cache: Cache<KeyHash, Entry>,
+    cache: Cache<KeyHash, Entry, KeyHasher>,
     /// Hard expiry → keys stored with it. Records go stale when an entry is
     /// replaced or evicted; the sweep checks the live entry before removing.
     index: Mutex<Index>,
@@ -85,7 +89,7 @@ impl L1 {
                 RemovalCause::Expired => bump(&listener_counters.expired),
                 RemovalCause::Explicit | RemovalCause::Replaced => {}
             })
-            .build();
+            .build_with_hasher(KeyHasher::default());
         Self {
             cache,
             index: Mutex::default(),

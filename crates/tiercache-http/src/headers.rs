@@ -6,8 +6,8 @@ use std::time::SystemTime;
 
 use bytes::Bytes;
 use http::header::{
-    ACCEPT_ENCODING, AGE, CACHE_CONTROL, CONNECTION, CONTENT_ENCODING, CONTENT_LOCATION, DATE,
-    ETAG, EXPIRES, LAST_MODIFIED, VARY,
+    ACCEPT_ENCODING, AGE, CACHE_CONTROL, CONNECTION, CONTENT_ENCODING, CONTENT_LENGTH,
+    CONTENT_LOCATION, DATE, ETAG, EXPIRES, LAST_MODIFIED, VARY,
 };
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use tiercache_core::{Entry, Freshness, Source, Value};
@@ -166,20 +166,17 @@ fn own_values(outcome: &Outcome, hit_ratio: f64) -> [Option<HeaderValue>; 4] {
 }
 
 /// Sets this cache's own fields in a map built from an entry's view, where
-/// each is a single placeholder: one pass over the map's few fields, no
-/// hashed look-ups (five of those cost more than the rest of the response).
-/// Order as in [`OWN_FIELDS`]; a field not found is inserted.
-fn set_own_fields(headers: &mut HeaderMap, mut own: [Option<HeaderValue>; 5]) {
-    for (name, value) in headers.iter_mut() {
-        if let Some(i) = OWN_FIELDS.iter().position(|f| f == name)
-            && let Some(v) = own[i].take()
-        {
-            *value = v;
-        }
-    }
-    for (i, v) in own.into_iter().enumerate() {
+/// each is a single placeholder, in order: no hashed look-ups (five of those
+/// cost more than the rest of the response). `None` leaves a placeholder.
+fn set_own_fields(headers: &mut HeaderMap, own: [Option<HeaderValue>; 5]) {
+    // Every map set here comes from a view, whose placeholders are its last
+    // fields, one value each, in this order (see `head_view`; a clone and the
+    // 304's subset keep that order): no field name needs comparing.
+    let skip = headers.len() - OWN_FIELDS.len();
+    for (((name, value), v), own_name) in headers.iter_mut().skip(skip).zip(own).zip(&OWN_FIELDS) {
+        debug_assert_eq!(name, own_name);
         if let Some(v) = v {
-            headers.insert(OWN_FIELDS[i].clone(), v);
+            *value = v;
         }
     }
 }
@@ -307,7 +304,7 @@ impl std::ops::Deref for ViewRef<'_> {
 
 fn head_view(entry: &Entry, targets: &[HeaderName]) -> HeadView {
     let value = entry.value();
-    let mut headers = HeaderMap::with_capacity(value.headers.len() + OWN_FIELDS.len());
+    let mut headers = HeaderMap::with_capacity(value.headers.len() + 1 + OWN_FIELDS.len());
     for (name, v) in &value.headers {
         // Stored values were valid header fields when they were stored; one
         // that is not (a foreign or damaged entry) is dropped, not emitted.
@@ -335,8 +332,18 @@ fn head_view(entry: &Entry, targets: &[HeaderName]) -> HeadView {
         .get(LAST_MODIFIED)
         .and_then(|v| v.to_str().ok())
         .and_then(parse_http_date);
+    // The body is stored whole, so its length is known: framing the answer
+    // here spares the server inserting it into the cloned map on every hit
+    // (which, with no spare room in a clone, regrows the map). A stored
+    // length that disagrees with the body is replaced.
+    headers.insert(CONTENT_LENGTH, HeaderValue::from(value.body.len()));
     // Placeholders for the cache's own fields: a hit then overwrites values in
     // place instead of regrowing the cloned map (a clone has no spare room).
+    // Removed first (an upstream cache's `x-cache`, say), so that they are the
+    // map's last fields, in order (see `set_own_fields`).
+    for name in &OWN_FIELDS {
+        headers.remove(name);
+    }
     for name in OWN_FIELDS {
         headers.insert(name, HeaderValue::from_static(""));
     }
