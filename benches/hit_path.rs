@@ -114,6 +114,36 @@ fn bench(c: &mut Criterion) {
         let parts = request().into_parts().0;
         b.iter(|| black_box(tiercache::http::key::request_key(&parts)))
     });
+    // The L2 envelope of the same response (what an L2 hit decodes and a
+    // fill encodes): a 2 KiB body, the origin's fields, the key and times.
+    let entry = {
+        use tiercache::core::{Entry, Times};
+        let now = std::time::SystemTime::now();
+        let mut head = http::HeaderMap::new();
+        head.insert("cache-control", "public, max-age=3600".parse().unwrap());
+        head.insert("content-type", "application/octet-stream".parse().unwrap());
+        let value = tiercache::http::headers::to_value(
+            http::StatusCode::OK,
+            &head,
+            Bytes::from_static(BODY),
+        );
+        let key = tiercache::http::key::request_key(&request().into_parts().0);
+        let times = Times::fresh(now, now + Duration::from_secs(3600));
+        Entry::new(
+            key.full().clone(),
+            Bytes::new(),
+            value,
+            times,
+            Duration::from_millis(5),
+        )
+    };
+    let envelope = tiercache::valkey::codec::encode(&entry);
+    group.bench_function("envelope_encode", |b| {
+        b.iter(|| black_box(tiercache::valkey::codec::encode(black_box(&entry))))
+    });
+    group.bench_function("envelope_decode", |b| {
+        b.iter(|| black_box(tiercache::valkey::codec::decode(black_box(envelope.clone())).unwrap()))
+    });
     group.finish();
 
     // Alternating rounds for the ratio.
