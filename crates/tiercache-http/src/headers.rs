@@ -349,7 +349,9 @@ fn head_view(entry: &Entry, targets: &[HeaderName]) -> HeadView {
     }
     HeadView {
         status: StatusCode::from_u16(value.status).unwrap_or(StatusCode::OK),
-        headers,
+        // A clone holds no spare room: the view lives as long as its entry,
+        // and a map sized for growth cost ~700 bytes more per entry.
+        headers: headers.clone(),
         revalidate,
         encoding,
         etag,
