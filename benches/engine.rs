@@ -7,7 +7,8 @@
 //!   one sweep (what the idle-time tick runs) reclaims them, once after
 //!   their 3 s lifetime passed on the wall clock, once with a mock engine
 //!   clock moved past it (moka's clock is not). Reports entries per second
-//!   (Cachex's janitor does about 500,000 a second; goal ≥ 2,000,000).
+//!   (Cachex's janitor does about 500,000 a second; goal ≥ 2,000,000), and
+//!   the floor in the same run: a bare moka cache invalidating 500,000 keys.
 //! - `full`: L1 with a 256 MiB budget filled past it with 2 KiB responses
 //!   through the engine; process RSS over the budget (goal ≤ 1.15×), against
 //!   the RSS of the same process before the fill.
@@ -15,13 +16,15 @@
 //!   axum router (default budget 256 MiB, 1 KiB bodies); RSS after, and the
 //!   bounded maps (L1 entries, its expiry index, keys in flight).
 //!
-//! Last measured (2 cores, shared machine, 2026-12-03): sweep 0.22 M
-//! entries/s on the wall clock (moka's timer wheel: 2.3 s for 500,000) and
-//! 0.20 M/s with the engine's clock ahead (goal 2 M/s: not met, see
-//! docs/NOTES.md); full L1 at 256 MiB: RSS grew 266 MiB = 1.04× (79,871
-//! entries of 2 KiB); 1,000,000 unique URLs in 27.5 s: RSS grew 284 MiB
-//! (1.11× the budget), L1 116,069 entries, expiry index 158,964 records,
-//! nothing left in flight.
+//! Last measured (2 cores, shared machine, 2026-12-03): sweep 0.29–0.32 M
+//! entries/s on the wall clock (moka's timer wheel) and 0.24–0.28 M/s with
+//! the engine's clock ahead, 1.6–1.8× the time a bare moka cache takes to
+//! invalidate as many keys one by one (0.43–0.44 M/s); goal 2 M/s: not met,
+//! out of moka's reach (see docs/NOTES.md); full L1 at 256 MiB: RSS grew
+//! 266 MiB = 1.04× (79,871 entries of 2 KiB); 1,000,000 unique URLs in
+//! 17–18 s: RSS grew 307 MiB (1.20× the budget; 284 MiB before a hit's
+//! head carried Content-Length), L1 116,069 entries, expiry index ~158,900
+//! records, nothing left in flight.
 
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -8,8 +8,10 @@
 //! last section alternates raw and engine rounds (A B A B …, 15 rounds of
 //! 2,000 reads) and prints the median ratio with its min–max.
 //!
-//! Last measured (2 cores, shared machine, 2026-12-02): raw GET 87 µs, engine
-//! L2 hit 97 µs; ratio median 1.17 (min 1.05, max 3.15).
+//! Last measured (2 cores, shared machine, 2026-12-03, CRC-32 envelope):
+//! criterion raw GET 114 µs, engine L2 hit 137 µs; alternating ratio median
+//! 1.16 (min 1.06, max 1.24). The day before, with the BLAKE3 checksum: raw
+//! 87 µs, engine 97 µs, ratio median 1.17 (min 1.05, max 3.15).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
