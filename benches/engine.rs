@@ -16,15 +16,16 @@
 //!   axum router (default budget 256 MiB, 1 KiB bodies); RSS after, and the
 //!   bounded maps (L1 entries, its expiry index, keys in flight).
 //!
-//! Last measured (2 cores, shared machine, 2026-12-03): sweep 0.29–0.32 M
+//! Last measured (2 cores, shared machine, 2026-12-03): sweep 0.29–0.35 M
 //! entries/s on the wall clock (moka's timer wheel) and 0.24–0.28 M/s with
 //! the engine's clock ahead, 1.6–1.8× the time a bare moka cache takes to
-//! invalidate as many keys one by one (0.43–0.44 M/s); goal 2 M/s: not met,
-//! out of moka's reach (see docs/NOTES.md); full L1 at 256 MiB: RSS grew
-//! 266 MiB = 1.04× (79,871 entries of 2 KiB); 1,000,000 unique URLs in
-//! 17–18 s: RSS grew 307 MiB (1.20× the budget; 284 MiB before a hit's
-//! head carried Content-Length), L1 116,069 entries, expiry index ~158,900
-//! records, nothing left in flight.
+//! invalidate as many keys one by one (0.43–0.47 M/s); goal 2 M/s: not met,
+//! out of moka's reach (see docs/NOTES.md). Full L1 at 256 MiB through the
+//! engine: RSS grew 231 MiB = 0.90× (69,312 entries of 2 KiB); 1,000,000
+//! unique URLs through the layer in 17.8 s: RSS grew 253 MiB = 0.99× the
+//! budget, L1 95,030 entries, expiry index 107,976 records, nothing left in
+//! flight. Before entries were weighed with room for the layer's prebuilt
+//! head (512 bytes): 1.04× and 307 MiB (1.20×).
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -96,7 +97,7 @@ fn sweep() {
     // production; moka's timer wheel drops them in bulk.
     let cache = TieredCache::builder()
         .sweep_interval(None)
-        .l1_capacity(1 << 30)
+        .l1_capacity(4 << 30)
         .build()
         .unwrap();
     let policy = Policy::ttl(Duration::from_secs(3)).jitter(0.0);
@@ -112,7 +113,7 @@ fn sweep() {
     let cache = TieredCache::builder()
         .clock(clock.clone())
         .sweep_interval(None)
-        .l1_capacity(1 << 30)
+        .l1_capacity(4 << 30)
         .build()
         .unwrap();
     fill(&cache, &Policy::ttl(Duration::from_secs(3600)).jitter(0.0));

@@ -132,6 +132,11 @@ struct EntryInner {
     view: OnceLock<Box<dyn Any + Send + Sync>>,
 }
 
+/// Per-entry memory beyond its bytes (see [`Entry::weight`]).
+const BOOKKEEPING: usize = 1152;
+/// Per-entry memory of a reader's view (see [`Entry::weight`]).
+const VIEW_ALLOWANCE: usize = 512;
+
 impl Entry {
     /// Builds an entry. `key` is the full key (see [`crate::CacheKey::full`]);
     /// `variant` is opaque bytes a reader must match (the HTTP layer puts the
@@ -229,13 +234,23 @@ impl Entry {
             .unwrap_or_default()
     }
 
-    /// Bytes this entry holds in L1: key, headers, body and bookkeeping.
-    /// The bookkeeping (1,152 bytes) was measured, not guessed: moka's node,
-    /// the expiry index and the allocator's overhead under churn, so that a
-    /// full L1 at a 256 MiB budget grows the process by about 256 MiB
-    /// (`cargo bench --bench engine`).
+    /// Bytes this entry holds in L1: key, headers, body, bookkeeping, and
+    /// room for a reader's [view](Self::view).
+    ///
+    /// Both allowances were measured, not guessed (`cargo bench --bench
+    /// engine`). The bookkeeping (1,152 bytes): moka's node, the expiry index
+    /// and the allocator's overhead under churn, so that a full L1 filled
+    /// through the engine grows the process by about its budget. The view
+    /// (512 bytes): what the HTTP layer's prebuilt head adds once the entry
+    /// has answered a request, so that L1 filled through the layer does too.
+    /// It is counted from the start (moka weighs an entry only when it is
+    /// stored), so an entry no reader ever views is over-counted by it.
     pub fn weight(&self) -> u32 {
-        let w = self.0.key.len() + self.0.variant.len() + self.0.value.weight() + 1152;
+        let w = self.0.key.len()
+            + self.0.variant.len()
+            + self.0.value.weight()
+            + BOOKKEEPING
+            + VIEW_ALLOWANCE;
         u32::try_from(w).unwrap_or(u32::MAX)
     }
 
