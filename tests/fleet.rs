@@ -213,12 +213,18 @@ async fn invalidation_by_key_tag_and_url_reaches_every_instances_l1() {
         (header(&headers, "x-cache"), body.as_str()),
         ("HIT", "product 4 v0")
     );
+    let published = server.command_calls("publish");
     let (status, _, _) = send(&fleet[2].app, "POST", "/p/4").await;
     assert_eq!(status, StatusCode::OK);
     eventually("/p/4 gone from every L1", || {
         in_l1(&fleet, "/p/4") == [false; 3]
     })
     .await;
+    assert_eq!(
+        server.command_calls("publish") - published,
+        1,
+        "one message for the URL: its keys and its variants' family tag"
+    );
     let (_, headers, body) = send(&fleet[0].app, "GET", "/p/4").await;
     assert_eq!(
         (header(&headers, "x-cache"), body.as_str()),

@@ -610,9 +610,35 @@ impl TieredCache {
     /// # }
     /// ```
     pub async fn invalidate_tag(&self, tag: impl Into<Bytes>) {
+        self.invalidate_tag_and_keys(tag, &[]).await;
+    }
+
+    /// Removes every entry stored with `tag` and `keys` too, everywhere, in
+    /// one message (what [`invalidate_tag`](Self::invalidate_tag) and
+    /// [`invalidate_keys`](Self::invalidate_keys) would do in two).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tiercache_core::{CacheKey, Fill, Policy, TieredCache, Value};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
+    /// let policy = Policy::ttl(Duration::from_secs(60));
+    /// let (tagged, plain) = (CacheKey::new("a"), CacheKey::new("b"));
+    /// cache.store(&tagged, Fill::new(Value::from_body("v")).tags(vec!["t".into()]), &policy);
+    /// cache.store(&plain, Fill::new(Value::from_body("v")), &policy);
+    /// cache.invalidate_tag_and_keys("t", &[plain.clone()]).await;
+    /// assert!(cache.get(&tagged).await.is_none() && cache.get(&plain).await.is_none());
+    /// # }
+    /// ```
+    pub async fn invalidate_tag_and_keys(&self, tag: impl Into<Bytes>, keys: &[CacheKey]) {
         let tag = tag.into();
-        let local = self.inner.drop_tag(&tag);
-        self.invalidate_shared(Invalidation::Tag(tag, local)).await;
+        let mut hashes: Vec<KeyHash> = keys.iter().map(CacheKey::hash).collect();
+        for hash in &hashes {
+            self.inner.l1.invalidate(hash);
+        }
+        hashes.extend(self.inner.drop_tag(&tag));
+        self.invalidate_shared(Invalidation::Tag(tag, hashes)).await;
     }
 
     /// Removes every key `pattern` matches from L1, the shared tier and

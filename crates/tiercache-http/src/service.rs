@@ -320,15 +320,14 @@ where
     let res = future.await?;
     if res.status().is_success() || res.status().is_redirection() {
         keys.extend(location_keys(res.headers(), &request));
-        let primaries = keys.clone();
-        for key in &primaries {
-            keys.extend(ctx.variants.take(key));
-        }
-        ctx.engine.invalidate_keys(&keys).await;
-        // The variants other instances stored are recorded under the URL's
-        // family tag in the shared tier.
-        for key in &primaries {
-            ctx.engine.invalidate_tag(family_tag(key)).await;
+        // One message per URL: its key and the variants this instance knows,
+        // with its family tag, under which the shared tier recorded the
+        // variants other instances stored.
+        for key in keys {
+            let mut known = ctx.variants.take(&key);
+            let tag = family_tag(&key);
+            known.push(key);
+            ctx.engine.invalidate_tag_and_keys(tag, &known).await;
         }
     }
     let mut res = res.map(CacheBody::stream);
