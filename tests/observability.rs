@@ -1,5 +1,6 @@
 //! Traces: one `tiercache` span per cached request, with the key's hash,
-//! the outcome and the tier, and nothing from the URL or the body.
+//! the outcome and the tier, and nothing from the URL or the body. Metrics:
+//! a route's lock timeouts and early refreshes under its `route` label.
 
 use std::fmt::Debug;
 use std::sync::{Arc, Mutex};
@@ -176,4 +177,128 @@ async fn each_cached_request_has_a_span_with_outcome_tier_and_key_hash_only() {
             assert!(!value.contains(secret), "{name}={value} leaks {secret}");
         }
     }
+}
+
+/// The value of the Prometheus sample `name{…route="r"…}` in `text` (0 when absent).
+fn route_sample(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
+        .filter(|l| l.contains("route=\"r\""))
+        .filter_map(|l| l.rsplit_once(' '))
+        .map(|(_, v)| v.parse::<f64>().unwrap())
+        .sum()
+}
+
+/// A layer, and its route `r` recording into a recorder of its own.
+fn recorded(
+    engine: TieredCache,
+    policy: Policy,
+) -> (
+    ResponseCacheLayer,
+    ResponseCacheLayer,
+    metrics_exporter_prometheus::PrometheusRecorder,
+) {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let layer = ResponseCacheLayer::new(engine);
+    // Handles are taken when the route is built, from the recorder then in force.
+    let route = metrics::with_local_recorder(&recorder, || layer.route_named("r", policy)).unwrap();
+    (layer, route, recorder)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_routes_lock_timeouts_are_counted_under_its_label() {
+    use tiercache_testkit::{Counter, Gate};
+    let engine = TieredCache::builder().sweep_interval(None).build().unwrap();
+    let policy = Policy::ttl(Duration::from_secs(60)).lock_timeout(Duration::from_millis(200));
+    let (layer, route, recorder) = recorded(engine, policy);
+    let (calls, gate) = (Counter::new(), Gate::new());
+    let handler = {
+        let (calls, gate) = (calls.clone(), gate.clone());
+        move || {
+            let (calls, gate) = (calls.clone(), gate.clone());
+            async move {
+                if calls.bump() == 1 {
+                    // Only the leader's call hangs.
+                    gate.passed().await;
+                }
+                "body"
+            }
+        }
+    };
+    let app = Router::new().route("/r", get(handler).layer(route));
+    let request = || {
+        Request::get("/r")
+            .header("host", "shop.test")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let leader = tokio::spawn(app.clone().oneshot(request()));
+    calls.reached(1).await;
+    let res = app.clone().oneshot(request()).await.unwrap();
+    assert_eq!(res.headers()["x-cache"], "MISS", "the follower gave up");
+    gate.open();
+    leader.await.unwrap().unwrap();
+
+    let text = recorder.handle().render();
+    assert_eq!(layer.engine().stats().lock_timeouts, 1);
+    assert_eq!(
+        route_sample(&text, "tiercache_route_lock_timeouts_total"),
+        1.0,
+        "{text}"
+    );
+    assert_eq!(
+        route_sample(&text, "tiercache_lock_wait_seconds_count"),
+        1.0,
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_routes_early_refreshes_are_counted_under_its_label() {
+    use tiercache::core::MockClock;
+    let clock = MockClock::new();
+    let engine = TieredCache::builder()
+        .clock(clock.clone())
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    // β = 1 and an origin that takes 1,000 s on the engine's clock: a hit
+    // 1 µs before expiry refreshes with probability 1 − 1e-9.
+    let policy = Policy::ttl(Duration::from_secs(3600))
+        .jitter(0.0)
+        .xfetch_beta(1.0);
+    let (layer, route, recorder) = recorded(engine.clone(), policy);
+    let handler = {
+        let clock = clock.clone();
+        move || {
+            clock.advance(Duration::from_secs(1000));
+            async { "body" }
+        }
+    };
+    let app = Router::new().route("/r", get(handler).layer(route));
+    let request = || {
+        Request::get("/r")
+            .header("host", "shop.test")
+            .body(Body::empty())
+            .unwrap()
+    };
+    app.clone().oneshot(request()).await.unwrap();
+    let key = tiercache::http::key::request_key(&request().into_parts().0);
+    let entry = engine.peek(&key).expect("stored");
+    let left = entry
+        .times()
+        .fresh_until
+        .duration_since(engine.now())
+        .unwrap();
+    clock.advance(left - Duration::from_micros(1));
+    let res = app.clone().oneshot(request()).await.unwrap();
+    assert_eq!(res.headers()["x-cache"], "HIT");
+
+    let text = recorder.handle().render();
+    assert_eq!(layer.engine().stats().early_refreshes, 1);
+    assert_eq!(
+        route_sample(&text, "tiercache_route_early_refreshes_total"),
+        1.0,
+        "{text}"
+    );
 }

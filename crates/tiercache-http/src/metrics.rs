@@ -9,7 +9,9 @@
 //! | `tiercache_bypass_total` | counter | `route`, `reason` (`authorization`, `cookie`, `method`, …) |
 //! | `tiercache_not_stored_total` | counter | `route`, `reason` (`set-cookie`, `private`, `too-large`, …) |
 //! | `tiercache_origin_duration_seconds` | histogram | `route`: every origin call's time (XFetch's δ) |
-//! | `tiercache_lock_wait_seconds` | histogram | `route`: waits on another request's load |
+//! | `tiercache_lock_wait_seconds` | histogram | `route`: waits on another request's load (its count: the route's coalesced waiters) |
+//! | `tiercache_route_lock_timeouts_total` | counter | `route`: waits that gave up after the policy's `lock_timeout` |
+//! | `tiercache_route_early_refreshes_total` | counter | `route`: XFetch refreshes started before expiry |
 //!
 //! For the engine, set from its counters by [`ResponseCacheLayer::publish_metrics`]
 //! (call it before each scrape; the per-route metrics need no call):
@@ -49,6 +51,8 @@ pub(crate) struct RouteMetrics {
     not_stored: Vec<Counter>,
     origin: Histogram,
     lock_wait: Histogram,
+    lock_timeouts: Counter,
+    early_refreshes: Counter,
 }
 
 impl RouteMetrics {
@@ -70,6 +74,8 @@ impl RouteMetrics {
             not_stored: by_reason("tiercache_not_stored_total"),
             origin: histogram!("tiercache_origin_duration_seconds", "route" => route.clone()),
             lock_wait: histogram!("tiercache_lock_wait_seconds", "route" => route.clone()),
+            lock_timeouts: counter!("tiercache_route_lock_timeouts_total", "route" => route.clone()),
+            early_refreshes: counter!("tiercache_route_early_refreshes_total", "route" => route),
         }
     }
 
@@ -104,6 +110,14 @@ impl RouteMetrics {
 
     pub(crate) fn lock_wait(&self, took: Duration) {
         self.lock_wait.record(took.as_secs_f64());
+    }
+
+    pub(crate) fn lock_timeout(&self) {
+        self.lock_timeouts.increment(1);
+    }
+
+    pub(crate) fn early_refresh(&self) {
+        self.early_refreshes.increment(1);
     }
 }
 

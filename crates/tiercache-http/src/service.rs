@@ -275,6 +275,7 @@ where
                 refresh,
             } => {
                 if refresh {
+                    ctx.metrics.early_refresh();
                     self.refresh_in_background(&ctx, &parts, &keys, &entry, &ask);
                 }
                 let outcome = Outcome::Hit {
@@ -481,6 +482,9 @@ impl Miss {
                 let started = tokio::time::Instant::now();
                 let waited = ctx.engine.wait(follower, &ctx.policy).await;
                 ctx.metrics.lock_wait(started.elapsed());
+                if matches!(waited, Waited::TimedOut) {
+                    ctx.metrics.lock_timeout();
+                }
                 match waited {
                     Waited::Done(FlightResult::Shared(entry, source))
                         if ctx.fits(&entry, req.headers()) =>
