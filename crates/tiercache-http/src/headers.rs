@@ -172,7 +172,7 @@ fn set_own_fields(headers: &mut HeaderMap, own: [Option<HeaderValue>; 5]) {
     // Every map set here comes from a view, whose placeholders are its last
     // fields, one value each, in this order (see `head_view`; a clone and the
     // 304's subset keep that order): no field name needs comparing.
-    let skip = headers.len() - OWN_FIELDS.len();
+    let skip = headers.len().saturating_sub(OWN_FIELDS.len());
     for (((name, value), v), own_name) in headers.iter_mut().skip(skip).zip(own).zip(&OWN_FIELDS) {
         debug_assert_eq!(name, own_name);
         if let Some(v) = v {
