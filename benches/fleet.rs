@@ -14,9 +14,9 @@
 //!    (origin 50 ms), with fleet-wide fill locks on and off.
 //!
 //! Last measured (2 cores, shared machine, 2026-12-03, Valkey 9 on loopback,
-//! three runs): PING p50 173–261 µs, p99 0.6–2.1 ms; `invalidate()` returns
-//! p50 320–469 µs; B has handled it p50 345–478 µs (1.8–2.0× a PING), p99
-//! 1.2–3.3 ms (goal p99 ≤ 5 ms). Stampede origin calls, locks on / off:
+//! four runs): PING p50 148–261 µs, p99 0.2–2.1 ms; `invalidate()` returns
+//! p50 229–469 µs; B has handled it p50 255–478 µs (1.7–2.0× a PING), p99
+//! 0.36–3.3 ms (goal p99 ≤ 5 ms). Stampede origin calls, locks on / off:
 //! 2×100 → 1 / 2; 2×250 → 1 / 2; 4×100 → 1 / 4; 4×250 → 1 / 4.
 
 use std::sync::Arc;
