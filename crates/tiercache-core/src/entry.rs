@@ -30,13 +30,14 @@ impl Value {
         }
     }
 
-    /// Bytes this value holds, used by the L1 weigher.
+    /// Bytes this value holds, used by the L1 weigher: the body, and each
+    /// field's bytes plus what holding it costs (310 bytes, measured).
     pub fn weight(&self) -> usize {
         self.body.len()
             + self
                 .headers
                 .iter()
-                .map(|(n, v)| n.len() + v.len() + 32)
+                .map(|(n, v)| n.len() + v.len() + FIELD_OVERHEAD)
                 .sum::<usize>()
     }
 }
@@ -134,8 +135,14 @@ struct EntryInner {
 
 /// Per-entry memory beyond its bytes (see [`Entry::weight`]).
 const BOOKKEEPING: usize = 1152;
-/// Per-entry memory of a reader's view (see [`Entry::weight`]).
-const VIEW_ALLOWANCE: usize = 512;
+/// Per-entry memory of a reader's view beyond its fields (see [`Entry::weight`]).
+const VIEW_ALLOWANCE: usize = 240;
+/// Per stored field, beyond its bytes: the pair and its two allocations,
+/// and the field's slot (and a custom name's copy) in a reader's view.
+/// Measured: a flood through the layer of responses with 13 fields costs
+/// ~350 bytes a field more than one with a single field
+/// (`FLOOD_FIELDS=12 TIERCACHE_BENCH_CASE=flood`, `cargo bench --bench engine`).
+const FIELD_OVERHEAD: usize = 310;
 
 impl Entry {
     /// Builds an entry. `key` is the full key (see [`crate::CacheKey::full`]);
@@ -239,12 +246,11 @@ impl Entry {
     ///
     /// Both allowances were measured, not guessed (`cargo bench --bench
     /// engine`). The bookkeeping (1,152 bytes): moka's node, the expiry index
-    /// and the allocator's overhead under churn, so that a full L1 filled
-    /// through the engine grows the process by about its budget. The view
-    /// (512 bytes): what the HTTP layer's prebuilt head adds once the entry
-    /// has answered a request, so that L1 filled through the layer does too.
-    /// It is counted from the start (moka weighs an entry only when it is
-    /// stored), so an entry no reader ever views is over-counted by it.
+    /// and the allocator's overhead under churn. The view (240 bytes, plus
+    /// each field's slot in the per-field allowance): what the HTTP layer's
+    /// prebuilt head adds once the entry has answered a request. Both are
+    /// counted from the start (moka weighs an entry only when it is stored),
+    /// so an entry no reader ever views is over-counted by its view.
     pub fn weight(&self) -> u32 {
         let w = self.0.key.len()
             + self.0.variant.len()
