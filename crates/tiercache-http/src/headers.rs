@@ -344,8 +344,8 @@ fn head_view(entry: &Entry, targets: &[HeaderName]) -> HeadView {
     for name in &OWN_FIELDS {
         headers.remove(name);
     }
-    for name in OWN_FIELDS {
-        headers.insert(name, HeaderValue::from_static(""));
+    for name in &OWN_FIELDS {
+        headers.insert(name.clone(), HeaderValue::from_static(""));
     }
     HeadView {
         status: StatusCode::from_u16(value.status).unwrap_or(StatusCode::OK),
@@ -397,7 +397,8 @@ pub fn accepts_encoding(request: &HeaderMap, coding: &[u8]) -> bool {
 }
 
 /// The fields the cache writes on a hit: `age` and the four `emit_headers` ones.
-const OWN_FIELDS: [HeaderName; 5] = [AGE, X_CACHE, X_CACHE_TIER, X_CACHE_HIT_RATIO, CACHE_STATUS];
+// A static, not a const: a const array is built (and dropped) at every use.
+static OWN_FIELDS: [HeaderName; 5] = [AGE, X_CACHE, X_CACHE_TIER, X_CACHE_HIT_RATIO, CACHE_STATUS];
 
 /// The fields a 304 carries from the stored response (RFC 9110 §15.4.5).
 const NOT_MODIFIED_FIELDS: [HeaderName; 7] = [
