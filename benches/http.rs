@@ -33,18 +33,20 @@
 //! the same cold URL at once; the origin takes 300 ms and counts calls.
 //!
 //! Last measured (2 cores, shared machine, 2026-12-03; nginx 1.22, Varnish
-//! 7.1 from Debian 12), req/s × bare / CPU per request × bare, three runs
-//! (bare 90,134 / 80,179 / 92,313 req/s, 11.0 / 12.3 / 10.6 µs): layer
-//! 0.85 / 1.17, 0.83 / 1.22, 0.84 / 1.20; tiercache-proxy 0.83 / 1.21,
-//! 0.84 / 1.18, 0.73 / 1.39; axum-response-cache 0.81 / 1.20, 0.88 / 1.13,
-//! 0.76 / 1.32; hitbox 0.55 / 1.81, 0.64 / 1.57, 0.50 / 1.99;
-//! tower-http-cache 0.64 / 1.55, 0.63 / 1.58, 0.62 / 1.64;
-//! http-cache-tower-server 0.13 / 8.01, 0.14 / 6.96, 0.13 / 7.99; nginx
-//! 0.57 / 1.75, 0.65 / 1.54, 0.59 / 1.70; Varnish 0.51 / 2.48, 0.56 / 2.29,
-//! 0.50 / 2.52. 1,000 concurrent cold requests, in every run: one origin
-//! call each for layer, proxy, hitbox, tower-http-cache, nginx and Varnish;
-//! 1,000 for axum-response-cache and http-cache-tower-server (neither
-//! coalesces); none failed.
+//! 7.1 from Debian 12), req/s × bare / CPU per request × bare, four runs
+//! (bare 90,134 / 80,179 / 92,313 / 78,163 req/s, 11.0 / 12.3 / 10.6 / 12.6
+//! µs): layer 0.85 / 1.17, 0.83 / 1.22, 0.84 / 1.20, 0.87 / 1.16;
+//! tiercache-proxy 0.83 / 1.21, 0.84 / 1.18, 0.73 / 1.39, 0.89 / 1.13;
+//! axum-response-cache 0.81 / 1.20, 0.88 / 1.13, 0.76 / 1.32, 0.96 / 1.04;
+//! hitbox 0.55 / 1.81, 0.64 / 1.57, 0.50 / 1.99, 0.58 / 1.73;
+//! tower-http-cache 0.64 / 1.55, 0.63 / 1.58, 0.62 / 1.64, 0.65 / 1.53;
+//! http-cache-tower-server 0.13 / 8.01, 0.14 / 6.96, 0.13 / 7.99, 0.15 /
+//! 6.94; nginx 0.57 / 1.75, 0.65 / 1.54, 0.59 / 1.70, 0.59 / 1.70; Varnish
+//! 0.51 / 2.48, 0.56 / 2.29, 0.50 / 2.52, 0.54 / 2.38. 1,000 concurrent
+//! cold requests, in every run: one origin call each for layer, proxy,
+//! hitbox, tower-http-cache, nginx and Varnish; 1,000 for
+//! axum-response-cache and http-cache-tower-server (neither coalesces);
+//! none failed.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
