@@ -27,12 +27,10 @@ impl ValkeyCluster {
         let binary = valkey_server_binary();
         let nodes: Vec<ValkeyServer> = (0..primaries * 2)
             .map(|_| {
-                // The bus port is given: port + 10000 may not exist.
-                let bus = free_port().to_string();
-                ValkeyServer::start_on(
-                    binary.clone(),
-                    free_port(),
-                    &[
+                ValkeyServer::start_on_free_port(binary.clone(), || {
+                    // The bus port is given: port + 10000 may not exist.
+                    let bus = free_port().to_string();
+                    [
                         "--cluster-enabled",
                         "yes",
                         "--cluster-config-file",
@@ -43,8 +41,10 @@ impl ValkeyCluster {
                         &bus,
                         "--cluster-replica-validity-factor",
                         "0",
-                    ],
-                )
+                    ]
+                    .map(String::from)
+                    .to_vec()
+                })
             })
             .collect();
         let cluster = Self { nodes, primaries };

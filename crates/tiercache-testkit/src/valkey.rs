@@ -139,27 +139,46 @@ impl ValkeyServer {
 
     /// Starts `binary` (e.g. Debian's `redis-server`) with extra arguments.
     pub fn start_with(binary: PathBuf, extra: &[&str]) -> Self {
-        Self::start_on(binary, free_port(), extra)
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        Self::start_on_free_port(binary, || extra.clone())
     }
 
-    /// Starts `binary` on `port` with extra arguments.
-    pub fn start_on(binary: PathBuf, port: u16, extra: &[&str]) -> Self {
-        let dir = target_dir()
-            .join("valkey-data")
-            .join(format!("{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("create the server's data folder");
-        let mut server = Self {
-            binary,
-            port,
-            dir,
-            extra: extra.iter().map(|s| s.to_string()).collect(),
-            child: None,
-        };
-        server.spawn();
-        server
+    /// Starts `binary` on a free port with the arguments `extra` gives (called
+    /// again for each attempt, so ports it picks are fresh too). A free port is
+    /// free only until someone binds it: when one was taken in between, the
+    /// server starts again on new ones.
+    pub fn start_on_free_port(binary: PathBuf, extra: impl Fn() -> Vec<String>) -> Self {
+        const ATTEMPTS: usize = 5;
+        for attempt in 1..=ATTEMPTS {
+            let port = free_port();
+            let dir = target_dir()
+                .join("valkey-data")
+                .join(format!("{}-{port}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("create the server's data folder");
+            let mut server = Self {
+                binary: binary.clone(),
+                port,
+                dir,
+                extra: extra(),
+                child: None,
+            };
+            match server.try_spawn() {
+                Ok(()) => return server,
+                Err(log) if attempt < ATTEMPTS && log.contains("Address already in use") => {}
+                Err(log) => panic!("valkey-server exited at start:\n{log}"),
+            }
+        }
+        unreachable!("the last attempt returns or panics")
     }
 
     fn spawn(&mut self) {
+        if let Err(log) = self.try_spawn() {
+            panic!("valkey-server exited at start:\n{log}");
+        }
+    }
+
+    /// Starts the process and waits for its PING; the log when it exited first.
+    fn try_spawn(&mut self) -> Result<(), String> {
         let log = self.dir.join("server.log");
         let child = Command::new(&self.binary)
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
@@ -181,15 +200,16 @@ impl ValkeyServer {
             if let Ok(reply) = self.try_cmd(&["PING"])
                 && reply == "PONG"
             {
-                return;
+                return Ok(());
             }
             if let Some(status) = self
                 .child
                 .as_mut()
                 .and_then(|c| c.try_wait().ok().flatten())
             {
+                self.child = None;
                 let log = std::fs::read_to_string(&log).unwrap_or_default();
-                panic!("valkey-server exited at start ({status}):\n{log}");
+                return Err(format!("({status})\n{log}"));
             }
             assert!(
                 Instant::now() < deadline,
