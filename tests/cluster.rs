@@ -13,7 +13,7 @@ use tiercache::http::key::request_key;
 use tiercache::valkey::{ValkeyConfig, ValkeyTier};
 use tiercache::{Policy, ResponseCacheLayer, TieredCache};
 use tiercache_testkit::cluster::SLOTS;
-use tiercache_testkit::http::{Load, header, send};
+use tiercache_testkit::http::{Load, header, send, until_shared_through_l2};
 use tiercache_testkit::{Counter, Gate, ValkeyCluster, bounded, eventually};
 use tokio::sync::Barrier;
 
@@ -196,19 +196,10 @@ async fn a_killed_primary_under_load_fails_no_request() {
     assert_eq!(failed, 0, "of {ok} requests");
 
     // L2 is in use again on every slot: what A stores now, B reads from L2.
-    bounded("L2 to serve again after the failover", async {
-        let mut i = 0;
-        loop {
-            i += 1;
-            let path = format!("/p/after{i}");
-            send(&a.app, "GET", &path).await;
-            a.tier.flush().await;
-            let (_, headers, _) = send(&b.app, "GET", &path).await;
-            if header(&headers, "x-cache-tier") == "l2" && i > 20 {
-                break;
-            }
-        }
-    })
+    bounded(
+        "L2 to serve again after the failover",
+        until_shared_through_l2(&a.app, &b.app, || a.tier.flush(), "after", 21),
+    )
     .await;
 }
 

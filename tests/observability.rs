@@ -189,6 +189,14 @@ fn route_sample(text: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// `GET /r` from a client of `shop.test`.
+fn get_r() -> Request<Body> {
+    Request::get("/r")
+        .header("host", "shop.test")
+        .body(Body::empty())
+        .unwrap()
+}
+
 /// A layer, and its route `r` recording into a recorder of its own.
 fn recorded(
     engine: TieredCache,
@@ -226,15 +234,9 @@ async fn a_routes_lock_timeouts_are_counted_under_its_label() {
         }
     };
     let app = Router::new().route("/r", get(handler).layer(route));
-    let request = || {
-        Request::get("/r")
-            .header("host", "shop.test")
-            .body(Body::empty())
-            .unwrap()
-    };
-    let leader = tokio::spawn(app.clone().oneshot(request()));
+    let leader = tokio::spawn(app.clone().oneshot(get_r()));
     calls.reached(1).await;
-    let res = app.clone().oneshot(request()).await.unwrap();
+    let res = app.clone().oneshot(get_r()).await.unwrap();
     assert_eq!(res.headers()["x-cache"], "MISS", "the follower gave up");
     gate.open();
     leader.await.unwrap().unwrap();
@@ -276,14 +278,8 @@ async fn a_routes_early_refreshes_are_counted_under_its_label() {
         }
     };
     let app = Router::new().route("/r", get(handler).layer(route));
-    let request = || {
-        Request::get("/r")
-            .header("host", "shop.test")
-            .body(Body::empty())
-            .unwrap()
-    };
-    app.clone().oneshot(request()).await.unwrap();
-    let key = tiercache::http::key::request_key(&request().into_parts().0);
+    app.clone().oneshot(get_r()).await.unwrap();
+    let key = tiercache::http::key::request_key(&get_r().into_parts().0);
     let entry = engine.peek(&key).expect("stored");
     let left = entry
         .times()
@@ -291,7 +287,7 @@ async fn a_routes_early_refreshes_are_counted_under_its_label() {
         .duration_since(engine.now())
         .unwrap();
     clock.advance(left - Duration::from_micros(1));
-    let res = app.clone().oneshot(request()).await.unwrap();
+    let res = app.clone().oneshot(get_r()).await.unwrap();
     assert_eq!(res.headers()["x-cache"], "HIT");
 
     let text = recorder.handle().render();

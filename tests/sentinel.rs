@@ -9,7 +9,7 @@ use axum::extract::Path;
 use axum::routing::get;
 use tiercache::valkey::{ValkeyConfig, ValkeyTier};
 use tiercache::{Policy, ResponseCacheLayer, TieredCache};
-use tiercache_testkit::http::{Load, header, send};
+use tiercache_testkit::http::{Load, until_shared_through_l2};
 use tiercache_testkit::{ValkeySentinel, bounded};
 
 struct Instance {
@@ -36,20 +36,10 @@ async fn instance(group: &ValkeySentinel) -> Instance {
 
 /// What A stores now, B reads from L2 (retried while the group settles).
 async fn l2_serves(a: &Instance, b: &Instance, tag: &str) {
-    bounded("L2 to serve through the Sentinel's primary", async {
-        let mut i = 0;
-        loop {
-            i += 1;
-            let path = format!("/p/{tag}{i}");
-            send(&a.app, "GET", &path).await;
-            a.tier.flush().await;
-            let (_, headers, _) = send(&b.app, "GET", &path).await;
-            if header(&headers, "x-cache-tier") == "l2" {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
+    bounded(
+        "L2 to serve through the Sentinel's primary",
+        until_shared_through_l2(&a.app, &b.app, || a.tier.flush(), tag, 1),
+    )
     .await;
 }
 

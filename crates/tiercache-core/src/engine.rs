@@ -586,10 +586,7 @@ impl TieredCache {
 
     /// Removes `keys` everywhere, like [`invalidate`](Self::invalidate), in one message.
     pub async fn invalidate_keys(&self, keys: &[CacheKey]) {
-        let hashes: Vec<KeyHash> = keys.iter().map(CacheKey::hash).collect();
-        for hash in &hashes {
-            self.inner.l1.invalidate(hash);
-        }
+        let hashes = self.inner.drop_keys(keys);
         self.invalidate_shared(Invalidation::Keys(hashes)).await;
     }
 
@@ -633,10 +630,7 @@ impl TieredCache {
     /// ```
     pub async fn invalidate_tag_and_keys(&self, tag: impl Into<Bytes>, keys: &[CacheKey]) {
         let tag = tag.into();
-        let mut hashes: Vec<KeyHash> = keys.iter().map(CacheKey::hash).collect();
-        for hash in &hashes {
-            self.inner.l1.invalidate(hash);
-        }
+        let mut hashes = self.inner.drop_keys(keys);
         hashes.extend(self.inner.drop_tag(&tag));
         self.invalidate_shared(Invalidation::Tag(tag, hashes)).await;
     }
@@ -767,10 +761,10 @@ impl TieredCache {
 impl InvalidationSink for Inner {
     fn apply(&self, invalidation: &Invalidation) {
         match invalidation {
-            Invalidation::Keys(hashes) => hashes.iter().for_each(|h| self.l1.invalidate(h)),
+            Invalidation::Keys(hashes) => self.drop_hashes(hashes),
             Invalidation::Tag(tag, hashes) => {
                 self.drop_tag(tag);
-                hashes.iter().for_each(|h| self.l1.invalidate(h));
+                self.drop_hashes(hashes);
             }
             Invalidation::Prefix(pattern) => self.drop_matching(pattern),
         }
@@ -793,8 +787,19 @@ impl Inner {
             .unwrap_or_else(|e| e.into_inner())
             .drain()
             .collect();
-        keys.iter().for_each(|h| self.l1.invalidate(h));
+        self.drop_hashes(&keys);
         keys
+    }
+
+    /// Drops `keys` from L1; returns their hashes (for the shared tier).
+    fn drop_keys(&self, keys: &[CacheKey]) -> Vec<KeyHash> {
+        let hashes: Vec<KeyHash> = keys.iter().map(CacheKey::hash).collect();
+        self.drop_hashes(&hashes);
+        hashes
+    }
+
+    fn drop_hashes(&self, hashes: &[KeyHash]) {
+        hashes.iter().for_each(|h| self.l1.invalidate(h));
     }
 
     fn drop_matching(&self, pattern: &KeyPattern) {

@@ -401,7 +401,7 @@ pub fn accepts_encoding(request: &HeaderMap, coding: &[u8]) -> bool {
 static OWN_FIELDS: [HeaderName; 5] = [AGE, X_CACHE, X_CACHE_TIER, X_CACHE_HIT_RATIO, CACHE_STATUS];
 
 /// The fields a 304 carries from the stored response (RFC 9110 §15.4.5).
-const NOT_MODIFIED_FIELDS: [HeaderName; 7] = [
+static NOT_MODIFIED_FIELDS: [HeaderName; 7] = [
     CACHE_CONTROL,
     CONTENT_LOCATION,
     DATE,

@@ -41,8 +41,9 @@ pub const UNKEYED: [&str; 14] = [
     "x-method-override",
 ];
 
-/// [`UNKEYED`] as header names, built at compile time.
-const UNKEYED_NAMES: [HeaderName; 14] = [
+/// [`UNKEYED`] as header names, built at compile time (a static: a const
+/// array would be built and dropped at every use).
+static UNKEYED_NAMES: [HeaderName; 14] = [
     HeaderName::from_static(UNKEYED[0]),
     HeaderName::from_static(UNKEYED[1]),
     HeaderName::from_static(UNKEYED[2]),
@@ -113,9 +114,9 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
     }
     // Most requests carry no unkeyed field and remove nothing.
     if scan.unkeyed {
-        for name in UNKEYED_NAMES {
-            if !config.keyed_headers.contains(&name) {
-                headers.remove(&name);
+        for name in &UNKEYED_NAMES {
+            if !config.keyed_headers.contains(name) {
+                headers.remove(name);
             }
         }
     }

@@ -36,6 +36,32 @@ pub fn header<'a>(headers: &'a HeaderMap, name: &str) -> &'a str {
         .unwrap_or("")
 }
 
+/// Returns once `b` answers from L2 what `a` has just stored, over at least
+/// `rounds` fresh URLs (`/p/{prefix}1`, `/p/{prefix}2`, …; more URLs reach
+/// more cluster slots). Each round GETs the URL through `a`, awaits `flush`
+/// (`a`'s queued L2 writes), then GETs it through `b`; a round `b` did not
+/// answer from L2 is retried after 20 ms. Wrap it in
+/// [`bounded`](crate::bounded).
+pub async fn until_shared_through_l2<F: Future<Output = ()>>(
+    a: &Router,
+    b: &Router,
+    flush: impl Fn() -> F,
+    prefix: &str,
+    rounds: usize,
+) {
+    for i in 1.. {
+        let path = format!("/p/{prefix}{i}");
+        send(a, "GET", &path).await;
+        flush().await;
+        let (_, headers, _) = send(b, "GET", &path).await;
+        if header(&headers, "x-cache-tier") != "l2" {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        } else if i >= rounds {
+            return;
+        }
+    }
+}
+
 /// Request loops over fresh URLs (`/p/load0`, `/p/load1`, …: every request
 /// a cold miss) against an app whose `/p/{id}` answers `product {id}`,
 /// counting right answers and everything else, until [`finish`](Self::finish).
