@@ -83,7 +83,7 @@ fn sweep() {
     let fill = |cache: &TieredCache, policy: &Policy| {
         for i in 0..N {
             let key = CacheKey::new(i.to_le_bytes());
-            cache.store(&key, Fill::new(Value::from_body(body.clone())), policy);
+            cache.put(&key, Fill::new(Value::from_body(body.clone())), policy);
         }
         assert_eq!(cache.l1_entry_count(), N);
     };
@@ -103,7 +103,10 @@ fn sweep() {
         .l1_capacity(4 << 30)
         .build()
         .unwrap();
-    let policy = Policy::ttl(Duration::from_secs(3)).jitter(0.0);
+    let policy = Policy::ttl(Duration::from_secs(3))
+        .jitter(0.0)
+        .build()
+        .unwrap();
     fill(&cache, &policy);
     std::thread::sleep(Duration::from_millis(3200));
     let started = Instant::now();
@@ -119,7 +122,13 @@ fn sweep() {
         .l1_capacity(4 << 30)
         .build()
         .unwrap();
-    fill(&cache, &Policy::ttl(Duration::from_secs(3600)).jitter(0.0));
+    fill(
+        &cache,
+        &Policy::ttl(Duration::from_secs(3600))
+            .jitter(0.0)
+            .build()
+            .unwrap(),
+    );
     clock.advance(Duration::from_secs(7200));
     let started = Instant::now();
     let reclaimed = cache.sweep();
@@ -156,7 +165,7 @@ fn full() {
         .l1_capacity(BUDGET)
         .build()
         .unwrap();
-    let policy = Policy::ttl(Duration::from_secs(3600));
+    let policy = Policy::ttl(Duration::from_secs(3600)).build().unwrap();
     let headers = vec![
         ("content-type".into(), "application/json".into()),
         ("cache-control".into(), "public, max-age=3600".into()),
@@ -170,7 +179,7 @@ fn full() {
             body: bytes::Bytes::from(vec![b'x'; 2048]),
         };
         let key = CacheKey::new(format!("https://shop.test/products/{i}"));
-        cache.store(&key, Fill::new(value), &policy);
+        cache.put(&key, Fill::new(value), &policy);
     }
     let weighed = cache.l1_weighted_size();
     let entries = cache.l1_entry_count();

@@ -42,7 +42,7 @@ fn apps(rt: &tokio::runtime::Runtime) -> (Router, Router) {
     let bare = Router::new().route("/p/{id}", get(handler)).with_state(());
     let cached = rt.block_on(async {
         let cache = ResponseCacheLayer::new(TieredCache::builder().build().unwrap());
-        let policy = Policy::ttl(Duration::from_secs(3600));
+        let policy = Policy::ttl(Duration::from_secs(3600)).build().unwrap();
         Router::new()
             .route("/p/{id}", get(handler).layer(cache.route(policy).unwrap()))
             .with_state(())

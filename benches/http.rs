@@ -288,7 +288,11 @@ fn serve(mode: &str) {
                 let engine = tiercache::TieredCache::builder().build().unwrap();
                 let cache = tiercache::ResponseCacheLayer::new(engine);
                 let route = cache
-                    .route(tiercache::Policy::ttl(Duration::from_secs(3600)))
+                    .route(
+                        tiercache::Policy::ttl(Duration::from_secs(3600))
+                            .build()
+                            .unwrap(),
+                    )
                     .unwrap();
                 let app = origin_app().layer(route);
                 let listener = tokio::net::TcpListener::bind(addr).await.unwrap();

@@ -18,7 +18,8 @@ pub use tiercache_http as http;
 pub use tiercache_valkey as valkey;
 
 pub use tiercache_core::{
-    BuildError, CacheKey, Clock, Jitter, Policy, PolicyError, Source, Stats, SystemClock,
-    TieredCache, TieredCacheBuilder,
+    BuildError, CacheKey, Clock, Commit, FetchError, Fetched, Fill, Jitter, LoadError, Loaded,
+    Origin, Policy, PolicyBuilder, PolicyError, Select, Source, Stats, SystemClock, TieredCache,
+    TieredCacheBuilder, Value,
 };
 pub use tiercache_http::{ResponseCache, ResponseCacheLayer};

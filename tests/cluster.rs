@@ -38,7 +38,10 @@ async fn instance(cluster: &ValkeyCluster, origin: &Origin) -> Instance {
         .build()
         .unwrap();
     let layer = ResponseCacheLayer::new(engine.clone());
-    let policy = Policy::ttl(Duration::from_secs(60)).lock_timeout(Duration::from_secs(10));
+    let policy = Policy::ttl(Duration::from_secs(60))
+        .lock_timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
     let app = Router::new()
         .route(
             "/p/{id}",
@@ -163,7 +166,7 @@ async fn a_fleet_on_the_cluster_loads_once_shares_l2_and_invalidates_everywhere(
     eventually("every product gone from both L1s", || {
         (1..102).all(|i| {
             let key = url_key(&format!("/p/{i}"));
-            a.engine.peek(&key).is_none() && b.engine.peek(&key).is_none()
+            !a.engine.l1_contains(&key) && !b.engine.l1_contains(&key)
         })
     })
     .await;

@@ -159,7 +159,9 @@ async fn stale_while_revalidate_answers_at_once_and_refreshes_exactly_once() {
     let t = Harness::new(
         Policy::ttl(secs(1))
             .jitter(0.0)
-            .stale_while_revalidate(secs(30)),
+            .stale_while_revalidate(secs(30))
+            .build()
+            .unwrap(),
     );
     let (_, h, body) = t.get("/r").await;
     assert_eq!((x_cache(&h), body.as_str()), ("MISS", "body 1"));
@@ -219,7 +221,9 @@ async fn a_failed_refresh_keeps_the_stale_entry_until_the_window_ends() {
     let t = Harness::new(
         Policy::ttl(secs(1))
             .jitter(0.0)
-            .stale_while_revalidate(secs(10)),
+            .stale_while_revalidate(secs(10))
+            .build()
+            .unwrap(),
     );
     t.get("/r").await;
     t.advance(1500);
@@ -248,7 +252,13 @@ async fn stale_if_error_covers_each_error_kind() {
         Mode::Status(504),
         Mode::Fail,
     ] {
-        let t = Harness::new(Policy::ttl(secs(1)).jitter(0.0).stale_if_error(secs(60)));
+        let t = Harness::new(
+            Policy::ttl(secs(1))
+                .jitter(0.0)
+                .stale_if_error(secs(60))
+                .build()
+                .unwrap(),
+        );
         t.get("/r").await;
         t.advance(2000);
         t.origin.set(mode);
@@ -270,7 +280,9 @@ async fn stale_if_error_is_refused_under_must_revalidate() {
             Policy::ttl(secs(1))
                 .jitter(0.0)
                 .stale_if_error(secs(60))
-                .stale_while_revalidate(secs(60)),
+                .stale_while_revalidate(secs(60))
+                .build()
+                .unwrap(),
         );
         let headers: &'static [(&str, &str)] = match directive {
             "must-revalidate" => &[("cache-control", "must-revalidate")],
@@ -292,7 +304,9 @@ async fn a_slow_origin_past_the_soft_timeout_answers_stale() {
         Policy::ttl(secs(1))
             .jitter(0.0)
             .stale_if_error(secs(60))
-            .origin_soft_timeout(Duration::from_millis(300)),
+            .origin_soft_timeout(Duration::from_millis(300))
+            .build()
+            .unwrap(),
     );
     t.get("/r").await;
     t.advance(2000);
@@ -323,7 +337,9 @@ async fn a_304_renews_the_entry_without_a_body() {
     let t = Harness::new(
         Policy::ttl(secs(1))
             .jitter(0.0)
-            .stale_while_revalidate(secs(30)),
+            .stale_while_revalidate(secs(30))
+            .build()
+            .unwrap(),
     );
     t.get("/r").await;
     t.advance(1500);
@@ -348,7 +364,13 @@ async fn a_304_renews_the_entry_without_a_body() {
 
 #[tokio::test]
 async fn negative_entries_expire_at_the_negative_ttl() {
-    let t = Harness::new(Policy::ttl(secs(60)).jitter(0.0).negative_ttl(secs(1)));
+    let t = Harness::new(
+        Policy::ttl(secs(60))
+            .jitter(0.0)
+            .negative_ttl(secs(1))
+            .build()
+            .unwrap(),
+    );
     t.origin.set(Mode::Status(404));
     let (status, h, _) = t.get("/gone").await;
     assert_eq!((status, x_cache(&h)), (StatusCode::NOT_FOUND, "MISS"));
@@ -361,7 +383,7 @@ async fn negative_entries_expire_at_the_negative_ttl() {
 
 #[tokio::test]
 async fn an_origin_max_age_wins_over_the_route_ttl() {
-    let t = Harness::new(Policy::ttl(secs(60)).jitter(0.0));
+    let t = Harness::new(Policy::ttl(secs(60)).jitter(0.0).build().unwrap());
     t.origin.set(Mode::Ok(&[("cache-control", "max-age=1")]));
     t.get("/r").await;
     t.advance(999);
@@ -369,7 +391,13 @@ async fn an_origin_max_age_wins_over_the_route_ttl() {
     t.advance(1);
     assert_eq!(x_cache(&t.get("/r").await.1), "MISS");
     // A route may override the origin.
-    let t = Harness::new(Policy::ttl(secs(60)).jitter(0.0).override_origin(true));
+    let t = Harness::new(
+        Policy::ttl(secs(60))
+            .jitter(0.0)
+            .override_origin(true)
+            .build()
+            .unwrap(),
+    );
     t.origin.set(Mode::Ok(&[("cache-control", "max-age=1")]));
     t.get("/r").await;
     t.advance(30_000);
@@ -378,7 +406,7 @@ async fn an_origin_max_age_wins_over_the_route_ttl() {
 
 #[tokio::test]
 async fn age_counts_from_the_origins_answer() {
-    let t = Harness::new(Policy::ttl(secs(60)).jitter(0.0));
+    let t = Harness::new(Policy::ttl(secs(60)).jitter(0.0).build().unwrap());
     t.origin
         .set(Mode::Ok(&[("cache-control", "max-age=100"), ("age", "30")]));
     t.get("/r").await;

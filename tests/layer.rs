@@ -8,7 +8,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, Request, Response, StatusCode};
 use axum::routing::get;
 use http_body_util::BodyExt;
-use tiercache::{Policy, ResponseCacheLayer, TieredCache};
+use tiercache::{Policy, PolicyBuilder, ResponseCacheLayer, TieredCache};
 use tiercache_testkit::{Counter, Gate, bounded, eventually};
 use tower::ServiceExt;
 
@@ -24,7 +24,7 @@ fn cache() -> ResponseCacheLayer {
     ResponseCacheLayer::new(TieredCache::builder().sweep_interval(None).build().unwrap())
 }
 
-fn policy() -> Policy {
+fn policy() -> PolicyBuilder {
     Policy::ttl(TTL)
 }
 

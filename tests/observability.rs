@@ -217,7 +217,10 @@ fn recorded(
 async fn a_routes_lock_timeouts_are_counted_under_its_label() {
     use tiercache_testkit::{Counter, Gate};
     let engine = TieredCache::builder().sweep_interval(None).build().unwrap();
-    let policy = Policy::ttl(Duration::from_secs(60)).lock_timeout(Duration::from_millis(200));
+    let policy = Policy::ttl(Duration::from_secs(60))
+        .lock_timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
     let (layer, route, recorder) = recorded(engine, policy);
     let (calls, gate) = (Counter::new(), Gate::new());
     let handler = {
@@ -268,7 +271,9 @@ async fn a_routes_early_refreshes_are_counted_under_its_label() {
     // 1 µs before expiry refreshes with probability 1 − 1e-9.
     let policy = Policy::ttl(Duration::from_secs(3600))
         .jitter(0.0)
-        .xfetch_beta(1.0);
+        .xfetch_beta(1.0)
+        .build()
+        .unwrap();
     let (layer, route, recorder) = recorded(engine.clone(), policy);
     let handler = {
         let clock = clock.clone();
@@ -280,12 +285,7 @@ async fn a_routes_early_refreshes_are_counted_under_its_label() {
     let app = Router::new().route("/r", get(handler).layer(route));
     app.clone().oneshot(get_r()).await.unwrap();
     let key = tiercache::http::key::request_key(&get_r().into_parts().0);
-    let entry = engine.peek(&key).expect("stored");
-    let left = entry
-        .times()
-        .fresh_until
-        .duration_since(engine.now())
-        .unwrap();
+    let left = engine.ttl(&key).await.expect("stored");
     clock.advance(left - Duration::from_micros(1));
     let res = app.clone().oneshot(get_r()).await.unwrap();
     assert_eq!(res.headers()["x-cache"], "HIT");

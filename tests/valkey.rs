@@ -79,9 +79,12 @@ async fn wait_for_keys(server: &ValkeyServer, pattern: &str, n: usize) {
 async fn a_cohort_filled_together_spreads_its_pttls_over_the_band() {
     let server = ValkeyServer::start();
     let cache = engine(tier(&server.url(), "tc").await);
-    let policy = Policy::ttl(Duration::from_secs(100)).jitter(0.2);
+    let policy = Policy::ttl(Duration::from_secs(100))
+        .jitter(0.2)
+        .build()
+        .unwrap();
     for i in 0..1000 {
-        cache.store(
+        cache.put(
             &CacheKey::new(format!("k{i}")),
             Fill::new(Value::from_body("v")),
             &policy,
@@ -156,10 +159,10 @@ async fn an_l2_hit_costs_one_get_and_one_pttl_in_one_round_trip() {
     let server = ValkeyServer::start();
     let writer = engine(tier(&server.url(), "tc").await);
     let key = CacheKey::new("counted");
-    writer.store(
+    writer.put(
         &key,
         Fill::new(Value::from_body("v")),
-        &Policy::ttl(Duration::from_secs(60)),
+        &Policy::ttl(Duration::from_secs(60)).build().unwrap(),
     );
     wait_for_keys(&server, "tc:*", 1).await;
     let reader = engine(tier(&server.url(), "tc").await);
@@ -169,8 +172,9 @@ async fn an_l2_hit_costs_one_get_and_one_pttl_in_one_round_trip() {
         server.command_calls("set"),
     );
     for _ in 0..50 {
-        let hit = reader.lookup_l2(&key, |_| true).await;
-        assert_eq!(hit.unwrap().value().body, "v");
+        reader.forget_local(&key);
+        let hit = reader.get(&key).await;
+        assert_eq!(hit.unwrap().body, "v");
     }
     assert_eq!(server.command_calls("get") - gets, 50);
     assert_eq!(server.command_calls("pttl") - pttls, 50);
@@ -314,10 +318,10 @@ async fn killed_mid_run_under_load_fails_no_request_and_l2_returns_within_a_seco
     // L2 in use again: a fresh key written now shows up in the server.
     let probe = CacheKey::new("after-restart");
     loop {
-        cache.store(
+        cache.put(
             &probe,
             Fill::new(Value::from_body("v")),
-            &Policy::ttl(Duration::from_secs(60)),
+            &Policy::ttl(Duration::from_secs(60)).build().unwrap(),
         );
         tokio::time::sleep(Duration::from_millis(25)).await;
         if !server.keys("tc:*").is_empty() {
@@ -376,19 +380,19 @@ async fn a_full_write_queue_drops_and_counts_without_blocking() {
         .write_queue(4);
     let cache = engine(connect(config).await);
     // Let the connection come up, then make every write crawl.
-    cache.store(
+    cache.put(
         &CacheKey::new("first"),
         Fill::new(Value::from_body("v")),
-        &Policy::ttl(Duration::from_secs(60)),
+        &Policy::ttl(Duration::from_secs(60)).build().unwrap(),
     );
     wait_for_keys(&server, "tc:*", 1).await;
     proxy.set(Fault::Latency(Duration::from_millis(200)));
     let started = Instant::now();
     for i in 0..200 {
-        cache.store(
+        cache.put(
             &CacheKey::new(format!("k{i}")),
             Fill::new(Value::from_body("v")),
-            &Policy::ttl(Duration::from_secs(60)),
+            &Policy::ttl(Duration::from_secs(60)).build().unwrap(),
         );
     }
     assert!(

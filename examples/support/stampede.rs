@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use tiercache::core::{CacheKey, Clock, Fill, Lookup, MockClock, Value};
+use tiercache::core::{Begin, CacheKey, Clock, Fill, Hit, MockClock, Value};
 use tiercache::{Policy, TieredCache};
 
 /// A labelled series of bucket counts.
@@ -38,10 +38,13 @@ pub(crate) fn cohort(jitter: f64) -> Histogram {
     let clock = MockClock::new();
     let cache = engine(&clock, 1);
     let t0 = clock.now();
-    let policy = Policy::ttl(Duration::from_secs(300)).jitter(jitter);
+    let policy = Policy::ttl(Duration::from_secs(300))
+        .jitter(jitter)
+        .build()
+        .unwrap();
     let mut counts = std::collections::BTreeMap::<u64, f64>::new();
     for i in 0..200u32 {
-        let entry = cache.store(
+        let entry = cache.put(
             &CacheKey::new(i.to_le_bytes()),
             Fill::new(Value::from_body("v")),
             &policy,
@@ -73,8 +76,11 @@ pub(crate) fn xfetch_rate(draws: usize) -> Histogram {
         let clock = MockClock::new();
         let cache = engine(&clock, before);
         let key = CacheKey::new("hot");
-        let policy = Policy::ttl(Duration::from_secs(300)).jitter(0.0);
-        cache.store(
+        let policy = Policy::ttl(Duration::from_secs(300))
+            .jitter(0.0)
+            .build()
+            .unwrap();
+        cache.put(
             &key,
             Fill::new(Value::from_body("v")).origin_latency(delta),
             &policy,
@@ -83,8 +89,11 @@ pub(crate) fn xfetch_rate(draws: usize) -> Histogram {
         let fired = (0..draws)
             .filter(|_| {
                 matches!(
-                    cache.lookup(&key, &policy, |_| true),
-                    Lookup::Fresh { refresh: true, .. }
+                    cache.begin(&key, &policy, &()),
+                    Begin::Hit(Hit {
+                        early_refresh: true,
+                        ..
+                    })
                 )
             })
             .count();
@@ -107,12 +116,14 @@ pub(crate) fn expiry_wave(label: &str, jitter: f64, beta: f64, rate: f64) -> His
     let cache = engine(&clock, 7);
     let policy = Policy::ttl(Duration::from_secs(300))
         .jitter(jitter)
-        .xfetch_beta(beta);
+        .xfetch_beta(beta)
+        .build()
+        .unwrap();
     let delta = Duration::from_secs(1);
     let keys: Vec<CacheKey> = (0..KEYS).map(|i| CacheKey::new(i.to_le_bytes())).collect();
     let fill = || Fill::new(Value::from_body("v")).origin_latency(delta);
     for key in &keys {
-        cache.store(key, fill(), &policy);
+        cache.put(key, fill(), &policy);
     }
     // Poisson arrivals per key over the window, merged in time order.
     let (start, end) = (260.0f64, 340.0f64);
@@ -135,13 +146,13 @@ pub(crate) fn expiry_wave(label: &str, jitter: f64, beta: f64, rate: f64) -> His
         clock.advance(Duration::from_secs_f64(t - now));
         now = t;
         let key = &keys[k as usize];
-        let load = match cache.lookup(key, &policy, |_| true) {
-            Lookup::Fresh { refresh, .. } => refresh,
-            _ => true,
+        let load = match cache.begin(key, &policy, &()) {
+            Begin::Hit(hit) => hit.early_refresh,
+            Begin::Miss(_) => true,
         };
         if load {
             counts[((t - start) * 10.0) as usize] += 1.0;
-            cache.store(key, fill(), &policy);
+            cache.put(key, fill(), &policy);
         }
     }
     Histogram {

@@ -84,7 +84,7 @@ pub trait InvalidationSink: Send + Sync + 'static {
 /// first); dropping it releases it as not filled, so waiting instances go to
 /// the origin at once instead of waiting out the lock.
 #[must_use = "dropping the lock releases it as not filled"]
-pub struct FleetLock {
+pub(crate) struct FleetLock {
     held: Option<(Arc<dyn Tier>, CacheKey, LockToken)>,
 }
 
@@ -99,7 +99,7 @@ impl fmt::Debug for FleetLock {
 impl FleetLock {
     /// No lock in the shared tier (none there, or it is unreachable): the
     /// local single flight alone protects the origin.
-    pub fn local() -> Self {
+    pub(crate) fn local() -> Self {
         Self { held: None }
     }
 
@@ -111,7 +111,7 @@ impl FleetLock {
 
     /// Releases the lock; `filled` tells the waiting instances whether a
     /// shareable entry was stored (they read it) or not (they load).
-    pub fn release(mut self, filled: bool) {
+    pub(crate) fn release(mut self, filled: bool) {
         if let Some((tier, key, token)) = self.held.take() {
             tier.unlock(&key, &token, filled);
         }
@@ -126,9 +126,9 @@ impl Drop for FleetLock {
     }
 }
 
-/// What [`TieredCache::lead_fleet`](crate::TieredCache::lead_fleet) decided.
+/// What the engine's fleet lock step decided.
 #[derive(Debug)]
-pub enum FleetJoin {
+pub(crate) enum FleetJoin {
     /// Load from the origin, holding this lock (perhaps only a local one).
     Lead(FleetLock),
     /// Another instance filled the key while this one waited: its entry,

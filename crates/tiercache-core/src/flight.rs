@@ -1,10 +1,18 @@
 //! Single flight: one origin load per key, however many requests miss at once.
 //!
 //! The first request for a key becomes the [`Leader`]; the others get a
-//! [`Follower`] and wait on the leader's result. A leader is a value, not a
-//! task: whoever holds it (normally a task detached from the client's request)
-//! completes it. Dropping it without completing wakes the followers with an
-//! error, [`FlightError::Panicked`] when the drop happens while unwinding.
+//! [`Follower`] and wait on the leader's result, at most until the flight's
+//! deadline (`lock_timeout` from the flight's start, not from each
+//! follower's arrival). A leader past its deadline is abandoned: the next
+//! request to join takes the flight over and becomes the new leader, one at
+//! a time, while the old load finishes on its own (pingora's cache lock does
+//! the same).
+//!
+//! A leader is a value, not a task: whoever holds it (normally a task
+//! detached from the client's request) completes it. Dropping it without
+//! completing wakes the followers: with [`FlightError::Panicked`] when the
+//! drop happens while unwinding, else as abandoned, which sends them back to
+//! join again (one of them leads).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -12,54 +20,52 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use crate::{Entry, KeyHash, Source};
 
 /// What a leader hands its followers.
 #[derive(Debug, Clone)]
-pub enum FlightResult {
-    /// A response that may be shared, and the tier it came from.
+pub(crate) enum FlightResult {
+    /// An entry that may be shared (stored, or read from L2), and its tier.
     Shared(Entry, Source),
-    /// The leader's response may not be shared: go to the origin yourself.
+    /// An answer that may be shared but was not stored (an error page, a
+    /// value the loader chose not to keep); `true` for an origin failure.
+    Transient(Entry, bool),
+    /// The origin failed and this stale entry answers (stale-if-error).
+    Stale(Entry),
+    /// The leader's answer may not be shared: go to the origin alone.
     Released,
-    /// The load failed.
+    /// The load ended without an answer to share.
     Failed(FlightError),
 }
 
 /// Why a flight ended without a result.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum FlightError {
+pub(crate) enum FlightError {
     /// The origin call panicked.
     Panicked,
-    /// The leader was dropped before completing (its task was cancelled, e.g.
-    /// at runtime shutdown).
+    /// The origin call failed with an error that is the leader's own.
+    Origin,
+    /// The leader was dropped before completing (its task was cancelled);
+    /// followers join again, and one of them leads.
     Abandoned,
 }
 
-impl fmt::Display for FlightError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            FlightError::Panicked => f.write_str("the origin load for this key panicked"),
-            FlightError::Abandoned => {
-                f.write_str("the origin load for this key was cancelled before it finished")
-            }
-        }
-    }
-}
-
-impl std::error::Error for FlightError {}
-
 /// What a follower's wait ended with.
 #[derive(Debug, Clone)]
-pub enum Waited {
+pub(crate) enum Waited {
     /// The leader finished.
     Done(FlightResult),
-    /// `lock_timeout` passed first (counted as a lock timeout).
+    /// The flight's deadline passed first.
     TimedOut,
 }
 
-type Slot = watch::Sender<Option<FlightResult>>;
+#[derive(Debug)]
+struct Slot {
+    tx: watch::Sender<Option<FlightResult>>,
+    deadline: Instant,
+}
 
 #[derive(Debug)]
 pub(crate) struct Flights {
@@ -77,7 +83,7 @@ impl Default for Flights {
 
 /// The role a request got for a key.
 #[derive(Debug)]
-pub enum Join {
+pub(crate) enum Join {
     /// Load the value and complete the flight.
     Leader(Leader),
     /// Wait for the leader.
@@ -94,15 +100,26 @@ impl Flights {
         }
     }
 
-    pub(crate) fn join(self: &Arc<Self>, key: KeyHash) -> Join {
-        let mut map = self.map.lock().unwrap();
-        if let Some(slot) = map.get(&key) {
+    /// Joins the flight for `key`: leads it when there is none, or when the
+    /// current one is past its deadline (the stalled leader is abandoned);
+    /// else follows it. A new flight's deadline is `wait` from now.
+    pub(crate) fn join(self: &Arc<Self>, key: KeyHash, wait: Duration) -> Join {
+        let now = Instant::now();
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(slot) = map.get(&key)
+            && slot.deadline > now
+        {
             return Join::Follower(Follower {
-                rx: slot.subscribe(),
+                rx: slot.tx.subscribe(),
+                deadline: slot.deadline,
             });
         }
-        let slot = Arc::new(watch::channel(None).0);
-        if map.len() < self.cap {
+        let slot = Arc::new(Slot {
+            tx: watch::channel(None).0,
+            deadline: now + wait,
+        });
+        // A stalled flight's slot is replaced: its leader finishes alone.
+        if map.contains_key(&key) || map.len() < self.cap {
             map.insert(key, slot.clone());
         }
         Join::Leader(Leader {
@@ -113,25 +130,34 @@ impl Flights {
         })
     }
 
+    /// Leads the flight for `key` if nobody is loading it (a background
+    /// refresh never waits on another load).
+    pub(crate) fn try_lead(self: &Arc<Self>, key: KeyHash, wait: Duration) -> Option<Leader> {
+        match self.join(key, wait) {
+            Join::Leader(leader) => Some(leader),
+            Join::Follower(_) => None,
+        }
+    }
+
     pub(crate) fn in_flight(&self) -> usize {
-        self.map.lock().unwrap().len()
+        self.map.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     fn finish(&self, key: &KeyHash, slot: &Arc<Slot>, result: FlightResult) {
         {
             // Only our own flight: a new one may already hold the key.
-            let mut map = self.map.lock().unwrap();
+            let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
             if map.get(key).is_some_and(|s| Arc::ptr_eq(s, slot)) {
                 map.remove(key);
             }
         }
-        slot.send_replace(Some(result));
+        slot.tx.send_replace(Some(result));
     }
 }
 
 /// The one request per key allowed to load it. Complete it with
-/// [`Leader::complete`]; dropping it wakes the followers with an error.
-pub struct Leader {
+/// [`Leader::complete`]; dropping it wakes the followers.
+pub(crate) struct Leader {
     key: KeyHash,
     slot: Arc<Slot>,
     flights: Arc<Flights>,
@@ -147,14 +173,20 @@ impl fmt::Debug for Leader {
 impl Leader {
     /// Ends the flight: followers receive `result`, new requests start afresh
     /// (or hit the cache, when the result was stored before this call).
-    pub fn complete(mut self, result: FlightResult) {
+    pub(crate) fn complete(mut self, result: FlightResult) {
         self.done = true;
         self.flights.finish(&self.key, &self.slot, result);
     }
 
+    /// What is left of the flight's deadline.
+    pub(crate) fn time_left(&self) -> Duration {
+        self.slot.deadline.saturating_duration_since(Instant::now())
+    }
+
     /// How many followers are waiting right now.
-    pub fn waiters(&self) -> usize {
-        self.slot.receiver_count()
+    #[cfg(test)]
+    pub(crate) fn waiters(&self) -> usize {
+        self.slot.tx.receiver_count()
     }
 }
 
@@ -174,18 +206,20 @@ impl Drop for Leader {
 
 /// A request waiting on a leader.
 #[derive(Debug)]
-pub struct Follower {
+pub(crate) struct Follower {
     rx: watch::Receiver<Option<FlightResult>>,
+    deadline: Instant,
 }
 
 impl Follower {
-    /// Waits for the leader's result, at most `timeout`.
-    pub async fn wait(mut self, timeout: Duration) -> Waited {
-        let result = tokio::time::timeout(timeout, self.rx.wait_for(Option::is_some)).await;
+    /// Waits for the leader's result, at most until the flight's deadline.
+    pub(crate) async fn wait(mut self) -> Waited {
+        let result =
+            tokio::time::timeout_at(self.deadline, self.rx.wait_for(Option::is_some)).await;
         match result {
-            Ok(Ok(value)) => Waited::Done(value.clone().expect("waited for Some")),
-            // The sender lives in the map and the leader; both gone without a value
-            // cannot happen (Drop sends), but fail safe.
+            Ok(Ok(value)) => Waited::Done(value.clone().unwrap_or(FlightResult::Released)),
+            // The sender lives in the map and the leader; both gone without a
+            // value cannot happen (Drop sends), but fail safe.
             Ok(Err(_)) => Waited::Done(FlightResult::Failed(FlightError::Abandoned)),
             Err(_) => Waited::TimedOut,
         }
@@ -197,6 +231,8 @@ mod tests {
     use super::*;
     use crate::{CacheKey, Times, Value};
     use std::time::SystemTime;
+
+    const WAIT: Duration = Duration::from_secs(5);
 
     fn entry() -> Entry {
         let now = SystemTime::now();
@@ -210,7 +246,7 @@ mod tests {
     }
 
     fn join(flights: &Arc<Flights>) -> Join {
-        flights.join(CacheKey::new("k").hash())
+        flights.join(CacheKey::new("k").hash(), WAIT)
     }
 
     #[tokio::test]
@@ -221,7 +257,7 @@ mod tests {
         };
         let followers: Vec<_> = (0..10)
             .map(|_| match join(&flights) {
-                Join::Follower(f) => tokio::spawn(f.wait(Duration::from_secs(5))),
+                Join::Follower(f) => tokio::spawn(f.wait()),
                 Join::Leader(_) => panic!("second leader"),
             })
             .collect();
@@ -251,9 +287,8 @@ mod tests {
             panic!("origin exploded");
         });
         assert!(task.await.unwrap_err().is_panic());
-        let waited = follower.wait(Duration::from_secs(5)).await;
         assert!(matches!(
-            waited,
+            follower.wait().await,
             Waited::Done(FlightResult::Failed(FlightError::Panicked))
         ));
         assert_eq!(flights.in_flight(), 0);
@@ -270,7 +305,7 @@ mod tests {
         };
         drop(leader);
         assert!(matches!(
-            follower.wait(Duration::from_secs(5)).await,
+            follower.wait().await,
             Waited::Done(FlightResult::Failed(FlightError::Abandoned))
         ));
     }
@@ -279,7 +314,7 @@ mod tests {
     fn past_the_cap_leaders_load_alone() {
         let flights = Arc::new(Flights::with_cap(2));
         let leaders: Vec<_> = (0..5u32)
-            .map(|i| flights.join(CacheKey::new(i.to_le_bytes()).hash()))
+            .map(|i| flights.join(CacheKey::new(i.to_le_bytes()).hash(), WAIT))
             .collect();
         assert!(leaders.iter().all(|j| matches!(j, Join::Leader(_))));
         assert_eq!(flights.in_flight(), 2, "the map stays bounded");
@@ -287,18 +322,44 @@ mod tests {
         assert_eq!(flights.in_flight(), 0);
     }
 
+    /// The deadline counts from the flight's start: a follower that arrives
+    /// late waits only for what is left of it.
     #[tokio::test(start_paused = true)]
-    async fn followers_time_out() {
+    async fn the_deadline_counts_from_the_flights_start() {
         let flights = Arc::new(Flights::default());
-        let Join::Leader(_leader) = join(&flights) else {
+        let wait = Duration::from_millis(100);
+        let key = CacheKey::new("k").hash();
+        let Join::Leader(_leader) = flights.join(key, wait) else {
             panic!()
         };
-        let Join::Follower(follower) = join(&flights) else {
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        let Join::Follower(late) = flights.join(key, wait) else {
             panic!()
         };
-        assert!(matches!(
-            follower.wait(Duration::from_millis(50)).await,
-            Waited::TimedOut
-        ));
+        let started = Instant::now();
+        assert!(matches!(late.wait().await, Waited::TimedOut));
+        assert_eq!(started.elapsed(), Duration::from_millis(20));
+    }
+
+    /// Past the deadline the next request takes the flight over, and the
+    /// ones after it follow the new leader (one at a time, not all at once).
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_leader_is_taken_over_by_one_request() {
+        let flights = Arc::new(Flights::default());
+        let wait = Duration::from_millis(100);
+        let key = CacheKey::new("k").hash();
+        let Join::Leader(stalled) = flights.join(key, wait) else {
+            panic!()
+        };
+        tokio::time::sleep(wait).await;
+        let Join::Leader(new) = flights.join(key, wait) else {
+            panic!("the stalled flight is taken over")
+        };
+        assert!(matches!(flights.join(key, wait), Join::Follower(_)));
+        // The stalled leader finishing late does not end the new flight.
+        stalled.complete(FlightResult::Released);
+        assert_eq!(flights.in_flight(), 1);
+        new.complete(FlightResult::Released);
+        assert_eq!(flights.in_flight(), 0);
     }
 }

@@ -7,29 +7,28 @@
 //! - [`Policy`]: ttl, jitter band, lock timeout, validated once;
 //! - [`Tier`]: the trait a shared second tier (Valkey) implements;
 //! - L1 on moka, bounded by bytes, with a sweeper and lazy expiry;
-//! - single flight ([`Join`], [`Leader`], [`Follower`]);
+//! - [`TieredCache::fetch`]: the one orchestration every caller goes
+//!   through (L1, refreshes, single flight, L2, fleet lock, origin,
+//!   stale-if-error, storage), with the origin supplied as an [`Origin`];
 //! - [`Clock`]: every freshness decision is made on the engine's clock;
-//! - fleets ([`Invalidation`], [`FleetLock`]): invalidations that reach every
-//!   instance's L1 and fill locks shared through the tier;
+//! - fleets ([`Invalidation`], [`Tier::try_lock`]): invalidations that reach
+//!   every instance's L1 and fill locks shared through the tier;
 //! - [`Stats`]: counters for hits by tier, misses, loads, waits, expiry and eviction.
 //!
 //! ```
 //! use std::time::Duration;
-//! use tiercache_core::{CacheKey, Fill, Join, Lookup, Policy, TieredCache, Value};
+//! use tiercache_core::{CacheKey, Policy, TieredCache, Value};
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let cache = TieredCache::builder().build()?;
-//! let policy = Policy::ttl(Duration::from_secs(30)).jitter(0.1);
-//! policy.validate()?;
+//! let policy = Policy::ttl(Duration::from_secs(30)).jitter(0.1).build()?;
 //! let key = CacheKey::new("report:2026");
 //!
-//! if let Lookup::Miss { .. } = cache.lookup(&key, &policy, |_| true) {
-//!     if let Join::Leader(leader) = cache.join(&key) {
-//!         let entry = cache.store(&key, Fill::new(Value::from_body("…")), &policy);
-//!         leader.complete(tiercache_core::FlightResult::Shared(entry, tiercache_core::Source::Origin));
-//!     }
-//! }
-//! assert!(matches!(cache.lookup(&key, &policy, |_| true), Lookup::Fresh { .. }));
+//! let report = cache
+//!     .get_or_load(&key, &policy, || async { Ok::<_, std::io::Error>(Value::from_body("…")) })
+//!     .await?;
+//! assert_eq!(report.body, "…");
+//! assert_eq!(cache.stats().misses, 1);
 //! # Ok(()) }
 //! ```
 //!
@@ -44,6 +43,7 @@ mod fleet;
 mod flight;
 pub mod key;
 mod l1;
+mod origin;
 mod policy;
 mod stats;
 mod tier;
@@ -51,14 +51,20 @@ mod tier;
 #[cfg(any(test, feature = "test-util"))]
 pub use clock::MockClock;
 pub use clock::{Clock, SystemClock};
-pub use engine::{BuildError, Fill, Lifetime, LoadError, Lookup, TieredCache, TieredCacheBuilder};
-pub use entry::{Entry, Freshness, Source, Times, Value};
-pub use fleet::{
-    FleetJoin, FleetLock, Invalidation, InvalidationSink, LockAttempt, LockToken, Unlocked,
+pub use engine::{
+    Begin, BuildError, Commit, Fill, Hit, Lifetime, LoadError, Miss, Refresh, TieredCache,
+    TieredCacheBuilder,
 };
-pub use flight::{FlightError, FlightResult, Follower, Join, Leader, Waited};
+pub use entry::{Entry, Freshness, Source, Times, Value};
+pub use fleet::{Invalidation, InvalidationSink, LockAttempt, LockToken, Unlocked};
 pub use key::{CacheKey, KeyBuilder, KeyHash, KeyPattern};
-pub use policy::{Jitter, MAX_JITTER, MAX_LOCK_TIMEOUT, MAX_TTL, Policy, PolicyError};
+pub use origin::{
+    Answer, Event, FetchError, Fetched, FnOrigin, Loaded, Origin, Panic, Select, Served,
+    StaleReason, origin_fn,
+};
+pub use policy::{
+    IntoPolicy, Jitter, MAX_JITTER, MAX_LOCK_TIMEOUT, MAX_TTL, Policy, PolicyBuilder, PolicyError,
+};
 pub use stats::{LatencyStats, Stats};
 #[cfg(any(test, feature = "test-util"))]
 pub use tier::MemoryTier;

@@ -1,8 +1,9 @@
 //! Per-route caching policy: ttl, jitter, lock timeout.
 //!
-//! A [`Policy`] is a plain description; [`Policy::validate`] checks it once, when
-//! the cache or the route layer is built, and the error names the field and the
-//! allowed range.
+//! A [`PolicyBuilder`] is a draft; [`PolicyBuilder::build`] checks it once and
+//! the error names the field and the allowed range. A [`Policy`] exists only
+//! validated, so nothing past `build` (the engine, the layer) can meet a
+//! jitter of 1.5 or a window that overflows the clock.
 
 use std::fmt;
 use std::time::Duration;
@@ -28,16 +29,17 @@ pub enum Jitter {
     Additive(Duration),
 }
 
-/// How a route's responses are cached.
+/// How a route's responses are cached: a validated policy, built with
+/// [`Policy::ttl`] and [`PolicyBuilder::build`].
 ///
 /// ```
 /// use std::time::Duration;
 /// use tiercache_core::Policy;
 ///
-/// let policy = Policy::ttl(Duration::from_secs(30)).jitter(0.1);
-/// assert!(policy.validate().is_ok());
+/// let policy = Policy::ttl(Duration::from_secs(30)).jitter(0.1).build().unwrap();
+/// assert_eq!(policy.fresh_ttl(), Duration::from_secs(30));
 ///
-/// let err = Policy::ttl(Duration::from_secs(30)).jitter(0.7).validate().unwrap_err();
+/// let err = Policy::ttl(Duration::from_secs(30)).jitter(0.7).build().unwrap_err();
 /// assert!(err.to_string().contains("jitter"));
 /// ```
 #[derive(Debug, Clone, PartialEq)]
@@ -69,9 +71,10 @@ impl Policy {
     /// The largest XFetch β.
     pub const MAX_XFETCH_BETA: f64 = 10.0;
 
-    /// A policy with fresh lifetime `ttl` (must be > 0) and the default jitter.
-    pub fn ttl(ttl: Duration) -> Self {
-        Self {
+    /// Starts a policy with fresh lifetime `ttl` (must be > 0) and the
+    /// default jitter; finish it with [`PolicyBuilder::build`].
+    pub fn ttl(ttl: Duration) -> PolicyBuilder {
+        PolicyBuilder(Self {
             ttl,
             jitter: Jitter::Symmetric(Self::DEFAULT_JITTER),
             lock_timeout: Self::DEFAULT_LOCK_TIMEOUT,
@@ -83,63 +86,17 @@ impl Policy {
             origin_soft_timeout: None,
             override_origin: false,
             tags: Vec::new(),
-        }
+        })
     }
 
-    /// Soft/hard TTL: past its fresh time and inside this window an entry is
-    /// answered at once (`STALE`) while one background refresh runs.
-    pub fn stale_while_revalidate(mut self, window: Duration) -> Self {
-        self.stale_while_revalidate = window;
-        self
-    }
-
-    /// Past its fresh time and inside this window an entry answers when the
-    /// origin fails (5xx, an error, a soft timeout), unless the origin said
-    /// `must-revalidate`, `proxy-revalidate` or `no-cache`.
-    pub fn stale_if_error(mut self, window: Duration) -> Self {
-        self.stale_if_error = window;
-        self
-    }
-
-    /// Lifetime of 404 and 410 responses without explicit freshness (default
-    /// 5 s, or the ttl if shorter).
-    pub fn negative_ttl(mut self, ttl: Duration) -> Self {
-        self.negative_ttl = ttl;
-        self
-    }
-
-    /// XFetch β (default 1.0; 0 disables): a fresh hit refreshes early when
-    /// `now − δ·β·ln(rand()) ≥ fresh_until`, δ being the last fill's origin time.
-    pub fn xfetch_beta(mut self, beta: f64) -> Self {
-        self.xfetch_beta = beta;
-        self
-    }
-
-    /// With a stale entry at hand, answer it once the origin has taken this
-    /// long, and let the fill finish in the background.
-    pub fn origin_soft_timeout(mut self, timeout: Duration) -> Self {
-        self.origin_soft_timeout = Some(timeout);
-        self
-    }
-
-    /// Records every response of this route under `tag` (a surrogate key),
-    /// besides any the response names in `Surrogate-Key`; see
-    /// [`TieredCache::invalidate_tag`](crate::TieredCache::invalidate_tag).
-    pub fn tag(mut self, tag: impl Into<bytes::Bytes>) -> Self {
-        self.tags.push(tag.into());
-        self
+    /// A builder holding this policy, to derive another from it.
+    pub fn to_builder(&self) -> PolicyBuilder {
+        PolicyBuilder(self.clone())
     }
 
     /// The route's tags.
     pub fn tags(&self) -> &[bytes::Bytes] {
         &self.tags
-    }
-
-    /// Use the route's ttl even when the origin declares a lifetime
-    /// (`s-maxage`, `max-age`, `Expires`).
-    pub fn override_origin(mut self, on: bool) -> Self {
-        self.override_origin = on;
-        self
     }
 
     /// The stale-while-revalidate window.
@@ -170,33 +127,6 @@ impl Policy {
     /// Whether the route's ttl overrides an origin-declared lifetime.
     pub fn overrides_origin(&self) -> bool {
         self.override_origin
-    }
-
-    /// Symmetric jitter: each fill lives `ttl ± ttl·fraction`, `fraction` in `0.0..=0.5`.
-    pub fn jitter(mut self, fraction: f64) -> Self {
-        self.jitter = Jitter::Symmetric(fraction);
-        self
-    }
-
-    /// Additive jitter: each fill lives `ttl + uniform(0, max)`, `max` in `0..=ttl`.
-    pub fn additive_jitter(mut self, max: Duration) -> Self {
-        self.jitter = Jitter::Additive(max);
-        self
-    }
-
-    /// How long a follower waits on the leader's origin load before going to
-    /// the origin itself (counted as a lock timeout).
-    pub fn lock_timeout(mut self, timeout: Duration) -> Self {
-        self.lock_timeout = timeout;
-        self
-    }
-
-    /// How long a key whose response may not be shared is remembered as
-    /// uncacheable, so later requests go straight to the origin instead of
-    /// queueing behind one another (Varnish's hit-for-miss).
-    pub fn hit_for_miss_ttl(mut self, ttl: Duration) -> Self {
-        self.hit_for_miss_ttl = ttl;
-        self
     }
 
     /// The route's nominal fresh lifetime.
@@ -275,7 +205,7 @@ impl Policy {
     }
 
     /// Checks every field; the error names the first bad one and its allowed range.
-    pub fn validate(&self) -> Result<(), PolicyError> {
+    fn check(&self) -> Result<(), PolicyError> {
         if self.ttl.is_zero() || self.ttl > MAX_TTL {
             return Err(PolicyError::new(
                 "ttl",
@@ -350,6 +280,135 @@ impl Policy {
             ));
         }
         Ok(())
+    }
+}
+
+/// A draft [`Policy`]: set its fields, then [`build`](Self::build) it, which
+/// validates every field once.
+///
+/// ```
+/// use std::time::Duration;
+/// use tiercache_core::Policy;
+///
+/// let policy = Policy::ttl(Duration::from_secs(60))
+///     .jitter(0.1)
+///     .stale_while_revalidate(Duration::from_secs(30))
+///     .build()?;
+/// # Ok::<(), tiercache_core::PolicyError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+#[must_use = "a policy draft does nothing until it is built"]
+pub struct PolicyBuilder(Policy);
+
+impl PolicyBuilder {
+    /// Soft/hard TTL: past its fresh time and inside this window an entry is
+    /// answered at once (`STALE`) while one background refresh runs.
+    pub fn stale_while_revalidate(mut self, window: Duration) -> Self {
+        self.0.stale_while_revalidate = window;
+        self
+    }
+
+    /// Past its fresh time and inside this window an entry answers when the
+    /// origin fails (5xx, an error, a soft timeout), unless the origin said
+    /// `must-revalidate`, `proxy-revalidate` or `no-cache`.
+    pub fn stale_if_error(mut self, window: Duration) -> Self {
+        self.0.stale_if_error = window;
+        self
+    }
+
+    /// Lifetime of 404 and 410 responses without explicit freshness (default
+    /// 5 s, or the ttl if shorter).
+    pub fn negative_ttl(mut self, ttl: Duration) -> Self {
+        self.0.negative_ttl = ttl;
+        self
+    }
+
+    /// XFetch β (default 1.0; 0 disables): a fresh hit refreshes early when
+    /// `now − δ·β·ln(rand()) ≥ fresh_until`, δ being the last fill's origin time.
+    pub fn xfetch_beta(mut self, beta: f64) -> Self {
+        self.0.xfetch_beta = beta;
+        self
+    }
+
+    /// With a stale entry at hand, answer it once the origin has taken this
+    /// long, and let the fill finish in the background.
+    pub fn origin_soft_timeout(mut self, timeout: Duration) -> Self {
+        self.0.origin_soft_timeout = Some(timeout);
+        self
+    }
+
+    /// Records every response of this route under `tag` (a surrogate key),
+    /// besides any the response names in `Surrogate-Key`; see
+    /// [`TieredCache::invalidate_tag`](crate::TieredCache::invalidate_tag).
+    pub fn tag(mut self, tag: impl Into<bytes::Bytes>) -> Self {
+        self.0.tags.push(tag.into());
+        self
+    }
+
+    /// Use the route's ttl even when the origin declares a lifetime
+    /// (`s-maxage`, `max-age`, `Expires`).
+    pub fn override_origin(mut self, on: bool) -> Self {
+        self.0.override_origin = on;
+        self
+    }
+
+    /// Symmetric jitter: each fill lives `ttl ± ttl·fraction`, `fraction` in `0.0..=0.5`.
+    pub fn jitter(mut self, fraction: f64) -> Self {
+        self.0.jitter = Jitter::Symmetric(fraction);
+        self
+    }
+
+    /// Additive jitter: each fill lives `ttl + uniform(0, max)`, `max` in `0..=ttl`.
+    pub fn additive_jitter(mut self, max: Duration) -> Self {
+        self.0.jitter = Jitter::Additive(max);
+        self
+    }
+
+    /// How long a follower waits on the leader's origin load before going to
+    /// the origin itself (counted as a lock timeout).
+    pub fn lock_timeout(mut self, timeout: Duration) -> Self {
+        self.0.lock_timeout = timeout;
+        self
+    }
+
+    /// How long a key whose response may not be shared is remembered as
+    /// uncacheable, so later requests go straight to the origin instead of
+    /// queueing behind one another (Varnish's hit-for-miss).
+    pub fn hit_for_miss_ttl(mut self, ttl: Duration) -> Self {
+        self.0.hit_for_miss_ttl = ttl;
+        self
+    }
+
+    /// Checks every field without building; the error names the first bad
+    /// one and its allowed range.
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        self.0.check()
+    }
+
+    /// Validates every field and returns the policy; the error names the
+    /// first bad field and its allowed range.
+    pub fn build(self) -> Result<Policy, PolicyError> {
+        self.0.check()?;
+        Ok(self.0)
+    }
+}
+
+/// What the layer's `route` and the engine's builders accept as a policy:
+/// a built [`Policy`], or a [`PolicyBuilder`] that is validated on the spot.
+pub trait IntoPolicy {
+    /// The validated policy, or why it is refused.
+    fn into_policy(self) -> Result<Policy, PolicyError>;
+}
+
+impl IntoPolicy for Policy {
+    fn into_policy(self) -> Result<Policy, PolicyError> {
+        Ok(self)
+    }
+}
+
+impl IntoPolicy for PolicyBuilder {
+    fn into_policy(self) -> Result<Policy, PolicyError> {
+        self.build()
     }
 }
 
@@ -461,13 +520,16 @@ mod tests {
 
     #[test]
     fn symmetric_draws_fill_the_band() {
-        let counts = histogram(&Policy::ttl(TTL).jitter(0.1), 10_000, 20);
+        let counts = histogram(&Policy::ttl(TTL).jitter(0.1).build().unwrap(), 10_000, 20);
         assert!(counts.iter().all(|&c| c > 0), "{counts:?}");
     }
 
     #[test]
     fn additive_draws_fill_the_band() {
-        let policy = Policy::ttl(TTL).additive_jitter(Duration::from_secs(60));
+        let policy = Policy::ttl(TTL)
+            .additive_jitter(Duration::from_secs(60))
+            .build()
+            .unwrap();
         assert_eq!(policy.band(), (TTL, TTL + Duration::from_secs(60)));
         let counts = histogram(&policy, 10_000, 20);
         assert!(counts.iter().all(|&c| c > 0), "{counts:?}");
@@ -477,7 +539,7 @@ mod tests {
     fn jitter_only_shortens_an_origin_lifetime() {
         let mut rng = StdRng::seed_from_u64(3);
         let declared = Duration::from_secs(100);
-        let policy = Policy::ttl(TTL).jitter(0.5);
+        let policy = Policy::ttl(TTL).jitter(0.5).build().unwrap();
         let (mut lo, mut hi) = (declared, Duration::ZERO);
         for _ in 0..10_000 {
             let d = policy.draw_origin_ttl(declared, &mut rng);
@@ -492,8 +554,11 @@ mod tests {
     fn zero_jitter_is_exactly_ttl() {
         let mut rng = StdRng::seed_from_u64(1);
         for policy in [
-            Policy::ttl(TTL).jitter(0.0),
-            Policy::ttl(TTL).additive_jitter(Duration::ZERO),
+            Policy::ttl(TTL).jitter(0.0).build().unwrap(),
+            Policy::ttl(TTL)
+                .additive_jitter(Duration::ZERO)
+                .build()
+                .unwrap(),
         ] {
             for _ in 0..1000 {
                 assert_eq!(policy.draw_ttl(&mut rng), TTL);

@@ -1,7 +1,23 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::engine::read::Lookup;
 use crate::*;
+
+/// Accepts every entry.
+struct Any;
+impl Select for Any {}
+const ANY: &Any = &Any;
+
+/// Refuses every entry.
+struct Refuse;
+impl Select for Refuse {
+    fn accepts(&self, _: &Entry) -> bool {
+        false
+    }
+}
+#[allow(dead_code)]
+const REFUSE: &Refuse = &Refuse;
 
 const TTL: Duration = Duration::from_secs(60);
 
@@ -23,20 +39,20 @@ async fn fresh_then_dead_on_the_engine_clock() {
     let clock = MockClock::new();
     let cache = engine(&clock);
     let key = CacheKey::new("a");
-    let policy = Policy::ttl(TTL).jitter(0.0);
-    cache.store(&key, fill("v"), &policy);
-    match cache.lookup(&key, &Policy::ttl(TTL), |_| true) {
+    let policy = Policy::ttl(TTL).jitter(0.0).build().unwrap();
+    cache.store_now(&key, fill("v"), &policy);
+    match cache.lookup_at(&key, cache.now(), &Policy::ttl(TTL).build().unwrap(), ANY) {
         Lookup::Fresh { remaining, .. } => assert_eq!(remaining, TTL),
         _ => panic!("expected a hit"),
     }
     clock.advance(TTL - Duration::from_millis(1));
     assert!(matches!(
-        cache.lookup(&key, &Policy::ttl(TTL), |_| true),
+        cache.lookup_at(&key, cache.now(), &Policy::ttl(TTL).build().unwrap(), ANY),
         Lookup::Fresh { .. }
     ));
     clock.advance(Duration::from_millis(1));
     assert!(matches!(
-        cache.lookup(&key, &Policy::ttl(TTL), |_| true),
+        cache.lookup_at(&key, cache.now(), &Policy::ttl(TTL).build().unwrap(), ANY),
         Lookup::Miss { .. }
     ));
     // Lazy expiry removed it and counted it.
@@ -49,9 +65,14 @@ async fn accept_can_refuse_an_entry() {
     let clock = MockClock::new();
     let cache = engine(&clock);
     let key = CacheKey::new("a");
-    cache.store(&key, fill("v"), &Policy::ttl(TTL));
+    cache.store_now(&key, fill("v"), &Policy::ttl(TTL).build().unwrap());
     assert!(matches!(
-        cache.lookup(&key, &Policy::ttl(TTL), |_| false),
+        cache.lookup_at(
+            &key,
+            cache.now(),
+            &Policy::ttl(TTL).build().unwrap(),
+            REFUSE
+        ),
         Lookup::Miss { .. }
     ));
     assert_eq!(cache.stats().hits_l1, 0);
@@ -61,14 +82,14 @@ async fn accept_can_refuse_an_entry() {
 async fn sweeper_reclaims_expired_entries_without_reads() {
     let clock = MockClock::new();
     let cache = engine(&clock);
-    let policy = Policy::ttl(TTL).jitter(0.5);
+    let policy = Policy::ttl(TTL).jitter(0.5).build().unwrap();
     for i in 0..100_000u32 {
-        cache.store(&CacheKey::new(i.to_le_bytes()), fill("x"), &policy);
+        cache.store_now(&CacheKey::new(i.to_le_bytes()), fill("x"), &policy);
     }
     // A second cohort that stays fresh.
-    let long = Policy::ttl(TTL * 10);
+    let long = Policy::ttl(TTL * 10).build().unwrap();
     for i in 0..1_000u32 {
-        cache.store(&CacheKey::new(format!("long{i}")), fill("x"), &long);
+        cache.store_now(&CacheKey::new(format!("long{i}")), fill("x"), &long);
     }
     assert_eq!(cache.l1_entry_count(), 101_000);
     assert_eq!(cache.sweep(), 0, "nothing is due yet");
@@ -90,10 +111,10 @@ async fn the_sweeper_ticks_on_its_own() {
         .build()
         .unwrap();
     for i in 0..1_000u32 {
-        cache.store(
+        cache.store_now(
             &CacheKey::new(i.to_le_bytes()),
             fill("x"),
-            &Policy::ttl(TTL),
+            &Policy::ttl(TTL).build().unwrap(),
         );
     }
     clock.advance(TTL * 2);
@@ -113,15 +134,22 @@ async fn a_replaced_entry_is_not_swept_early() {
     let clock = MockClock::new();
     let cache = engine(&clock);
     let key = CacheKey::new("a");
-    cache.store(
+    cache.store_now(
         &key,
         fill("old"),
-        &Policy::ttl(Duration::from_secs(1)).jitter(0.0),
+        &Policy::ttl(Duration::from_secs(1))
+            .jitter(0.0)
+            .build()
+            .unwrap(),
     );
-    cache.store(&key, fill("new"), &Policy::ttl(TTL).jitter(0.0));
+    cache.store_now(
+        &key,
+        fill("new"),
+        &Policy::ttl(TTL).jitter(0.0).build().unwrap(),
+    );
     clock.advance(Duration::from_secs(2));
     assert_eq!(cache.sweep(), 0);
-    match cache.lookup(&key, &Policy::ttl(TTL), |_| true) {
+    match cache.lookup_at(&key, cache.now(), &Policy::ttl(TTL).build().unwrap(), ANY) {
         Lookup::Fresh { entry, .. } => assert_eq!(entry.value().body, "new"),
         _ => panic!("the new entry was swept"),
     }
@@ -136,10 +164,10 @@ async fn byte_budget_evicts_and_counts_it() {
         .unwrap();
     let body = "x".repeat(10 * 1024);
     for i in 0..1_000u32 {
-        cache.store(
+        cache.store_now(
             &CacheKey::new(i.to_le_bytes()),
             fill(&body),
-            &Policy::ttl(TTL),
+            &Policy::ttl(TTL).build().unwrap(),
         );
     }
     assert!(cache.l1_weighted_size() <= 1024 * 1024);
@@ -153,14 +181,20 @@ async fn hit_for_miss_expires_on_the_engine_clock() {
     let clock = MockClock::new();
     let cache = engine(&clock);
     let key = CacheKey::new("a");
-    let policy = Policy::ttl(TTL).hit_for_miss_ttl(Duration::from_secs(5));
+    let policy = Policy::ttl(TTL)
+        .hit_for_miss_ttl(Duration::from_secs(5))
+        .build()
+        .unwrap();
     cache.mark_uncacheable(&key, &policy);
-    assert!(cache.is_uncacheable(&key));
+    assert!(cache.is_uncacheable(&key, cache.now()));
     clock.advance(Duration::from_secs(5));
-    assert!(!cache.is_uncacheable(&key));
+    assert!(!cache.is_uncacheable(&key, cache.now()));
     cache.mark_uncacheable(&key, &policy);
-    cache.store(&key, fill("v"), &policy);
-    assert!(!cache.is_uncacheable(&key), "a store clears the mark");
+    cache.store_now(&key, fill("v"), &policy);
+    assert!(
+        !cache.is_uncacheable(&key, cache.now()),
+        "a store clears the mark"
+    );
 }
 
 #[tokio::test]
@@ -180,25 +214,32 @@ async fn l2_hits_are_promoted_for_at_most_the_tiers_remaining_ttl() {
         .build()
         .unwrap();
     let key = CacheKey::new("a");
-    writer.store(&key, fill("v"), &Policy::ttl(TTL).jitter(0.0));
+    writer.store_now(
+        &key,
+        fill("v"),
+        &Policy::ttl(TTL).jitter(0.0).build().unwrap(),
+    );
     clock.advance(Duration::from_secs(20));
     assert!(matches!(
-        reader.lookup(&key, &Policy::ttl(TTL), |_| true),
+        reader.lookup_at(&key, reader.now(), &Policy::ttl(TTL).build().unwrap(), ANY),
         Lookup::Miss { .. }
     ));
-    let promoted = reader.lookup_l2(&key, |_| true).await.expect("l2 hit");
+    let promoted = reader.lookup_l2(&key, 0, |_| true).await.expect("l2 hit");
     assert_eq!(promoted.value().body, "v");
     assert_eq!(
         promoted.remaining_hard(clock.now()),
         Duration::from_secs(40)
     );
-    match reader.lookup(&key, &Policy::ttl(TTL), |_| true) {
+    match reader.lookup_at(&key, reader.now(), &Policy::ttl(TTL).build().unwrap(), ANY) {
         Lookup::Fresh { remaining, .. } => assert_eq!(remaining, Duration::from_secs(40)),
         _ => panic!("not promoted"),
     }
-    reader.record_served(Source::L2);
     let stats = reader.stats();
-    assert_eq!((stats.hits_l2, stats.hits_l1), (1, 1));
+    assert_eq!(
+        (stats.hits_l2, stats.hits_l1),
+        (0, 1),
+        "a bare L2 read counts nothing"
+    );
 }
 
 #[tokio::test]
@@ -206,8 +247,8 @@ async fn a_foreign_key_under_the_same_hash_is_a_miss() {
     let clock = MockClock::new();
     let cache = engine(&clock);
     let key = CacheKey::new("a");
-    let policy = Policy::ttl(TTL);
-    cache.store(&key, fill("v"), &policy);
+    let policy = Policy::ttl(TTL).build().unwrap();
+    cache.store_now(&key, fill("v"), &policy);
     // Same hash slot, different full key: what a collision would look like.
     let l1 = &cache.inner_for_tests().l1;
     let foreign = Entry::new(
@@ -219,7 +260,7 @@ async fn a_foreign_key_under_the_same_hash_is_a_miss() {
     );
     l1.insert(key.hash(), foreign);
     assert!(matches!(
-        cache.lookup(&key, &Policy::ttl(TTL), |_| true),
+        cache.lookup_at(&key, cache.now(), &Policy::ttl(TTL).build().unwrap(), ANY),
         Lookup::Miss { .. }
     ));
 }
@@ -272,10 +313,10 @@ async fn a_flood_of_unique_keys_keeps_l1_and_its_index_bounded() {
         .sweep_interval(None)
         .build()
         .unwrap();
-    let policy = Policy::ttl(TTL);
+    let policy = Policy::ttl(TTL).build().unwrap();
     let body = "x".repeat(1000);
     for i in 0..200_000u32 {
-        cache.store(&CacheKey::new(i.to_le_bytes()), fill(&body), &policy);
+        cache.store_now(&CacheKey::new(i.to_le_bytes()), fill(&body), &policy);
     }
     assert!(cache.l1_weighted_size() <= 4 * 1024 * 1024);
     let entries = cache.l1_entry_count() as usize;

@@ -4,7 +4,23 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use crate::engine::read::Lookup;
 use crate::*;
+
+/// Accepts every entry.
+struct Any;
+impl Select for Any {}
+const ANY: &Any = &Any;
+
+/// Refuses every entry.
+struct Refuse;
+impl Select for Refuse {
+    fn accepts(&self, _: &Entry) -> bool {
+        false
+    }
+}
+#[allow(dead_code)]
+const REFUSE: &Refuse = &Refuse;
 
 fn engine(clock: &MockClock, seed: u64) -> TieredCache {
     TieredCache::builder()
@@ -16,12 +32,13 @@ fn engine(clock: &MockClock, seed: u64) -> TieredCache {
 }
 
 fn state(cache: &TieredCache, key: &CacheKey, policy: &Policy) -> &'static str {
-    match cache.lookup(key, policy, |_| true) {
+    match cache.lookup_at(key, cache.now(), policy, ANY) {
         Lookup::Fresh { refresh: false, .. } => "fresh",
         Lookup::Fresh { refresh: true, .. } => "fresh+xfetch",
         Lookup::Stale { .. } => "stale",
         Lookup::Miss { fallback: Some(_) } => "stale-if-error",
         Lookup::Miss { fallback: None } => "miss",
+        Lookup::Revalidate { .. } => "revalidate",
     }
 }
 
@@ -34,8 +51,10 @@ async fn fresh_then_stale_then_error_window_then_dead() {
         .jitter(0.0)
         .xfetch_beta(0.0)
         .stale_while_revalidate(Duration::from_secs(5))
-        .stale_if_error(Duration::from_secs(20));
-    cache.store(&key, Fill::new(Value::from_body("v")), &policy);
+        .stale_if_error(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    cache.store_now(&key, Fill::new(Value::from_body("v")), &policy);
     let steps = [
         (0, "fresh"),
         (9, "fresh"),
@@ -59,8 +78,10 @@ async fn the_origin_can_forbid_stale_answers() {
     let policy = Policy::ttl(Duration::from_secs(10))
         .jitter(0.0)
         .stale_while_revalidate(Duration::from_secs(5))
-        .stale_if_error(Duration::from_secs(20));
-    cache.store(
+        .stale_if_error(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    cache.store_now(
         &key,
         Fill::new(Value::from_body("v")).no_stale(true),
         &policy,
@@ -76,11 +97,13 @@ async fn origin_windows_override_the_policy() {
     let key = CacheKey::new("k");
     let policy = Policy::ttl(Duration::from_secs(60))
         .jitter(0.0)
-        .xfetch_beta(0.0);
+        .xfetch_beta(0.0)
+        .build()
+        .unwrap();
     let fill = Fill::new(Value::from_body("v"))
         .lifetime(Lifetime::Declared(Duration::from_secs(1)))
         .stale_windows(Some(Duration::from_secs(30)), None);
-    cache.store(&key, fill, &policy);
+    cache.store_now(&key, fill, &policy);
     clock.advance(Duration::from_secs(1));
     assert_eq!(
         state(&cache, &key, &policy),
@@ -100,8 +123,10 @@ async fn negative_entries_live_for_the_negative_ttl() {
         .jitter(0.0)
         .negative_ttl(Duration::from_secs(2))
         .stale_while_revalidate(Duration::from_secs(30))
-        .stale_if_error(Duration::from_secs(30));
-    cache.store(
+        .stale_if_error(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    cache.store_now(
         &key,
         Fill::new(Value::from_body("nope")).lifetime(Lifetime::Negative),
         &policy,
@@ -123,8 +148,10 @@ fn xfetch_rate(before: u64, delta: Duration, beta: f64, n: usize) -> f64 {
     let key = CacheKey::new("hot");
     let policy = Policy::ttl(Duration::from_secs(300))
         .jitter(0.0)
-        .xfetch_beta(beta);
-    cache.store(
+        .xfetch_beta(beta)
+        .build()
+        .unwrap();
+    cache.store_now(
         &key,
         Fill::new(Value::from_body("v")).origin_latency(delta),
         &policy,
@@ -165,7 +192,7 @@ fn xfetch_fires_at_the_rate_the_formula_gives() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn get_or_load_loads_once_for_concurrent_callers() {
     let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
-    let policy = Policy::ttl(Duration::from_secs(60));
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
     let key = CacheKey::new("report");
     let loads = Arc::new(AtomicUsize::new(0));
     let gate = Arc::new(tokio::sync::Notify::new());
@@ -211,7 +238,7 @@ async fn expire_and_invalidate() {
     let clock = MockClock::new();
     let cache = engine(&clock, 1);
     let key = CacheKey::new("k");
-    let policy = Policy::ttl(Duration::from_secs(60));
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
     cache.put(&key, Value::from_body("v"), &policy);
     assert!(cache.expire(&key, Duration::from_secs(2)).await);
     clock.advance(Duration::from_secs(2));

@@ -260,6 +260,26 @@ pub fn response_storable(
     Ok(())
 }
 
+/// Whether an origin error that is not stored may still answer the
+/// requests that waited on the same load: a 5xx made for no one in
+/// particular (no `Set-Cookie`, `private` or `no-store`, no `Vary`, and a
+/// request without credentials). Sharing it saves a failing origin one
+/// call per waiting request; anything else would be one client's answer
+/// given to another.
+pub fn response_shareable(
+    status: StatusCode,
+    headers: &HeaderMap,
+    cache_control: &HeaderMap,
+    credentialed: bool,
+) -> bool {
+    status.is_server_error()
+        && !credentialed
+        && !headers.contains_key(SET_COOKIE)
+        && !headers.contains_key(VARY)
+        && !has_directive(cache_control, "no-store")
+        && !has_directive(cache_control, "private")
+}
+
 /// Whether `Vary` lists `*`, in any field or position.
 pub fn vary_star(headers: &HeaderMap) -> bool {
     headers.get_all(VARY).iter().any(|v| {

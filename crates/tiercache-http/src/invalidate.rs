@@ -5,8 +5,8 @@ use http::header::{CONTENT_LENGTH, CONTENT_LOCATION, HOST, LOCATION, TRANSFER_EN
 use http::{HeaderMap, Method, Uri, request};
 use tiercache_core::CacheKey;
 
+use crate::config::HttpConfig;
 use crate::key::uri_key;
-use crate::layer::HttpConfig;
 use crate::request::prepare;
 
 /// GET, HEAD, OPTIONS and TRACE change nothing; every other method may.

@@ -5,9 +5,10 @@ use std::time::Duration;
 
 use http::HeaderName;
 
-use tiercache_core::{Policy, PolicyError, TieredCache};
+use tiercache_core::{IntoPolicy, Policy, PolicyError, TieredCache};
 use tower::Layer;
 
+use crate::config::{Cookies, HttpConfig};
 use crate::metrics::{EngineMetrics, RouteMetrics};
 use crate::service::ResponseCache;
 use crate::variants::Variants;
@@ -44,47 +45,6 @@ pub struct ResponseCacheLayer {
     pub(crate) engine_metrics: Arc<EngineMetrics>,
 }
 
-/// The layer's HTTP settings; a route's layer carries its own copy.
-#[derive(Debug, Clone)]
-pub(crate) struct HttpConfig {
-    pub(crate) max_body: usize,
-    pub(crate) emit_headers: bool,
-    pub(crate) cookies: Cookies,
-    pub(crate) keyed_headers: Vec<HeaderName>,
-    pub(crate) targets: Vec<HeaderName>,
-    pub(crate) max_error_ttl: Duration,
-    pub(crate) heuristic: bool,
-    pub(crate) honor_client_no_cache: bool,
-    pub(crate) max_variants: usize,
-}
-
-impl Default for HttpConfig {
-    fn default() -> Self {
-        Self {
-            max_body: ResponseCacheLayer::DEFAULT_MAX_BODY,
-            emit_headers: true,
-            cookies: Cookies::Bypass,
-            keyed_headers: Vec::new(),
-            targets: Vec::new(),
-            max_error_ttl: ResponseCacheLayer::DEFAULT_MAX_ERROR_TTL,
-            heuristic: true,
-            honor_client_no_cache: false,
-            max_variants: ResponseCacheLayer::DEFAULT_MAX_VARIANTS,
-        }
-    }
-}
-
-/// What a route does with requests that carry `Cookie`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Cookies {
-    /// Bypass the cache (the default).
-    Bypass,
-    /// Drop the cookies: the origin never sees them, the key ignores them.
-    Ignore,
-    /// Key on these cookies' values; the origin sees only them.
-    Key(Vec<String>),
-}
-
 impl ResponseCacheLayer {
     /// Default largest body that is buffered and stored: 8 MiB.
     pub const DEFAULT_MAX_BODY: usize = 8 * 1024 * 1024;
@@ -107,14 +67,14 @@ impl ResponseCacheLayer {
     /// A layer for one route: the same engine and settings, with `policy`.
     /// The policy is validated here; the error names the bad field. Its
     /// metrics carry `route="default"`; see [`route_named`](Self::route_named).
-    pub fn route(&self, policy: Policy) -> Result<Self, PolicyError> {
+    pub fn route(&self, policy: impl IntoPolicy) -> Result<Self, PolicyError> {
         self.route_named("default", policy)
     }
 
     /// Like [`route`](Self::route), with `name` as the `route` label of its
     /// metrics (see [`crate::metrics`]); routes may share a name.
-    pub fn route_named(&self, name: &str, policy: Policy) -> Result<Self, PolicyError> {
-        policy.validate()?;
+    pub fn route_named(&self, name: &str, policy: impl IntoPolicy) -> Result<Self, PolicyError> {
+        let policy = policy.into_policy()?;
         Ok(Self {
             route: Some((Arc::new(policy), Arc::new(RouteMetrics::new(name)))),
             ..self.clone()

@@ -39,6 +39,7 @@
 pub mod body;
 pub mod cache_control;
 pub mod cacheable;
+mod config;
 pub mod freshness;
 pub mod future;
 pub mod headers;
@@ -46,11 +47,16 @@ pub mod invalidate;
 pub mod key;
 mod layer;
 pub mod metrics;
+mod origin;
 pub mod request;
+mod respond;
+mod route;
 mod service;
 mod values;
 mod variants;
+mod write;
 
 pub use body::CacheBody;
 pub use layer::ResponseCacheLayer;
-pub use service::{ResponseCache, SURROGATE_KEY};
+pub use origin::SURROGATE_KEY;
+pub use service::ResponseCache;

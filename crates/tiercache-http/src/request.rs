@@ -16,9 +16,9 @@ use tiercache_core::CacheKey;
 
 use crate::cache_control::{directive_value, has_directive};
 use crate::cacheable::{Reason, Scan, cacheable_scanned};
+use crate::config::{Cookies, HttpConfig};
 use crate::freshness::parse_http_date;
 use crate::key::target_key;
-use crate::layer::{Cookies, HttpConfig};
 
 /// Request fields a cache does not key on and an origin may still act on
 /// (host and scheme for links, rewrites, method overrides): removed from every

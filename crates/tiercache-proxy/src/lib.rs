@@ -45,7 +45,7 @@ use axum::Router;
 use axum::extract::State;
 use axum::routing::get;
 use http::Uri;
-use tiercache_core::{Policy, TieredCache};
+use tiercache_core::{Policy, PolicyError, TieredCache};
 use tiercache_http::ResponseCacheLayer;
 use tiercache_valkey::{ValkeyConfig, ValkeyTier};
 
@@ -151,8 +151,9 @@ impl ProxyConfig {
         self
     }
 
-    /// The route policy these settings describe.
-    pub fn policy(&self) -> Policy {
+    /// The route policy these settings describe, validated: the error names
+    /// the bad field and what it accepts.
+    pub fn policy(&self) -> Result<Policy, PolicyError> {
         // Without --ttl the policy's ttl applies to nothing (only declared
         // lifetimes are stored); it just has to bound the negative ttl.
         let ttl = self
@@ -170,7 +171,7 @@ impl ProxyConfig {
         if let Some(t) = self.origin_soft_timeout {
             policy = policy.origin_soft_timeout(t);
         }
-        policy
+        policy.build()
     }
 
     /// Uses Valkey at `url` as the shared L2.
@@ -198,7 +199,9 @@ pub struct Proxy {
 impl Proxy {
     /// Binds the listen (and admin) addresses and starts serving.
     pub async fn start(config: ProxyConfig) -> Result<Self, ProxyError> {
-        let policy = config.policy();
+        let policy = config
+            .policy()
+            .map_err(|e| ProxyError::Config(e.to_string()))?;
         let mut builder = TieredCache::builder().l1_capacity(config.l1_capacity);
         if let Some(url) = &config.valkey {
             let config =

@@ -288,15 +288,19 @@ pub(crate) async fn on_reconnect<F, Fut>(
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = Option<Vec<Ban>>>,
 {
-    let mut first = true;
+    // A server's first connection is no reconnect: nothing was missed on
+    // it (a cluster connects to each node in turn).
+    let mut seen = std::collections::HashSet::new();
     loop {
         let event = rx.recv().await;
         let Some(live) = bus.upgrade() else {
             return;
         };
-        if matches!(event, Err(broadcast::error::RecvError::Closed)) {
-            return;
-        }
+        let first = match event {
+            Ok(server) => seen.insert(server),
+            Err(broadcast::error::RecvError::Lagged(_)) => false,
+            Err(broadcast::error::RecvError::Closed) => return,
+        };
         let _ = live.subscriber.resubscribe_all().await;
         let _ = live.subscriber.subscribe(live.channel.clone()).await;
         drop(live);
@@ -310,7 +314,6 @@ pub(crate) async fn on_reconnect<F, Fut>(
         if !first {
             live.resync();
         }
-        first = false;
     }
 }
 

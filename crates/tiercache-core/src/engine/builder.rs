@@ -1,0 +1,183 @@
+//! Building the engine: L1's budget, the shared tier, the clock, the sweeper.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+
+use super::{Inner, Journal, TieredCache};
+use crate::l1::L1;
+use crate::stats::Counters;
+use crate::{Clock, InvalidationSink, Policy, PolicyError, SystemClock, Tier};
+
+/// Builds a [`TieredCache`]; see [`TieredCache::builder`].
+#[derive(Debug)]
+pub struct TieredCacheBuilder {
+    l1_capacity: u64,
+    l2: Option<Arc<dyn Tier>>,
+    clock: Arc<dyn Clock>,
+    sweep_interval: Option<Duration>,
+    rng_seed: Option<u64>,
+}
+
+impl Default for TieredCacheBuilder {
+    fn default() -> Self {
+        Self {
+            l1_capacity: TieredCacheBuilder::DEFAULT_L1_CAPACITY,
+            l2: None,
+            clock: Arc::new(SystemClock),
+            sweep_interval: Some(TieredCacheBuilder::DEFAULT_SWEEP_INTERVAL),
+            rng_seed: None,
+        }
+    }
+}
+
+impl TieredCacheBuilder {
+    /// Default L1 byte budget: 256 MiB.
+    pub const DEFAULT_L1_CAPACITY: u64 = 256 * 1024 * 1024;
+    /// Default sweeper tick: 1 s.
+    pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+
+    /// L1's budget in bytes (keys, headers and bodies, as weighed).
+    pub fn l1_capacity(mut self, bytes: u64) -> Self {
+        self.l1_capacity = bytes;
+        self
+    }
+
+    /// A shared second tier (e.g. `tiercache_valkey::ValkeyTier`).
+    pub fn l2(mut self, tier: impl Tier) -> Self {
+        self.l2 = Some(Arc::new(tier));
+        self
+    }
+
+    /// A shared second tier already behind an `Arc`.
+    pub fn l2_shared(mut self, tier: Arc<dyn Tier>) -> Self {
+        self.l2 = Some(tier);
+        self
+    }
+
+    /// The clock every freshness decision uses (default: [`SystemClock`]).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// How often the sweeper reclaims expired entries; `None` disables the
+    /// tick (reads still expire lazily, and moka's bound still applies).
+    pub fn sweep_interval(mut self, interval: Option<Duration>) -> Self {
+        self.sweep_interval = interval;
+        self
+    }
+
+    /// Seeds the jitter RNG, for reproducible tests and experiments.
+    pub fn rng_seed(mut self, seed: u64) -> Self {
+        self.rng_seed = Some(seed);
+        self
+    }
+
+    /// Builds the engine. With a sweep interval it must run inside a Tokio
+    /// runtime, which the sweeper task runs on; the task ends with the engine.
+    pub fn build(self) -> Result<TieredCache, BuildError> {
+        if self.l1_capacity == 0 {
+            return Err(BuildError::Config(PolicyError {
+                field: "l1_capacity",
+                value: "0".into(),
+                allowed: "at least 1 byte",
+            }));
+        }
+        if self.sweep_interval.is_some_and(|i| i.is_zero()) {
+            return Err(BuildError::Config(PolicyError {
+                field: "sweep_interval",
+                value: "0s".into(),
+                allowed: "greater than 0, or None to disable the sweeper",
+            }));
+        }
+        let runtime = match self.sweep_interval {
+            Some(_) => {
+                Some(tokio::runtime::Handle::try_current().map_err(|_| BuildError::NoRuntime)?)
+            }
+            None => None,
+        };
+        let counters = Arc::new(Counters::default());
+        let rng = match self.rng_seed {
+            Some(seed) => SmallRng::seed_from_u64(seed),
+            None => SmallRng::from_os_rng(),
+        };
+        let inner = Arc::new(Inner {
+            l1: L1::new(self.l1_capacity, self.clock.clone(), counters.clone()),
+            l2: self.l2,
+            flights: Arc::default(),
+            clock: self.clock,
+            counters,
+            rng: Mutex::new(rng),
+            uncacheable: moka::sync::Cache::builder()
+                .max_capacity(100_000)
+                .time_to_live(Policy::DEFAULT_HIT_FOR_MISS_TTL * 60)
+                .build(),
+            tags: moka::sync::Cache::builder().max_capacity(100_000).build(),
+            journal: Journal::default(),
+        });
+        if let Some(l2) = &inner.l2 {
+            let sink: Weak<dyn InvalidationSink> = Arc::downgrade(&inner) as _;
+            l2.listen(sink);
+        }
+        if let (Some(handle), Some(interval)) = (runtime, self.sweep_interval) {
+            handle.spawn(sweeper(Arc::downgrade(&inner), interval));
+        }
+        Ok(TieredCache { inner })
+    }
+}
+
+async fn sweeper(engine: Weak<Inner>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let Some(engine) = engine.upgrade() else {
+            return;
+        };
+        // moka's housekeeping can take a while on a large cache: keep it off
+        // the async workers.
+        let _ = tokio::task::spawn_blocking(move || engine.sweep()).await;
+    }
+}
+
+/// The engine could not be built.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// A setting is out of range.
+    Config(PolicyError),
+    /// A sweep interval was set but no Tokio runtime is running.
+    NoRuntime,
+}
+
+impl fmt::Display for BuildError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BuildError::Config(e) => write!(f, "{e}"),
+            BuildError::NoRuntime => f.write_str(
+                "the cache's sweeper needs a Tokio runtime: build the cache inside one, \
+                 or disable the sweeper with `.sweep_interval(None)`",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for BuildError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            BuildError::Config(e) => Some(e),
+            BuildError::NoRuntime => None,
+        }
+    }
+}
+
+impl From<PolicyError> for BuildError {
+    fn from(e: PolicyError) -> Self {
+        BuildError::Config(e)
+    }
+}

@@ -1,0 +1,65 @@
+//! The fleet-wide fill lock: before an origin load, one instance per key.
+
+use std::time::Duration;
+
+use super::TieredCache;
+use crate::fleet::{FleetJoin, FleetLock};
+use crate::stats::bump;
+use crate::{CacheKey, Entry, LockAttempt, Policy, Unlocked};
+
+impl TieredCache {
+    /// Before an origin load for `key` (its L2 read missed): takes the
+    /// fleet-wide fill lock, or waits for the instance holding it and
+    /// returns what it stored. Without a shared tier that has locks, or when
+    /// it fails, the lock is [`FleetLock::local`] and the local single flight
+    /// alone protects the origin. A wait lasts at most `wait` (what is left
+    /// of the flight's deadline), or the lock's own remaining time if
+    /// shorter: a lock whose owner died expires, and this instance takes
+    /// over; after it the request loads without the lock (counted as a lock
+    /// timeout).
+    pub(crate) async fn lead_fleet(
+        &self,
+        key: &CacheKey,
+        policy: &Policy,
+        wait: Duration,
+        epoch: u64,
+        accept: impl Fn(&Entry) -> bool,
+    ) -> FleetJoin {
+        let Some(l2) = self.inner.l2.clone() else {
+            return FleetJoin::Lead(FleetLock::local());
+        };
+        // The lock outlives a slow fill by the policy's whole wait: the
+        // flight's own deadline abandons a stalled leader before it.
+        let hold = policy.lock_wait();
+        let held_for = match l2.try_lock(key, hold).await {
+            Ok(LockAttempt::Acquired(token)) => {
+                return FleetJoin::Lead(FleetLock::held(l2, key.clone(), token));
+            }
+            Ok(LockAttempt::Held(left)) => left,
+            Ok(_) => return FleetJoin::Lead(FleetLock::local()),
+            Err(_) => {
+                bump(&self.inner.counters.l2_errors);
+                return FleetJoin::Lead(FleetLock::local());
+            }
+        };
+        bump(&self.inner.counters.coalesced);
+        // A little past the lock's own end, so an expired lock is seen gone.
+        let bound = wait.min(held_for + Duration::from_millis(20));
+        // Passed: the owner's answer may not be shared; load without a lock.
+        if l2.wait_unlock(key, bound).await.unwrap_or(Unlocked::Gone) == Unlocked::Passed {
+            return FleetJoin::Lead(FleetLock::local());
+        }
+        if let Some(entry) = self.lookup_l2(key, epoch, &accept).await {
+            return FleetJoin::Filled(entry);
+        }
+        match l2.try_lock(key, hold).await {
+            Ok(LockAttempt::Acquired(token)) => {
+                FleetJoin::Lead(FleetLock::held(l2, key.clone(), token))
+            }
+            _ => {
+                bump(&self.inner.counters.lock_timeouts);
+                FleetJoin::Lead(FleetLock::local())
+            }
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! Invalidation: by key, tag or prefix; in L1 at once (recorded in the
+//! journal, so fills in flight that it covers are not stored), then in the
+//! shared tier and, through its messages, every other instance's L1.
+
+use bytes::Bytes;
+
+use super::journal::Scope;
+use super::{Inner, TieredCache};
+use crate::stats::bump;
+use crate::{CacheKey, Invalidation, InvalidationSink, KeyHash, KeyPattern};
+
+impl TieredCache {
+    /// Removes `key` from L1 and from the shared tier, and from every other
+    /// instance's L1 (through the tier's messages). A load of `key` already
+    /// in flight still answers the requests waiting on it, but is not stored.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tiercache_core::{CacheKey, Policy, TieredCache, Value};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
+    /// let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    /// let key = CacheKey::new("user:7");
+    /// cache.put(&key, Value::from_body("v"), &policy);
+    /// cache.invalidate(&key).await;
+    /// assert!(!cache.exists(&key).await);
+    /// # }
+    /// ```
+    pub async fn invalidate(&self, key: &CacheKey) {
+        self.invalidate_keys(std::slice::from_ref(key)).await;
+    }
+
+    /// Removes `keys` everywhere, like [`invalidate`](Self::invalidate), in one message.
+    pub async fn invalidate_keys(&self, keys: &[CacheKey]) {
+        let hashes: Vec<KeyHash> = keys.iter().map(CacheKey::hash).collect();
+        self.inner.apply(&Invalidation::Keys(hashes.clone()));
+        self.invalidate_shared(Invalidation::Keys(hashes)).await;
+    }
+
+    /// Removes every entry stored with `tag` (see [`Fill::tags`](crate::Fill::tags)
+    /// and [`Policy::tags`](crate::Policy::tags)) from L1, the shared tier and
+    /// every instance's L1.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tiercache_core::{CacheKey, Fill, Policy, TieredCache, Value};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
+    /// let policy = Policy::ttl(Duration::from_secs(60)).tag("products").build().unwrap();
+    /// let key = CacheKey::new("product:7");
+    /// cache.put(&key, Value::from_body("v"), &policy);
+    /// cache.invalidate_tag("products").await;
+    /// assert!(cache.get(&key).await.is_none());
+    /// # }
+    /// ```
+    pub async fn invalidate_tag(&self, tag: impl Into<Bytes>) {
+        self.invalidate_tag_and_keys(tag, &[]).await;
+    }
+
+    /// Removes every entry stored with `tag` and `keys` too, everywhere, in
+    /// one message (what [`invalidate_tag`](Self::invalidate_tag) and
+    /// [`invalidate_keys`](Self::invalidate_keys) would do in two).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tiercache_core::{CacheKey, Policy, TieredCache, Value};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
+    /// let tagged = Policy::ttl(Duration::from_secs(60)).tag("t").build().unwrap();
+    /// let plain = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    /// let (a, b) = (CacheKey::new("a"), CacheKey::new("b"));
+    /// cache.put(&a, Value::from_body("v"), &tagged);
+    /// cache.put(&b, Value::from_body("v"), &plain);
+    /// cache.invalidate_tag_and_keys("t", &[b.clone()]).await;
+    /// assert!(cache.get(&a).await.is_none() && cache.get(&b).await.is_none());
+    /// # }
+    /// ```
+    pub async fn invalidate_tag_and_keys(&self, tag: impl Into<Bytes>, keys: &[CacheKey]) {
+        let tag = tag.into();
+        let mut hashes: Vec<KeyHash> = keys.iter().map(CacheKey::hash).collect();
+        hashes.extend(
+            self.inner
+                .journal
+                .record(Scope::Tag(tag.clone(), hashes.clone()), || {
+                    self.inner.drop_hashes(&hashes);
+                    self.inner.drop_tag(&tag)
+                }),
+        );
+        self.invalidate_shared(Invalidation::Tag(tag, hashes)).await;
+    }
+
+    /// Removes every key `pattern` matches from L1, the shared tier and
+    /// every instance's L1. L1 is scanned (O(entries)); the shared tier
+    /// applies the pattern as it sees fit (the Valkey tier records a ban
+    /// that its reads check).
+    pub async fn invalidate_prefix(&self, pattern: KeyPattern) {
+        self.inner.apply(&Invalidation::Prefix(pattern.clone()));
+        self.invalidate_shared(Invalidation::Prefix(pattern)).await;
+    }
+
+    async fn invalidate_shared(&self, invalidation: Invalidation) {
+        if let Some(l2) = &self.inner.l2
+            && l2.invalidate(invalidation).await.is_err()
+        {
+            bump(&self.inner.counters.l2_errors);
+        }
+    }
+}
+
+impl InvalidationSink for Inner {
+    fn apply(&self, invalidation: &Invalidation) {
+        match invalidation {
+            Invalidation::Keys(hashes) => self
+                .journal
+                .record(Scope::Keys(hashes.clone()), || self.drop_hashes(hashes)),
+            Invalidation::Tag(tag, hashes) => {
+                self.journal
+                    .record(Scope::Tag(tag.clone(), hashes.clone()), || {
+                        self.drop_tag(tag);
+                        self.drop_hashes(hashes);
+                    });
+            }
+            Invalidation::Prefix(pattern) => {
+                self.journal.record(Scope::Prefix(pattern.clone()), || {
+                    self.drop_matching(pattern)
+                })
+            }
+        }
+    }
+
+    fn resync(&self) {
+        self.journal.record(Scope::All, || {
+            self.l1.clear();
+            self.tags.invalidate_all();
+        });
+    }
+}
+
+impl Inner {
+    /// Drops the L1 entries recorded under `tag`; returns their keys.
+    fn drop_tag(&self, tag: &Bytes) -> Vec<KeyHash> {
+        let Some(keys) = self.tags.remove(tag) else {
+            return Vec::new();
+        };
+        let keys: Vec<KeyHash> = keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .collect();
+        self.drop_hashes(&keys);
+        keys
+    }
+
+    pub(crate) fn drop_hashes(&self, hashes: &[KeyHash]) {
+        hashes.iter().for_each(|h| self.l1.invalidate(h));
+    }
+
+    fn drop_matching(&self, pattern: &KeyPattern) {
+        self.l1
+            .remove_where(|entry| pattern.matches_full(entry.key()));
+    }
+}

@@ -1,0 +1,197 @@
+//! The invalidation journal: "invalidation wins" over fills in flight.
+//!
+//! Every invalidation (by key, tag, prefix, or a resync after missed
+//! messages; local or from another instance) is recorded with a sequence
+//! number before it drops anything. A fill notes the sequence when it starts
+//! (before it reads L2 or calls the origin) and, when it is about to store,
+//! checks the records since: if one covers the fill, its answer still goes to
+//! the requests waiting on it but is not stored, in L1 or L2. The check and
+//! the store happen under the journal's lock, and so do the record and the
+//! L1 drop, so an invalidation is either seen by the fill or removes what it
+//! stored: there is no order in which the older answer survives. (Memcache's
+//! leases do the same with a token per key.)
+//!
+//! The journal keeps the last [`Journal::CAP`] records; a fill older than
+//! the oldest is treated as overtaken (not stored), which only costs a miss.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
+use bytes::Bytes;
+
+use crate::{KeyHash, KeyPattern};
+
+/// What one invalidation covered.
+#[derive(Debug, Clone)]
+pub(crate) enum Scope {
+    /// These keys.
+    Keys(Vec<KeyHash>),
+    /// Entries stored with this tag, and these keys.
+    Tag(Bytes, Vec<KeyHash>),
+    /// Keys the pattern matches.
+    Prefix(KeyPattern),
+    /// Everything (a resync after missed messages).
+    All,
+}
+
+/// What a fill is about to store: its keys, full keys and tags.
+#[derive(Debug)]
+pub(crate) struct Footprint<'a> {
+    pub(crate) hashes: &'a [KeyHash],
+    pub(crate) fulls: &'a [&'a [u8]],
+    pub(crate) tags: &'a [Bytes],
+}
+
+impl Scope {
+    fn covers(&self, fill: &Footprint<'_>) -> bool {
+        match self {
+            Scope::Keys(hashes) => hashes.iter().any(|h| fill.hashes.contains(h)),
+            Scope::Tag(tag, hashes) => {
+                fill.tags.contains(tag) || hashes.iter().any(|h| fill.hashes.contains(h))
+            }
+            Scope::Prefix(pattern) => fill.fulls.iter().any(|full| pattern.matches_full(full)),
+            Scope::All => true,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// The sequence number the next record gets.
+    next: u64,
+    /// Records before this sequence number were dropped.
+    forgotten: u64,
+    records: VecDeque<(u64, Scope)>,
+}
+
+/// See the module docs.
+#[derive(Debug, Default)]
+pub(crate) struct Journal {
+    state: Mutex<State>,
+}
+
+impl Journal {
+    /// Records kept; past it the oldest go, and fills older than them are
+    /// not stored.
+    pub(crate) const CAP: usize = 16_384;
+
+    /// The sequence a fill starting now notes.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.lock().next
+    }
+
+    /// Records `scope` and runs `apply` (the L1 drop) under the journal's lock.
+    pub(crate) fn record<R>(&self, scope: Scope, apply: impl FnOnce() -> R) -> R {
+        let mut state = self.lock();
+        let seq = state.next;
+        state.next += 1;
+        state.records.push_back((seq, scope));
+        if state.records.len() > Self::CAP
+            && let Some((dropped, _)) = state.records.pop_front()
+        {
+            state.forgotten = dropped + 1;
+        }
+        apply()
+    }
+
+    /// Runs `store` unless an invalidation recorded since `epoch` covers
+    /// `fill`; `None` when one does (the fill was overtaken).
+    pub(crate) fn unless_overtaken<R>(
+        &self,
+        epoch: u64,
+        fill: &Footprint<'_>,
+        store: impl FnOnce() -> R,
+    ) -> Option<R> {
+        let state = self.lock();
+        if epoch < state.forgotten {
+            return None;
+        }
+        let overtaken = state
+            .records
+            .iter()
+            .rev()
+            .take_while(|(seq, _)| *seq >= epoch)
+            .any(|(_, scope)| scope.covers(fill));
+        (!overtaken).then(store)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CacheKey;
+
+    fn footprint<'a>(
+        hashes: &'a [KeyHash],
+        fulls: &'a [&'a [u8]],
+        tags: &'a [Bytes],
+    ) -> Footprint<'a> {
+        Footprint {
+            hashes,
+            fulls,
+            tags,
+        }
+    }
+
+    #[test]
+    fn an_invalidation_after_the_epoch_overtakes_the_fill() {
+        let journal = Journal::default();
+        let key = CacheKey::new("a");
+        let other = CacheKey::new("b");
+        let epoch = journal.epoch();
+        journal.record(Scope::Keys(vec![other.hash()]), || ());
+        let hashes = [key.hash()];
+        let fulls = [key.full().as_ref()];
+        let fill = footprint(&hashes, &fulls, &[]);
+        assert_eq!(journal.unless_overtaken(epoch, &fill, || 1), Some(1));
+        journal.record(Scope::Keys(vec![key.hash()]), || ());
+        assert_eq!(journal.unless_overtaken(epoch, &fill, || 1), None);
+        // A fill that started after it is not affected.
+        assert_eq!(
+            journal.unless_overtaken(journal.epoch(), &fill, || 1),
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn tags_prefixes_and_resyncs_overtake_too() {
+        let key = CacheKey::new("/products/7");
+        let hashes = [key.hash()];
+        let fulls = [key.full().as_ref()];
+        let tags = [Bytes::from_static(b"products")];
+        let fill = footprint(&hashes, &fulls, &tags);
+        for scope in [
+            Scope::Tag(Bytes::from_static(b"products"), Vec::new()),
+            Scope::Prefix(KeyPattern::new().prefix(b"/products/")),
+            Scope::All,
+        ] {
+            let journal = Journal::default();
+            let epoch = journal.epoch();
+            journal.record(scope.clone(), || ());
+            assert_eq!(
+                journal.unless_overtaken(epoch, &fill, || ()),
+                None,
+                "{scope:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_fill_older_than_the_journal_is_not_stored() {
+        let journal = Journal::default();
+        let epoch = journal.epoch();
+        for _ in 0..=Journal::CAP {
+            journal.record(Scope::Keys(Vec::new()), || ());
+        }
+        let fill = footprint(&[], &[], &[]);
+        assert_eq!(journal.unless_overtaken(epoch, &fill, || ()), None);
+        assert_eq!(
+            journal.unless_overtaken(journal.epoch(), &fill, || ()),
+            Some(())
+        );
+    }
+}

@@ -1,0 +1,179 @@
+//! The engine: [`TieredCache`] ties L1, the optional shared tier, single
+//! flight, the clock and the counters together, and owns the one sequence
+//! every caller goes through ([`TieredCache::fetch`]).
+//!
+//! One module per concept: `builder` (settings, the sweeper), `store` (what
+//! a fill becomes), `read` (L1 and L2 reads), `fetch` (the orchestration:
+//! hits, refreshes, the flight, the origin), `fleet` (the shared fill lock),
+//! `journal` and `invalidate` (invalidations, and fills they overtake), `api`
+//! (the programmatic calls: get, put, get_or_load, expire, …).
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use rand::rngs::SmallRng;
+
+use crate::flight::Flights;
+use crate::l1::L1;
+use crate::stats::{Counters, bump};
+use crate::{Clock, KeyHash, Stats, Tier};
+
+mod api;
+mod builder;
+mod fetch;
+mod fleet;
+mod invalidate;
+mod journal;
+pub(crate) mod read;
+mod store;
+
+pub use api::{Commit, LoadError};
+pub use builder::{BuildError, TieredCacheBuilder};
+pub use fetch::{Begin, Hit, Miss, Refresh};
+pub use store::{Fill, Lifetime};
+
+use journal::Journal;
+
+/// A two-tier cache engine. Cheap to clone: clones share everything.
+///
+/// ```
+/// use std::time::Duration;
+/// use tiercache_core::{CacheKey, Policy, TieredCache, Value};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let cache = TieredCache::builder().l1_capacity(64 * 1024 * 1024).build()?;
+/// let policy = Policy::ttl(Duration::from_secs(30)).build()?;
+/// let key = CacheKey::new("user:7");
+/// cache.put(&key, Value::from_body("hello"), &policy);
+/// assert_eq!(cache.get(&key).await.unwrap().body, "hello");
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct TieredCache {
+    inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) l1: L1,
+    l2: Option<Arc<dyn Tier>>,
+    flights: Arc<Flights>,
+    clock: Arc<dyn Clock>,
+    counters: Arc<Counters>,
+    rng: Mutex<SmallRng>,
+    /// Keys whose last response could not be shared, until when (hit-for-miss).
+    uncacheable: moka::sync::Cache<KeyHash, SystemTime>,
+    /// Tag → the keys this instance stored with it (tag invalidation without L2).
+    tags: moka::sync::Cache<Bytes, Arc<Mutex<HashSet<KeyHash>>>>,
+    /// Recent invalidations, so a fill they overtook is not stored.
+    journal: Journal,
+}
+
+impl fmt::Debug for TieredCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TieredCache")
+            .field("l1", &self.inner.l1)
+            .field("l2", &self.inner.l2)
+            .finish()
+    }
+}
+
+impl TieredCache {
+    /// Starts building an engine.
+    pub fn builder() -> TieredCacheBuilder {
+        TieredCacheBuilder::default()
+    }
+
+    /// The engine's clock reading: every freshness decision is made on it.
+    pub fn now(&self) -> SystemTime {
+        self.inner.clock.now()
+    }
+
+    /// Counts a request that skipped the cache before reaching the engine,
+    /// by reason (a static token such as `cookie`, `authorization`, `method`).
+    pub fn record_bypass(&self, reason: &'static str) {
+        self.inner.counters.bypass(reason);
+    }
+
+    /// Hits (any tier, stale included) over lookups so far.
+    pub fn hit_ratio(&self) -> f64 {
+        self.inner.counters.hit_ratio()
+    }
+
+    /// A snapshot of every counter.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let cache = tiercache_core::TieredCache::builder().build().unwrap();
+    /// assert_eq!(cache.stats().misses, 0);
+    /// # }
+    /// ```
+    pub fn stats(&self) -> Stats {
+        let l2 = self
+            .inner
+            .l2
+            .as_ref()
+            .map(|t| t.report())
+            .unwrap_or_default();
+        self.inner.counters.snapshot(l2)
+    }
+
+    /// Runs one sweep now: reclaims every entry past its hard expiry on the
+    /// engine's clock. Returns how many were reclaimed.
+    pub fn sweep(&self) -> u64 {
+        self.inner.sweep()
+    }
+
+    /// Entries in L1 (after pending housekeeping).
+    pub fn l1_entry_count(&self) -> u64 {
+        self.inner.l1.run_pending_tasks();
+        self.inner.l1.entry_count()
+    }
+
+    /// Bytes held by L1, as weighed (after pending housekeeping).
+    pub fn l1_weighted_size(&self) -> u64 {
+        self.inner.l1.run_pending_tasks();
+        self.inner.l1.weighted_size()
+    }
+
+    /// Records in L1's expiry index (bounded by about twice the entries).
+    pub fn l1_index_records(&self) -> usize {
+        self.inner.l1.index_records()
+    }
+
+    /// Whether this instance's L1 holds an entry for `key`, fresh or stale
+    /// (dead ones excepted), without reading L2 or counting anything.
+    pub fn l1_contains(&self, key: &crate::CacheKey) -> bool {
+        self.peek(key, self.now()).is_some()
+    }
+
+    /// Drops `key` from this instance's L1 only: L2 and the other instances
+    /// keep their copies (to free memory, or to make the next read go to L2).
+    /// To remove a value everywhere, [`invalidate`](Self::invalidate) it.
+    pub fn forget_local(&self, key: &crate::CacheKey) {
+        self.inner.l1.invalidate(&key.hash());
+    }
+
+    /// Keys with an origin load in flight right now.
+    pub fn in_flight(&self) -> usize {
+        self.inner.flights.in_flight()
+    }
+}
+
+impl Inner {
+    fn sweep(&self) -> u64 {
+        let reclaimed = self.l1.sweep();
+        self.uncacheable.run_pending_tasks();
+        bump(&self.counters.sweeps);
+        reclaimed
+    }
+}
+
+#[cfg(test)]
+impl TieredCache {
+    pub(crate) fn inner_for_tests(&self) -> &Inner {
+        &self.inner
+    }
+}

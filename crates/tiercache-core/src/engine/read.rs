@@ -1,0 +1,173 @@
+//! Reads: L1 with its freshness and XFetch, L2 with promotion under the
+//! server's remaining TTL.
+
+use std::time::{Duration, SystemTime};
+
+use rand::Rng;
+
+use super::TieredCache;
+use super::journal::Footprint;
+use crate::stats::bump;
+use crate::{CacheKey, Entry, Freshness, Policy, Select};
+
+/// What L1 holds for a request.
+#[derive(Debug)]
+pub(crate) enum Lookup {
+    /// A fresh entry: answer it (`refresh`: XFetch fired).
+    Fresh {
+        entry: Entry,
+        remaining: Duration,
+        refresh: bool,
+    },
+    /// Stale, inside stale-while-revalidate: answer it and refresh.
+    Stale { entry: Entry },
+    /// Fresh, but it must be revalidated before any use (`no-cache`).
+    Revalidate { entry: Entry },
+    /// Nothing to answer with. `fallback`: a stale entry inside
+    /// stale-if-error, or one to revalidate.
+    Miss { fallback: Option<Entry> },
+}
+
+impl TieredCache {
+    /// The L1 entry under `key` that `select` accepts, whatever its
+    /// freshness (dead ones excepted), without counting anything.
+    pub(crate) fn peek(&self, key: &CacheKey, now: SystemTime) -> Option<Entry> {
+        self.inner
+            .l1
+            .get(&key.hash(), now)
+            .filter(|e| e.key() == key.full())
+    }
+
+    /// Looks `key` up in L1 as of `now`. A dead entry is removed (lazy
+    /// expiry). An entry `select` refuses is a miss. A fresh entry is an L1
+    /// hit (counted), with `refresh` set when XFetch fires; a stale one
+    /// inside stale-while-revalidate is [`Lookup::Stale`]; past that but
+    /// inside stale-if-error it comes back as the miss's fallback.
+    pub(crate) fn lookup_at(
+        &self,
+        key: &CacheKey,
+        now: SystemTime,
+        policy: &Policy,
+        select: &impl Select,
+    ) -> Lookup {
+        let Some(entry) = self.peek(key, now) else {
+            return Lookup::Miss { fallback: None };
+        };
+        if !select.accepts(&entry) {
+            return Lookup::Miss { fallback: None };
+        }
+        match entry.freshness(now) {
+            Freshness::Fresh(_) if select.must_revalidate(&entry) => Lookup::Revalidate { entry },
+            Freshness::Fresh(remaining) => {
+                bump(&self.inner.counters.hits_l1);
+                let refresh = self.xfetch_fires(&entry, remaining, policy.beta());
+                if refresh {
+                    bump(&self.inner.counters.early_refreshes);
+                }
+                Lookup::Fresh {
+                    entry,
+                    remaining,
+                    refresh,
+                }
+            }
+            Freshness::Stale => Lookup::Stale { entry },
+            Freshness::StaleIfError => Lookup::Miss {
+                fallback: Some(entry),
+            },
+            Freshness::Dead => Lookup::Miss { fallback: None },
+        }
+    }
+
+    /// XFetch (Vattani et al., VLDB 2015): fire when `δ·β·(−ln u) ≥ remaining`,
+    /// `u` uniform in (0, 1]. The probability is `exp(−remaining/(δβ))`; far
+    /// from expiry it is below 1e-17 and no random number is drawn.
+    fn xfetch_fires(&self, entry: &Entry, remaining: Duration, beta: f64) -> bool {
+        let scale = entry.origin_latency().as_secs_f64() * beta;
+        if scale <= 0.0 || remaining.as_secs_f64() > 40.0 * scale {
+            return false;
+        }
+        let u: f64 = 1.0
+            - self
+                .inner
+                .rng
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .random::<f64>();
+        scale * -u.ln() >= remaining.as_secs_f64()
+    }
+
+    /// Reads `key` from the shared tier, if there is one; a fresh hit that
+    /// `accept` agrees with is promoted to L1 for no longer than the tier's
+    /// remaining TTL, unless an invalidation since `epoch` covers it. Tier
+    /// errors are counted and read as a miss.
+    pub(crate) async fn lookup_l2(
+        &self,
+        key: &CacheKey,
+        epoch: u64,
+        accept: impl FnOnce(&Entry) -> bool,
+    ) -> Option<Entry> {
+        let l2 = self.inner.l2.as_ref()?;
+        let hit = match l2.get(key).await {
+            Ok(Some(hit)) => hit,
+            Ok(None) => return None,
+            Err(e) => {
+                bump(&self.inner.counters.l2_errors);
+                if e.is_timeout() {
+                    bump(&self.inner.counters.l2_timeouts);
+                }
+                return None;
+            }
+        };
+        let now = self.now();
+        if hit.entry.key() != key.full()
+            || !matches!(hit.entry.freshness(now), Freshness::Fresh(_))
+            || !accept(&hit.entry)
+        {
+            return None;
+        }
+        let until = now
+            .checked_add(hit.remaining)
+            .unwrap_or(hit.entry.times().hard_until);
+        let promoted = Entry::new(
+            hit.entry.key().clone(),
+            hit.entry.variant().clone(),
+            hit.entry.value().clone(),
+            hit.entry.times().capped(until),
+            hit.entry.origin_latency(),
+        );
+        let hashes = [key.hash()];
+        let fulls = [key.full().as_ref()];
+        let footprint = Footprint {
+            hashes: &hashes,
+            fulls: &fulls,
+            tags: &[],
+        };
+        // Read before an invalidation landed: the copy may be the one it removed.
+        self.inner.journal.unless_overtaken(epoch, &footprint, || {
+            self.inner.l1.insert(key.hash(), promoted.clone());
+        })?;
+        Some(promoted)
+    }
+
+    /// The L2 entry that may answer a request: under `key`; when that is
+    /// another variant, under the key its variant names give (the latest
+    /// under `key` is promoted either way, so the next request finds the
+    /// names in L1).
+    pub(crate) async fn read_l2(
+        &self,
+        requested: &CacheKey,
+        flight: &CacheKey,
+        epoch: u64,
+        select: &impl Select,
+    ) -> Option<Entry> {
+        if flight != requested {
+            return self.lookup_l2(flight, epoch, |e| select.accepts(e)).await;
+        }
+        let latest = self.lookup_l2(requested, epoch, |_| true).await?;
+        if select.accepts(&latest) {
+            return Some(latest);
+        }
+        let key = select.variant_key(requested, &latest)?;
+        self.lookup_l2(&key, epoch, |e| select.accepts(e)).await
+    }
+}

@@ -1,0 +1,291 @@
+//! What a fill becomes: its lifetime drawn from the policy, an entry in L1
+//! and (queued) in L2, recorded under its tags; unless an invalidation
+//! overtook it.
+
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+
+use super::TieredCache;
+use super::journal::Footprint;
+use crate::{CacheKey, Entry, KeyHash, Policy, Times, Value};
+
+/// Where a fill's fresh lifetime comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lifetime {
+    /// The route's ttl, jittered both ways.
+    Route,
+    /// The route's negative ttl (404, 410), jittered both ways.
+    Negative,
+    /// Declared by the origin (what is left of it): jitter only shortens it.
+    Declared(Duration),
+}
+
+/// A value to store, with what the engine needs besides the policy.
+///
+/// ```
+/// use std::time::Duration;
+/// use tiercache_core::{Fill, Lifetime, Value};
+///
+/// let fill = Fill::new(Value::from_body("report"))
+///     .lifetime(Lifetime::Declared(Duration::from_secs(60)))
+///     .origin_latency(Duration::from_millis(40))
+///     .tags(vec!["reports".into()]);
+/// # let _ = fill;
+/// ```
+#[derive(Debug, Clone)]
+pub struct Fill {
+    pub(crate) value: Value,
+    variant: Bytes,
+    origin_latency: Duration,
+    lifetime: Lifetime,
+    stale_while_revalidate: Option<Duration>,
+    stale_if_error: Option<Duration>,
+    no_stale: bool,
+    initial_age: Duration,
+    tags: Vec<Bytes>,
+    under: Vec<CacheKey>,
+}
+
+impl Fill {
+    /// A fill of `value`, no variant, zero origin latency, the route's ttl.
+    pub fn new(value: Value) -> Self {
+        Self {
+            value,
+            variant: Bytes::new(),
+            origin_latency: Duration::ZERO,
+            lifetime: Lifetime::Route,
+            stale_while_revalidate: None,
+            stale_if_error: None,
+            no_stale: false,
+            initial_age: Duration::ZERO,
+            tags: Vec::new(),
+            under: Vec::new(),
+        }
+    }
+
+    /// Tags (surrogate keys) to record the entry under, for
+    /// [`TieredCache::invalidate_tag`].
+    pub fn tags(mut self, tags: Vec<Bytes>) -> Self {
+        self.tags = tags;
+        self
+    }
+
+    /// Where the fresh lifetime comes from (default: the route's ttl).
+    pub fn lifetime(mut self, lifetime: Lifetime) -> Self {
+        self.lifetime = lifetime;
+        self
+    }
+
+    /// The origin's own stale windows (RFC 5861), overriding the policy's.
+    pub fn stale_windows(
+        mut self,
+        while_revalidate: Option<Duration>,
+        if_error: Option<Duration>,
+    ) -> Self {
+        self.stale_while_revalidate = while_revalidate;
+        self.stale_if_error = if_error;
+        self
+    }
+
+    /// Never serve this entry stale (the origin said `must-revalidate`,
+    /// `proxy-revalidate` or `no-cache`).
+    pub fn no_stale(mut self, on: bool) -> Self {
+        self.no_stale = on;
+        self
+    }
+
+    /// The age the origin reported (`Age`), so stored ages count from its answer.
+    pub fn initial_age(mut self, age: Duration) -> Self {
+        self.initial_age = age;
+        self
+    }
+
+    /// The variant bytes a reader must match (see [`Entry::variant`]).
+    pub fn variant(mut self, variant: Bytes) -> Self {
+        self.variant = variant;
+        self
+    }
+
+    /// How long the origin took to produce the value (δ).
+    pub fn origin_latency(mut self, took: Duration) -> Self {
+        self.origin_latency = took;
+        self
+    }
+
+    /// Stores the entry under `key` instead of the key that was fetched;
+    /// called again, under each key given (the HTTP layer keeps a `Vary`
+    /// variant under the URL's key and under its own). The first is the
+    /// entry that answers.
+    pub fn store_under(mut self, key: CacheKey) -> Self {
+        self.under.push(key);
+        self
+    }
+
+    /// Adds `tags` to the fill's own (once each).
+    pub(crate) fn add_tags(mut self, tags: &[Bytes]) -> Self {
+        for tag in tags {
+            if !self.tags.contains(tag) {
+                self.tags.push(tag.clone());
+            }
+        }
+        self
+    }
+
+    pub(crate) fn origin_latency_unset(&self) -> bool {
+        self.origin_latency.is_zero()
+    }
+
+    /// The value.
+    pub fn value(&self) -> &Value {
+        &self.value
+    }
+}
+
+impl From<Value> for Fill {
+    fn from(value: Value) -> Self {
+        Fill::new(value)
+    }
+}
+
+/// The latest time the engine stores: far past any lifetime a validated
+/// policy or a clamped origin lifetime reaches, and inside `SystemTime`.
+fn later(t: SystemTime, d: Duration) -> SystemTime {
+    t.checked_add(d)
+        .unwrap_or_else(|| SystemTime::UNIX_EPOCH + Duration::from_secs(1 << 40))
+}
+
+impl TieredCache {
+    /// Stores `fill` under `key` (or the keys it names, see
+    /// [`Fill::store_under`]) in L1 and, queued, in L2, unless an invalidation recorded since
+    /// `epoch` covers it. Returns the entry under `key` and whether it was
+    /// stored. The fresh lifetime is drawn now from the policy's jitter band
+    /// (or, for a lifetime the origin declared, from below it); the stale
+    /// windows follow it; L2's `PX` is the whole hard lifetime.
+    pub(crate) fn store_since(
+        &self,
+        key: &CacheKey,
+        fill: Fill,
+        policy: &Policy,
+        epoch: u64,
+    ) -> (Entry, bool) {
+        let now = self.now();
+        let (times, l2_ttl) = self.times_for(&fill, policy, now);
+        let entry = |key: &CacheKey| {
+            Entry::new(
+                key.full().clone(),
+                fill.variant.clone(),
+                fill.value.clone(),
+                times,
+                fill.origin_latency,
+            )
+        };
+        let mut under = fill.under.iter();
+        let key = under.next().unwrap_or(key);
+        let main = entry(key);
+        let extra: Vec<(CacheKey, Entry)> = under
+            .filter(|k| *k != key)
+            .map(|k| (k.clone(), entry(k)))
+            .collect();
+        let hashes: Vec<KeyHash> = std::iter::once(key.hash())
+            .chain(extra.iter().map(|(k, _)| k.hash()))
+            .collect();
+        let fulls: Vec<&[u8]> = std::iter::once(key.full().as_ref())
+            .chain(extra.iter().map(|(k, _)| k.full().as_ref()))
+            .collect();
+        let footprint = Footprint {
+            hashes: &hashes,
+            fulls: &fulls,
+            tags: &fill.tags,
+        };
+        let stored = self
+            .inner
+            .journal
+            .unless_overtaken(epoch, &footprint, || {
+                for (k, e) in &extra {
+                    self.insert(k, e.clone(), l2_ttl, &fill.tags);
+                }
+                self.insert(key, main.clone(), l2_ttl, &fill.tags);
+            })
+            .is_some();
+        (main, stored)
+    }
+
+    /// Stores `fill` now, whatever came before (the programmatic `put`).
+    pub(crate) fn store_now(&self, key: &CacheKey, fill: Fill, policy: &Policy) -> Entry {
+        let epoch = self.inner.journal.epoch();
+        self.store_since(key, fill, policy, epoch).0
+    }
+
+    /// An answer that is shared but not stored: fresh for no time.
+    pub(crate) fn transient(&self, key: &CacheKey, value: Value, took: Duration) -> Entry {
+        let now = self.now();
+        Entry::new(
+            key.full().clone(),
+            Bytes::new(),
+            value,
+            Times::fresh(now, now),
+            took,
+        )
+    }
+
+    fn times_for(&self, fill: &Fill, policy: &Policy, now: SystemTime) -> (Times, Duration) {
+        let fresh = {
+            let mut rng = self.inner.rng.lock().unwrap_or_else(|e| e.into_inner());
+            match fill.lifetime {
+                super::Lifetime::Route => policy.draw_ttl(&mut *rng),
+                super::Lifetime::Negative => policy.draw_negative_ttl(&mut *rng),
+                // An origin may declare any lifetime; no entry outlives a year.
+                super::Lifetime::Declared(d) => {
+                    policy.draw_origin_ttl(d.min(crate::MAX_TTL), &mut *rng)
+                }
+            }
+        };
+        // A negative entry is not served stale on the route's say-so: the
+        // resource may exist by now. Only the origin's own windows apply.
+        let (route_swr, route_sie) = match fill.lifetime {
+            super::Lifetime::Negative => (Duration::ZERO, Duration::ZERO),
+            _ => (policy.swr_window(), policy.sie_window()),
+        };
+        let (swr, sie) = if fill.no_stale {
+            (Duration::ZERO, Duration::ZERO)
+        } else {
+            (
+                fill.stale_while_revalidate
+                    .unwrap_or(route_swr)
+                    .min(crate::MAX_TTL),
+                fill.stale_if_error.unwrap_or(route_sie).min(crate::MAX_TTL),
+            )
+        };
+        let fresh_until = later(now, fresh);
+        let times = Times {
+            created_at: now.checked_sub(fill.initial_age).unwrap_or(now),
+            fresh_until,
+            stale_until: later(fresh_until, swr),
+            error_until: later(fresh_until, sie),
+            hard_until: later(fresh_until, swr.max(sie)),
+        };
+        (times, fresh + swr.max(sie))
+    }
+
+    /// Puts `entry` in L1 and (queued) in L2 under `key`, records it under
+    /// `tags`, and clears any hit-for-miss mark. Callers hold the journal's
+    /// lock (see [`store_since`](Self::store_since)) or renew an entry.
+    pub(crate) fn insert(&self, key: &CacheKey, entry: Entry, l2_ttl: Duration, tags: &[Bytes]) {
+        self.inner.uncacheable.invalidate(&key.hash());
+        if let Some(l2) = &self.inner.l2 {
+            l2.put(key, &entry, l2_ttl, tags);
+        }
+        for tag in tags {
+            let keys = self.inner.tags.get_with(tag.clone(), Default::default);
+            let mut keys = keys.lock().unwrap_or_else(|e| e.into_inner());
+            if keys.len() < Self::MAX_KEYS_PER_TAG {
+                keys.insert(key.hash());
+            }
+        }
+        self.inner.l1.insert(key.hash(), entry);
+    }
+
+    /// Keys remembered per tag in this process (the shared tier keeps its own index).
+    const MAX_KEYS_PER_TAG: usize = 100_000;
+}

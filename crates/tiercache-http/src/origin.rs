@@ -1,0 +1,454 @@
+//! [`HttpOrigin`]: the wrapped service as the engine's [`Origin`]. It calls
+//! the service and turns its response into data the engine acts on: store
+//! it (with the lifetime the HTTP rules give), share it with the waiting
+//! requests without storing it (an origin error any client may see), or pass
+//! it to this request alone, its body streaming.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::header::{
+    ETAG, HeaderName, HeaderValue, IF_MATCH, IF_MODIFIED_SINCE, IF_NONE_MATCH, IF_RANGE,
+    IF_UNMODIFIED_SINCE, LAST_MODIFIED,
+};
+use http::{HeaderMap, Method, Request, Response, StatusCode, response};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use tiercache_core::{CacheKey, Entry, Event, Fill, Lifetime, Loaded, Origin, Select, Value};
+use tower::{Service, ServiceExt};
+
+use crate::body::{BoxError, CacheBody};
+use crate::cache_control::targeted;
+use crate::cacheable::{
+    Reason, content_length, response_shareable, response_storable, status_heuristic,
+};
+use crate::freshness::OriginFreshness;
+use crate::headers::{self, strip_hop_by_hop};
+use crate::key::{family_tag, variant_for, variant_key};
+use crate::route::Route;
+
+/// A response the origin gave this request alone, and why it was not stored.
+pub(crate) type Passed<B> = (Response<CacheBody<B>>, Reason);
+
+/// One request's way to the origin: the wrapped service and the request.
+pub(crate) struct HttpOrigin<S, ReqB> {
+    pub(crate) route: Arc<Route>,
+    pub(crate) inner: S,
+    pub(crate) req: Request<ReqB>,
+    /// The URL's key (variant keys derive from it; hit-for-miss marks it).
+    pub(crate) primary: CacheKey,
+    pub(crate) credentialed: bool,
+}
+
+impl<S, ReqB> Select for HttpOrigin<S, ReqB> {
+    fn accepts(&self, entry: &Entry) -> bool {
+        self.route.fits(entry, self.req.headers())
+    }
+
+    fn variant_key(&self, requested: &CacheKey, latest: &Entry) -> Option<CacheKey> {
+        self.route
+            .variant_key(requested, latest, self.req.headers())
+    }
+
+    fn must_revalidate(&self, entry: &Entry) -> bool {
+        self.route.must_revalidate(entry)
+    }
+
+    fn observe(&self, event: Event) {
+        self.route.observe(event);
+    }
+}
+
+impl<S, ReqB, ResB> Origin for HttpOrigin<S, ReqB>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqB: Send + 'static,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    type Output = Passed<ResB>;
+    type Error = S::Error;
+
+    async fn load(self, stale: Option<Entry>) -> Result<Loaded<Passed<ResB>>, S::Error> {
+        let HttpOrigin {
+            route,
+            inner,
+            req,
+            primary,
+            credentialed,
+        } = self;
+        let req = as_get(req);
+        let req = match &stale {
+            Some(stale) => with_validators(req, stale),
+            None => req,
+        };
+        let load = Load {
+            route: &route,
+            primary: &primary,
+            credentialed,
+            request_headers: req.headers().clone(),
+            started: tokio::time::Instant::now(),
+        };
+        let res = match inner.oneshot(req).await {
+            Ok(res) => res,
+            Err(e) => {
+                route.metrics.origin(load.started.elapsed());
+                return Err(e);
+            }
+        };
+        Ok(load.answer(res, stale.as_ref()).await)
+    }
+}
+
+/// What one origin call needs to judge its answer.
+struct Load<'a> {
+    route: &'a Route,
+    primary: &'a CacheKey,
+    credentialed: bool,
+    request_headers: HeaderMap,
+    started: tokio::time::Instant,
+}
+
+impl Load<'_> {
+    /// Turns the origin's response into what the engine does with it: a 304
+    /// to a revalidation renews `revalidating`; a response that may be
+    /// shared is stored, with the lifetime the origin declares (unless the
+    /// route overrides it), the route's ttl, or the negative ttl for
+    /// 404/410; an origin error any client may see is shared with the
+    /// waiting requests; anything else is this request's alone, and marks
+    /// the key uncacheable for a while (hit-for-miss) when the reason is the
+    /// resource's.
+    async fn answer<ResB>(
+        self,
+        res: Response<ResB>,
+        revalidating: Option<&Entry>,
+    ) -> Loaded<Passed<ResB>>
+    where
+        ResB: Body<Data = Bytes>,
+        ResB::Error: Into<BoxError>,
+    {
+        let route = self.route;
+        let (parts, body) = res.into_parts();
+        if parts.status == StatusCode::NOT_MODIFIED
+            && let Some(stale) = revalidating
+        {
+            let took = self.started.elapsed();
+            route.metrics.origin(took);
+            return Loaded::Store(renew(route, stale, &parts.headers, took));
+        }
+        let cache_control = targeted(&parts.headers, &route.config.targets);
+        let safe = response_storable(
+            parts.status,
+            &parts.headers,
+            &cache_control,
+            self.credentialed,
+        );
+        let shareable = response_shareable(
+            parts.status,
+            &parts.headers,
+            &cache_control,
+            self.credentialed,
+        );
+        let checked = safe.and_then(|()| fill_for(route, &cache_control, parts.status));
+        drop(cache_control);
+        let plan = match checked {
+            Ok(plan) => plan,
+            Err(reason) if shareable => return self.share(parts, body, reason).await,
+            Err(reason) => return self.pass(parts, CacheBody::stream(body), reason),
+        };
+        let variant = variant_for(&parts.headers, &self.request_headers);
+        let varied = (!variant.is_empty()).then(|| variant_key(self.primary, &variant));
+        if let Some(key) = &varied
+            && !route
+                .variants
+                .admit(self.primary, key, route.config.max_variants)
+        {
+            return self.pass(parts, CacheBody::stream(body), Reason::VaryLimit);
+        }
+        let (body, total) = match self.read(&parts, body).await {
+            Ok(read) => read,
+            Err((body, reason)) => return self.pass(parts, body, reason),
+        };
+        let took = self.started.elapsed();
+        route.metrics.origin(took);
+        let tags = tags_for(route, &parts.headers, varied.as_ref().map(|_| self.primary));
+        let value = headers::to_value(parts.status, &parts.headers, concat(body, total));
+        let mut fill = plan
+            .fill(value)
+            .variant(variant)
+            .origin_latency(took)
+            .tags(tags);
+        // Stored as the URL's latest response under the primary key (whose
+        // `Vary` names lead to the rest), and a variant under its own key.
+        fill = fill.store_under(self.primary.clone());
+        if let Some(key) = varied {
+            fill = fill.store_under(key);
+        }
+        Loaded::Store(fill)
+    }
+
+    /// Reads the body within `max_body`; what cannot be stored (too large,
+    /// trailers, a read error) comes back as a body that replays what was
+    /// read and streams the rest, untouched.
+    async fn read<ResB>(
+        &self,
+        parts: &response::Parts,
+        body: ResB,
+    ) -> Result<(VecDeque<Frame<Bytes>>, usize), (CacheBody<ResB>, Reason)>
+    where
+        ResB: Body<Data = Bytes>,
+        ResB::Error: Into<BoxError>,
+    {
+        let max = self.route.config.max_body;
+        if content_length(&parts.headers).is_some_and(|len| len > max as u64) {
+            return Err((CacheBody::stream(body), Reason::TooLarge));
+        }
+        let mut body = Box::pin(body);
+        let mut frames: VecDeque<Frame<Bytes>> = VecDeque::new();
+        let mut total = 0usize;
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(frame) => {
+                    let Some(data) = frame.data_ref() else {
+                        // Trailers cannot be stored: replay what was read, untouched.
+                        frames.push_back(frame);
+                        return Err((CacheBody::replay(frames, None, Some(body)), Reason::Body));
+                    };
+                    total += data.len();
+                    frames.push_back(frame);
+                    if total > max {
+                        return Err((
+                            CacheBody::replay(frames, None, Some(body)),
+                            Reason::TooLarge,
+                        ));
+                    }
+                }
+                Err(e) => {
+                    return Err((
+                        CacheBody::replay(frames, Some(e.into()), None),
+                        Reason::Body,
+                    ));
+                }
+            }
+        }
+        Ok((frames, total))
+    }
+
+    /// An origin error any client may see: read it whole and share it with
+    /// the requests waiting on this load (they would otherwise each call
+    /// the failing origin); too large to hold, it is this request's alone.
+    async fn share<ResB>(
+        self,
+        parts: response::Parts,
+        body: ResB,
+        reason: Reason,
+    ) -> Loaded<Passed<ResB>>
+    where
+        ResB: Body<Data = Bytes>,
+        ResB::Error: Into<BoxError>,
+    {
+        match self.read(&parts, body).await {
+            Ok((frames, total)) => {
+                let took = self.started.elapsed();
+                self.route.metrics.origin(took);
+                self.route.metrics.not_stored(reason);
+                let value = headers::to_value(parts.status, &parts.headers, concat(frames, total));
+                Loaded::Share {
+                    value,
+                    failed: is_origin_error(parts.status),
+                }
+            }
+            Err((body, _)) => self.pass(parts, body, reason),
+        }
+    }
+
+    fn pass<ResB>(
+        &self,
+        parts: response::Parts,
+        body: CacheBody<ResB>,
+        reason: Reason,
+    ) -> Loaded<Passed<ResB>> {
+        self.route.metrics.origin(self.started.elapsed());
+        self.route.metrics.not_stored(reason);
+        let uncacheable =
+            reason.marks_key() && (parts.status.is_success() || parts.status.is_redirection());
+        let failed = is_origin_error(parts.status);
+        Loaded::Pass {
+            output: (Response::from_parts(parts, body), reason),
+            failed,
+            uncacheable,
+        }
+    }
+}
+
+/// 500, 502, 503, 504: the statuses stale-if-error answers for (RFC 5861 §4).
+fn is_origin_error(status: StatusCode) -> bool {
+    matches!(status.as_u16(), 500 | 502 | 503 | 504)
+}
+
+/// The request with the client's conditionals replaced by the stale entry's
+/// validators, so a 304 can renew it without a body.
+fn with_validators<B>(req: Request<B>, stale: &Entry) -> Request<B> {
+    let (mut parts, body) = req.into_parts();
+    for name in [
+        IF_NONE_MATCH,
+        IF_MODIFIED_SINCE,
+        IF_MATCH,
+        IF_UNMODIFIED_SINCE,
+        IF_RANGE,
+    ] {
+        parts.headers.remove(name);
+    }
+    let stored = |name: &HeaderName| {
+        stale
+            .value()
+            .headers
+            .iter()
+            .find(|(n, _)| n.as_ref() == name.as_str().as_bytes())
+            .and_then(|(_, v)| HeaderValue::from_maybe_shared(v.clone()).ok())
+    };
+    if let Some(etag) = stored(&ETAG) {
+        parts.headers.insert(IF_NONE_MATCH, etag);
+    }
+    if let Some(modified) = stored(&LAST_MODIFIED) {
+        parts.headers.insert(IF_MODIFIED_SINCE, modified);
+    }
+    Request::from_parts(parts, body)
+}
+
+/// How a response is stored: its lifetime and what the origin said.
+#[derive(Clone, Copy)]
+struct Plan {
+    lifetime: Lifetime,
+    origin: OriginFreshness,
+}
+
+impl Plan {
+    fn fill(self, value: Value) -> Fill {
+        Fill::new(value)
+            .lifetime(self.lifetime)
+            .stale_windows(
+                self.origin.stale_while_revalidate,
+                self.origin.stale_if_error,
+            )
+            .no_stale(self.origin.no_stale)
+            .initial_age(self.origin.age)
+    }
+}
+
+/// How a response with these headers (`Cache-Control` already the targeted
+/// field, if any) is stored, or why it is not: the origin's lifetime (unless
+/// the route overrides it; for errors always, capped at `max_error_ttl`),
+/// the negative ttl for 404/410, the route's ttl for the heuristically
+/// cacheable statuses (unless only explicit freshness is stored).
+fn fill_for(route: &Route, headers: &HeaderMap, status: StatusCode) -> Result<Plan, Reason> {
+    let origin = OriginFreshness::parse(headers, route.engine.now());
+    let error = status.is_client_error() || status.is_server_error();
+    let heuristic = route.config.heuristic;
+    let lifetime = match origin.remaining() {
+        Some(left) if error || !route.policy.overrides_origin() => {
+            if left.is_zero() {
+                return Err(Reason::NotFresh);
+            }
+            if error {
+                Lifetime::Declared(left.min(route.config.max_error_ttl))
+            } else {
+                Lifetime::Declared(left)
+            }
+        }
+        _ if heuristic && matches!(status.as_u16(), 404 | 410) => Lifetime::Negative,
+        _ if heuristic && status_heuristic(status) => Lifetime::Route,
+        Some(_) if !error => Lifetime::Route,
+        _ => return Err(Reason::NoFreshness),
+    };
+    Ok(Plan { lifetime, origin })
+}
+
+/// A 304 renews `stale`: its headers updated from the 304's (RFC 9111
+/// §4.3.4; framing fields kept), its body unchanged, a new lifetime drawn.
+fn renew(route: &Route, stale: &Entry, not_modified: &HeaderMap, took: Duration) -> Fill {
+    let old = stale.value();
+    let mut merged = HeaderMap::with_capacity(old.headers.len());
+    for (n, v) in &old.headers {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(n),
+            HeaderValue::from_maybe_shared(v.clone()),
+        ) {
+            merged.append(n, v);
+        }
+    }
+    let mut update = not_modified.clone();
+    strip_hop_by_hop(&mut update);
+    for framing in [http::header::CONTENT_LENGTH, http::header::CONTENT_ENCODING] {
+        update.remove(framing);
+    }
+    for name in update.keys() {
+        merged.remove(name);
+    }
+    for (n, v) in update.iter() {
+        merged.append(n.clone(), v.clone());
+    }
+    let status = StatusCode::from_u16(old.status).unwrap_or(StatusCode::OK);
+    let value = headers::to_value(status, &merged, old.body.clone());
+    let fill = match fill_for(route, &targeted(&merged, &route.config.targets), status) {
+        Ok(plan) => plan.fill(value),
+        Err(_) => Fill::new(value).lifetime(Lifetime::Declared(Duration::from_millis(1))),
+    };
+    // Renewed where it was stored (its primary or its variant key).
+    let tags = tags_for(route, &merged, None);
+    fill.variant(stale.variant().clone())
+        .origin_latency(took)
+        .tags(tags)
+        .store_under(CacheKey::from_full(stale.key().clone()))
+}
+
+/// The tags a response is recorded under: the route's, those its
+/// `Surrogate-Key` header lists (space separated), and for a `Vary`ing URL
+/// its family tag.
+fn tags_for(route: &Route, headers: &HeaderMap, family: Option<&CacheKey>) -> Vec<Bytes> {
+    let mut tags: Vec<Bytes> = route.policy.tags().to_vec();
+    for value in headers.get_all(SURROGATE_KEY) {
+        for tag in value.as_bytes().split(|b| b.is_ascii_whitespace()) {
+            if !tag.is_empty() && tags.len() < MAX_TAGS {
+                tags.push(Bytes::copy_from_slice(tag));
+            }
+        }
+    }
+    tags.extend(family.map(family_tag));
+    tags.sort_unstable();
+    tags.dedup();
+    tags
+}
+
+/// The response header naming an entry's tags (surrogate keys).
+pub const SURROGATE_KEY: HeaderName = HeaderName::from_static("surrogate-key");
+/// Most tags one response is recorded under (each costs a write to L2).
+const MAX_TAGS: usize = 32;
+
+fn concat(frames: VecDeque<Frame<Bytes>>, total: usize) -> Bytes {
+    let mut data = frames.into_iter().filter_map(|f| f.into_data().ok());
+    match (data.next(), data.next()) {
+        (None, _) => Bytes::new(),
+        (Some(only), None) => only,
+        (Some(first), Some(second)) => {
+            let mut buf = BytesMut::with_capacity(total);
+            buf.extend_from_slice(&first);
+            buf.extend_from_slice(&second);
+            data.for_each(|d| buf.extend_from_slice(&d));
+            buf.freeze()
+        }
+    }
+}
+
+/// A HEAD is loaded as a GET so the entry it fills has the body.
+fn as_get<B>(req: Request<B>) -> Request<B> {
+    let (mut parts, body) = req.into_parts();
+    if parts.method == Method::HEAD {
+        parts.method = Method::GET;
+    }
+    Request::from_parts(parts, body)
+}

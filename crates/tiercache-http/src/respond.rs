@@ -1,0 +1,117 @@
+//! Framing: what the engine answered, as the response the client gets, with
+//! the cache's own fields and the route's metrics.
+
+use bytes::Bytes;
+use http::{Response, StatusCode};
+use tiercache_core::{Answer, FetchError, Fetched, Served, Source};
+
+use crate::body::CacheBody;
+use crate::cacheable::{Reason, status_never_stored};
+use crate::headers::{self, Outcome};
+use crate::origin::Passed;
+use crate::route::{Ask, Route};
+
+impl Route {
+    /// The response for what a fetch after an L1 miss answered.
+    pub(crate) fn respond<B, E>(
+        &self,
+        fetched: Result<Fetched<Passed<B>>, FetchError<E>>,
+        ask: &Ask,
+    ) -> Result<Response<CacheBody<B>>, E> {
+        match fetched {
+            Ok(Fetched::Entry(answer)) => Ok(self.answer(&answer, ask)),
+            Ok(Fetched::Passed {
+                output: (mut res, reason),
+                collapsed,
+                hit_for_miss,
+            }) => {
+                if ask.head {
+                    *res.body_mut() = CacheBody::empty();
+                }
+                let outcome = if hit_for_miss {
+                    Outcome::Bypass(Reason::HitForMiss)
+                } else {
+                    self.metrics.served(Source::Origin);
+                    Outcome::Miss {
+                        stored: false,
+                        reason: Some(reason),
+                        collapsed,
+                    }
+                };
+                self.label(res.headers_mut(), &outcome);
+                Ok(res)
+            }
+            Err(FetchError::Origin(e)) => Err(e),
+            Err(FetchError::Panicked(panic)) if panic.is_own() => panic.resume(),
+            Err(FetchError::Panicked(_)) => {
+                self.metrics.served(Source::Origin);
+                Ok(self.error_response(StatusCode::INTERNAL_SERVER_ERROR))
+            }
+            Err(_) => {
+                self.metrics.served(Source::Origin);
+                Ok(self.error_response(StatusCode::BAD_GATEWAY))
+            }
+        }
+    }
+
+    /// The response for an entry the engine answered with.
+    pub(crate) fn answer<B>(&self, answer: &Answer, ask: &Ask) -> Response<CacheBody<B>> {
+        let now = self.engine.now();
+        let entry = &answer.entry;
+        let outcome = match answer.served {
+            Served::Stale(why) => {
+                self.metrics.stale();
+                Outcome::Stale {
+                    detail: why.as_str(),
+                }
+            }
+            Served::Miss { stored } => {
+                self.metrics.served(answer.source);
+                Outcome::Miss {
+                    stored: stored && !answer.collapsed,
+                    reason: None,
+                    collapsed: answer.collapsed,
+                }
+            }
+            // Only origin errors are shared unstored (see `HttpOrigin`).
+            Served::Shared => {
+                self.metrics.served(answer.source);
+                let status = http::StatusCode::from_u16(entry.value().status)
+                    .unwrap_or(StatusCode::BAD_GATEWAY);
+                let reason = if status_never_stored(status) {
+                    Reason::Status
+                } else {
+                    Reason::NoFreshness
+                };
+                Outcome::Miss {
+                    stored: false,
+                    reason: (!answer.collapsed).then_some(reason),
+                    collapsed: answer.collapsed,
+                }
+            }
+            _ => {
+                self.metrics.served(answer.source);
+                Outcome::Hit {
+                    tier: answer.source,
+                    ttl: headers::ttl_left(entry, now),
+                    collapsed: answer.collapsed,
+                }
+            }
+        };
+        self.entry_response(entry, now, ask, &outcome)
+    }
+
+    fn error_response<B>(&self, status: StatusCode) -> Response<CacheBody<B>> {
+        let mut res = Response::new(CacheBody::full(Bytes::from_static(
+            b"the origin failed while loading this resource\n",
+        )));
+        *res.status_mut() = status;
+        let outcome = Outcome::Miss {
+            stored: false,
+            reason: None,
+            collapsed: true,
+        };
+        self.label(res.headers_mut(), &outcome);
+        res
+    }
+}

@@ -1,0 +1,133 @@
+//! [`Route`]: what one annotated route shares across its requests (the
+//! engine, its policy, the layer's settings, its metrics), and the rules that
+//! tell which stored entries answer a request.
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use http::{HeaderMap, Response};
+use tiercache_core::{CacheKey, Entry, Event, Policy, Select, TieredCache};
+
+use crate::body::CacheBody;
+use crate::cacheable::Reason;
+use crate::config::HttpConfig;
+use crate::headers::{self, Outcome};
+use crate::key::{request_variant, variant_key, variant_matches};
+use crate::metrics::RouteMetrics;
+use crate::request::Conditional;
+use crate::variants::Variants;
+
+/// The engine, the route's policy and the layer's settings.
+#[derive(Debug)]
+pub(crate) struct Route {
+    pub(crate) engine: TieredCache,
+    pub(crate) variants: Variants,
+    pub(crate) policy: Arc<Policy>,
+    pub(crate) config: Arc<HttpConfig>,
+    pub(crate) metrics: Arc<RouteMetrics>,
+}
+
+/// What the client asked beyond the resource: a HEAD, its own validators,
+/// whether it sent credentials.
+#[derive(Debug, Clone)]
+pub(crate) struct Ask {
+    pub(crate) head: bool,
+    pub(crate) conditional: Conditional,
+    pub(crate) credentialed: bool,
+}
+
+impl Route {
+    pub(crate) fn bypass(&self, reason: Reason) {
+        self.engine.record_bypass(reason.as_str());
+        self.metrics.bypass(reason);
+    }
+
+    pub(crate) fn label(&self, headers: &mut HeaderMap, outcome: &Outcome) {
+        outcome.trace();
+        if self.config.emit_headers {
+            headers::apply(headers, outcome, self.engine.hit_ratio());
+        }
+    }
+
+    /// The response for `entry`: its stored head and body (or a 304 to a
+    /// client whose validators match), labelled with `outcome`.
+    pub(crate) fn entry_response<B>(
+        &self,
+        entry: &Entry,
+        now: SystemTime,
+        ask: &Ask,
+        outcome: &Outcome,
+    ) -> Response<CacheBody<B>> {
+        outcome.trace();
+        let label = self
+            .config
+            .emit_headers
+            .then(|| (outcome, self.engine.hit_ratio()));
+        let view = headers::view(entry, &self.config.targets);
+        let not_modified = view.not_modified(&ask.conditional);
+        headers::from_entry(entry, &view, now, ask.head, not_modified, label)
+    }
+
+    /// Whether `entry` may answer a request with these headers: its `Vary`
+    /// variant, and its content coding when it was not varied on it.
+    pub(crate) fn fits(&self, entry: &Entry, request: &HeaderMap) -> bool {
+        variant_matches(entry, request)
+            && headers::view(entry, &self.config.targets).encoding_fits(request)
+    }
+
+    /// Whether `entry` must be revalidated before any reuse (`no-cache`).
+    pub(crate) fn must_revalidate(&self, entry: &Entry) -> bool {
+        headers::view(entry, &self.config.targets).revalidate
+    }
+
+    /// The key of this request's variant, when `latest` (the URL's latest
+    /// response) is another variant whose `Vary` names say where to look.
+    pub(crate) fn variant_key(
+        &self,
+        requested: &CacheKey,
+        latest: &Entry,
+        request: &HeaderMap,
+    ) -> Option<CacheKey> {
+        (!latest.variant().is_empty() && !variant_matches(latest, request))
+            .then(|| variant_key(requested, &request_variant(latest, request)))
+    }
+
+    /// Per-route metrics for what the engine did that an answer does not show.
+    pub(crate) fn observe(&self, event: Event) {
+        match event {
+            Event::LockWait(took) => self.metrics.lock_wait(took),
+            Event::LockTimeout => self.metrics.lock_timeout(),
+            _ => {}
+        }
+    }
+}
+
+/// A request as the engine's first step sees it: which entries answer it.
+#[derive(Debug)]
+pub(crate) struct RequestView<'a> {
+    pub(crate) route: &'a Route,
+    pub(crate) headers: &'a HeaderMap,
+    pub(crate) reload: bool,
+}
+
+impl Select for RequestView<'_> {
+    fn accepts(&self, entry: &Entry) -> bool {
+        self.route.fits(entry, self.headers)
+    }
+
+    fn variant_key(&self, requested: &CacheKey, latest: &Entry) -> Option<CacheKey> {
+        self.route.variant_key(requested, latest, self.headers)
+    }
+
+    fn must_revalidate(&self, entry: &Entry) -> bool {
+        self.route.must_revalidate(entry)
+    }
+
+    fn reload(&self) -> bool {
+        self.reload
+    }
+
+    fn observe(&self, event: Event) {
+        self.route.observe(event);
+    }
+}
