@@ -46,14 +46,22 @@ impl fmt::Debug for LockToken {
 pub enum LockAttempt {
     /// This instance holds the lock now.
     Acquired(LockToken),
-    /// Another instance holds it, for at most this much longer.
-    Held(Duration),
+    /// Another instance holds it, for at most this much longer; `holder`
+    /// is its token when the tier tells it (to find what that holder
+    /// shared, see [`Tier::wait_unlock`]).
+    Held {
+        /// How long the lock lives at most.
+        left: Duration,
+        /// The holder's token.
+        holder: Option<LockToken>,
+    },
     /// The tier has no locks (the engine keeps its local single flight only).
     Unsupported,
 }
 
-/// How a wait on another instance's lock ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How a wait on another instance's lock ended (and how an owner
+/// announces its release, [`Tier::unlock`]).
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Unlocked {
     /// The owner stored a fill: read the shared tier.
@@ -61,6 +69,11 @@ pub enum Unlocked {
     /// The owner's response may not be shared (or its load failed): go to
     /// the origin without waiting on anyone.
     Passed,
+    /// The owner's answer may be shared but was not stored (an origin
+    /// error any client may see): here it is, so the fleet's waiting
+    /// instances answer with it instead of each calling the failing origin.
+    /// `true` marks an origin failure (stale-if-error applies).
+    Shared(crate::Entry, bool),
     /// The lock is gone without a word (expired, or released before the
     /// wait began): read the shared tier, then try to lock.
     Gone,
@@ -109,11 +122,12 @@ impl FleetLock {
         }
     }
 
-    /// Releases the lock; `filled` tells the waiting instances whether a
-    /// shareable entry was stored (they read it) or not (they load).
-    pub(crate) fn release(mut self, filled: bool) {
+    /// Releases the lock, telling the waiting instances how the fill ended:
+    /// stored (they read it), shared unstored (they answer with it), or
+    /// neither (they load).
+    pub(crate) fn release(mut self, how: Unlocked) {
         if let Some((tier, key, token)) = self.held.take() {
-            tier.unlock(&key, &token, filled);
+            tier.unlock(&key, &token, how);
         }
     }
 }
@@ -121,7 +135,7 @@ impl FleetLock {
 impl Drop for FleetLock {
     fn drop(&mut self) {
         if let Some((tier, key, token)) = self.held.take() {
-            tier.unlock(&key, &token, false);
+            tier.unlock(&key, &token, Unlocked::Passed);
         }
     }
 }
@@ -134,4 +148,7 @@ pub(crate) enum FleetJoin {
     /// Another instance filled the key while this one waited: its entry,
     /// read from the shared tier and promoted to L1.
     Filled(crate::Entry),
+    /// Another instance's answer, shared but not stored (`true`: an origin
+    /// failure).
+    Shared(crate::Entry, bool),
 }

@@ -248,3 +248,21 @@ async fn expire_and_invalidate() {
     assert!(cache.get(&key).await.is_none());
     assert!(!cache.expire(&key, Duration::from_secs(2)).await);
 }
+
+/// Whatever an origin declares (a lifetime or stale windows far past a
+/// year), storing it neither panics nor overflows the clock.
+#[tokio::test]
+async fn huge_origin_lifetimes_are_clamped_not_a_panic() {
+    let clock = MockClock::new();
+    let cache = engine(&clock, 1);
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    let key = CacheKey::new("k");
+    let fill = Fill::new(Value::from_body("v"))
+        .lifetime(Lifetime::Declared(Duration::MAX))
+        .stale_windows(Some(Duration::MAX), Some(Duration::MAX))
+        .initial_age(Duration::MAX);
+    let entry = cache.put(&key, fill, &policy);
+    let year = Duration::from_secs(365 * 24 * 3600);
+    assert!(entry.remaining_hard(clock.now()) <= year * 2);
+    assert_eq!(state(&cache, &key, &policy), "fresh");
+}

@@ -60,18 +60,22 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
     }
 
     /// Releases a lock this instance holds (only with its token), after the
-    /// writes queued before this call, and wakes the waiting instances.
-    fn unlock(&self, key: &CacheKey, token: &LockToken, filled: bool) {
-        let _ = (key, token, filled);
+    /// writes queued before this call, and tells the waiting instances how
+    /// the fill ended (`Filled`, `Passed`, or `Shared` with the answer).
+    fn unlock(&self, key: &CacheKey, token: &LockToken, how: Unlocked) {
+        let _ = (key, token, how);
     }
 
-    /// Waits at most `timeout` for another instance's lock on `key` to go.
+    /// Waits at most `timeout` for another instance's lock on `key` to go
+    /// (`holder`: the token [`try_lock`](Self::try_lock) reported, so a lock
+    /// found gone is told apart from a later holder's).
     fn wait_unlock<'a>(
         &'a self,
         key: &'a CacheKey,
+        holder: Option<&'a LockToken>,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<Unlocked, TierError>> {
-        let _ = (key, timeout);
+        let _ = (key, holder, timeout);
         Box::pin(async { Ok(Unlocked::Gone) })
     }
 

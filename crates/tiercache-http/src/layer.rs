@@ -6,11 +6,9 @@ use std::time::Duration;
 use http::HeaderName;
 
 use tiercache_core::{IntoPolicy, Policy, PolicyError, TieredCache};
-use tower::Layer;
 
 use crate::config::{Cookies, HttpConfig};
 use crate::metrics::{EngineMetrics, RouteMetrics};
-use crate::service::ResponseCache;
 use crate::variants::Variants;
 
 /// Caches the responses of the service it wraps.
@@ -217,13 +215,5 @@ impl ResponseCacheLayer {
     /// [`Policy::tag`] or a `Surrogate-Key` the origin sent).
     pub async fn invalidate_tag(&self, tag: impl Into<bytes::Bytes>) {
         self.engine.invalidate_tag(tag).await;
-    }
-}
-
-impl<S> Layer<S> for ResponseCacheLayer {
-    type Service = ResponseCache<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        ResponseCache::new(inner, self.clone())
     }
 }

@@ -138,7 +138,7 @@ impl Load<'_> {
         {
             let took = self.started.elapsed();
             route.metrics.origin(took);
-            return Loaded::Store(renew(route, stale, &parts.headers, took));
+            return Loaded::Store(renew(route, stale, &parts.headers));
         }
         let cache_control = targeted(&parts.headers, &route.config.targets);
         let safe = response_storable(
@@ -177,11 +177,8 @@ impl Load<'_> {
         route.metrics.origin(took);
         let tags = tags_for(route, &parts.headers, varied.as_ref().map(|_| self.primary));
         let value = headers::to_value(parts.status, &parts.headers, concat(body, total));
-        let mut fill = plan
-            .fill(value)
-            .variant(variant)
-            .origin_latency(took)
-            .tags(tags);
+        // δ (the origin's time, for XFetch) is measured by the engine.
+        let mut fill = plan.fill(value).variant(variant).tags(tags);
         // Stored as the URL's latest response under the primary key (whose
         // `Vary` names lead to the rest), and a variant under its own key.
         fill = fill.store_under(self.primary.clone());
@@ -370,7 +367,7 @@ fn fill_for(route: &Route, headers: &HeaderMap, status: StatusCode) -> Result<Pl
 
 /// A 304 renews `stale`: its headers updated from the 304's (RFC 9111
 /// §4.3.4; framing fields kept), its body unchanged, a new lifetime drawn.
-fn renew(route: &Route, stale: &Entry, not_modified: &HeaderMap, took: Duration) -> Fill {
+fn renew(route: &Route, stale: &Entry, not_modified: &HeaderMap) -> Fill {
     let old = stale.value();
     let mut merged = HeaderMap::with_capacity(old.headers.len());
     for (n, v) in &old.headers {
@@ -401,7 +398,6 @@ fn renew(route: &Route, stale: &Entry, not_modified: &HeaderMap, took: Duration)
     // Renewed where it was stored (its primary or its variant key).
     let tags = tags_for(route, &merged, None);
     fill.variant(stale.variant().clone())
-        .origin_latency(took)
         .tags(tags)
         .store_under(CacheKey::from_full(stale.key().clone()))
 }

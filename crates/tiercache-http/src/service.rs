@@ -10,7 +10,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
 use tiercache_core::{Begin, Served};
-use tower::Service;
+use tower::{Layer, Service};
 use tracing::Instrument;
 
 use crate::body::{BoxError, CacheBody};
@@ -187,5 +187,13 @@ where
             route.respond(fetched, &ask)
         };
         ResponseFuture::boxed(Box::pin(future.instrument(span)))
+    }
+}
+
+impl<S> Layer<S> for ResponseCacheLayer {
+    type Service = ResponseCache<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ResponseCache::new(inner, self.clone())
     }
 }

@@ -200,18 +200,19 @@ impl Bus {
 
     fn on_message(&self, message: fred::types::Message) {
         let channel: &str = &message.channel;
-        let Some(text) = message.value.as_str() else {
-            return;
-        };
         if channel != self.channel {
-            let how = if text == "1" {
-                Unlocked::Filled
-            } else {
-                Unlocked::Passed
+            let how = match &message.value {
+                fred::types::Value::Integer(1) => Unlocked::Filled,
+                value => value
+                    .as_bytes()
+                    .map_or(Unlocked::Passed, crate::lock::read_unlock_message),
             };
             self.wake(channel, how);
             return;
         }
+        let Some(text) = message.value.as_str() else {
+            return;
+        };
         let Some(decoded) = decode(&text) else {
             return;
         };
@@ -225,7 +226,7 @@ impl Bus {
                     pattern: pattern.clone(),
                     at,
                 },
-                crate::tier::BAN_RETENTION,
+                crate::bans::BAN_RETENTION,
             );
         }
         if let Some(sink) = self.sink() {

@@ -29,9 +29,16 @@
 //! TLS (`rediss://`) uses rustls with the ring provider. This crate has no
 //! features of its own.
 
+mod bans;
 mod breaker;
 mod bus;
 pub mod codec;
+mod config;
+mod invalidate;
+mod lock;
 mod tier;
+mod writer;
 
-pub use tier::{BAN_RETENTION, ValkeyConfig, ValkeyError, ValkeyTier};
+pub use bans::BAN_RETENTION;
+pub use config::{ValkeyConfig, ValkeyError};
+pub use tier::ValkeyTier;

@@ -7,10 +7,9 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use fred::prelude::{
-    Builder, Client, ClientLike, Config, EventInterface, Expiration, HashesInterface,
-    KeysInterface, LuaInterface, PubsubInterface, ReconnectPolicy, SetsInterface, Value,
+    Builder, Client, ClientLike, EventInterface, HashesInterface, KeysInterface, LuaInterface,
+    PubsubInterface, ReconnectPolicy, Value,
 };
-use fred::types::ExpireOptions;
 use rand::Rng;
 use tiercache_core::{
     BoxFuture, CacheKey, Entry, Invalidation, InvalidationSink, KeyHash, LockAttempt, LockToken,
@@ -18,155 +17,13 @@ use tiercache_core::{
 };
 use tokio::sync::mpsc;
 
+use crate::bans::{BAN_RETENTION, bans_key};
 use crate::breaker::Breaker;
 use crate::bus::{self, Ban, Bus};
 use crate::codec;
-
-/// How long a prefix ban is kept: entries it covers that outlive it (ttl
-/// plus stale windows longer than this) could be read from L2 again.
-pub const BAN_RETENTION: Duration = Duration::from_secs(24 * 3600);
-
-/// Takes the lock (`SET NX PX`) or tells how long it is still held.
-const LOCK_SCRIPT: &str = "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then \
-     return -10 else return redis.call('PTTL', KEYS[1]) end";
-
-/// Deletes the lock only if it still holds this owner's token.
-const UNLOCK_SCRIPT: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
-     return redis.call('DEL', KEYS[1]) else return 0 end";
-
-/// How to reach Valkey and how to behave when it misbehaves.
-///
-/// ```
-/// use std::time::Duration;
-/// use tiercache_valkey::ValkeyConfig;
-///
-/// let config = ValkeyConfig::from_url("redis://127.0.0.1:6379")?
-///     .prefix("shop")
-///     .command_timeout(Duration::from_millis(30));
-/// # Ok::<(), tiercache_valkey::ValkeyError>(())
-/// ```
-#[derive(Debug, Clone)]
-pub struct ValkeyConfig {
-    fred: Config,
-    prefix: String,
-    command_timeout: Duration,
-    connect_timeout: Duration,
-    write_queue: usize,
-    breaker_failures: u32,
-    breaker_interval: Duration,
-    fill_locks: bool,
-}
-
-impl ValkeyConfig {
-    /// Default command timeout: 50 ms.
-    pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_millis(50);
-    /// Default connect timeout: 500 ms.
-    pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
-    /// Default write-queue capacity.
-    pub const DEFAULT_WRITE_QUEUE: usize = 4096;
-    /// Default consecutive failures that open the breaker.
-    pub const DEFAULT_BREAKER_FAILURES: u32 = 3;
-    /// Default time the breaker stays open before one probe.
-    pub const DEFAULT_BREAKER_INTERVAL: Duration = Duration::from_millis(500);
-
-    /// A standalone server from `redis://[user:pass@]host:port[/db]`, or
-    /// `rediss://` for TLS (also `valkey://`, `valkeys://`).
-    pub fn from_url(url: &str) -> Result<Self, ValkeyError> {
-        let normalised = url
-            .strip_prefix("valkeys://")
-            .map(|rest| format!("rediss://{rest}"))
-            .or_else(|| {
-                url.strip_prefix("valkey://")
-                    .map(|rest| format!("redis://{rest}"))
-            })
-            .unwrap_or_else(|| url.to_owned());
-        let fred = Config::from_url(&normalised).map_err(|e| ValkeyError::Url {
-            url: url.to_owned(),
-            reason: e.to_string(),
-        })?;
-        Ok(Self::from_fred(fred))
-    }
-
-    /// fred's own configuration, for Sentinel, Cluster or anything a URL cannot say.
-    pub fn from_fred(config: Config) -> Self {
-        Self {
-            fred: config,
-            prefix: "tc".to_owned(),
-            command_timeout: Self::DEFAULT_COMMAND_TIMEOUT,
-            connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
-            write_queue: Self::DEFAULT_WRITE_QUEUE,
-            breaker_failures: Self::DEFAULT_BREAKER_FAILURES,
-            breaker_interval: Self::DEFAULT_BREAKER_INTERVAL,
-            fill_locks: true,
-        }
-    }
-
-    /// Whether instances take fleet-wide fill locks (default on): one origin
-    /// load per key across every instance on this Valkey. Off, each
-    /// instance loads on its own (its local single flight still applies).
-    pub fn fill_locks(mut self, on: bool) -> Self {
-        self.fill_locks = on;
-        self
-    }
-
-    /// The key prefix (default `tc`): caches with different prefixes on one
-    /// server never read each other's entries.
-    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into();
-        self
-    }
-
-    /// Bound on each read, write and delete (default 50 ms).
-    pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.command_timeout = timeout;
-        self
-    }
-
-    /// Bound on each connection attempt (default 500 ms).
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
-        self
-    }
-
-    /// Capacity of the write queue (default 4096); a full queue drops writes.
-    pub fn write_queue(mut self, capacity: usize) -> Self {
-        self.write_queue = capacity;
-        self
-    }
-
-    /// Consecutive failures that open the breaker (default 3), and how long
-    /// it stays open before one probe (default 500 ms).
-    pub fn breaker(mut self, failures: u32, interval: Duration) -> Self {
-        self.breaker_failures = failures;
-        self.breaker_interval = interval;
-        self
-    }
-
-    fn validate(&self) -> Result<(), ValkeyError> {
-        let bad = |field: &'static str, allowed: &'static str| {
-            Err(ValkeyError::Config { field, allowed })
-        };
-        if self.prefix.is_empty() || self.prefix.contains(['{', '}']) {
-            return bad("prefix", "non-empty, without `{` or `}`");
-        }
-        if self.command_timeout.is_zero() || self.command_timeout > Duration::from_secs(60) {
-            return bad("command_timeout", "greater than 0 and at most 60 s");
-        }
-        if self.connect_timeout.is_zero() {
-            return bad("connect_timeout", "greater than 0");
-        }
-        if self.write_queue == 0 {
-            return bad("write_queue", "at least 1");
-        }
-        if self.breaker_failures == 0 || self.breaker_interval.is_zero() {
-            return bad(
-                "breaker",
-                "at least 1 failure and an interval greater than 0",
-            );
-        }
-        Ok(())
-    }
-}
+use crate::config::{ValkeyConfig, ValkeyError};
+use crate::lock::{LOCK_SCRIPT, read_unlock_message, unlock_message};
+use crate::writer::{Command, Write, writer};
 
 /// The L2 tier on Valkey. Cheap to clone.
 ///
@@ -177,49 +34,33 @@ impl ValkeyConfig {
 /// is not an error: the tier reconnects in the background and fails open.
 #[derive(Clone)]
 pub struct ValkeyTier {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
-struct Inner {
-    client: Client,
-    bus: Arc<Bus>,
-    fill_locks: bool,
-    prefix: String,
-    command_timeout: Duration,
-    breaker: Breaker,
-    writes: mpsc::Sender<Write>,
-    write_drops: AtomicU64,
-    write_errors: AtomicU64,
-    corrupt: AtomicU64,
-    skipped: AtomicU64,
+pub(crate) struct Inner {
+    pub(crate) client: Client,
+    pub(crate) bus: Arc<Bus>,
+    pub(crate) fill_locks: bool,
+    pub(crate) prefix: String,
+    pub(crate) command_timeout: Duration,
+    pub(crate) breaker: Breaker,
+    pub(crate) writes: mpsc::Sender<Write>,
+    pub(crate) write_drops: AtomicU64,
+    pub(crate) write_errors: AtomicU64,
+    pub(crate) corrupt: AtomicU64,
+    pub(crate) skipped: AtomicU64,
+    /// Tokens of locks this instance released whose release is still queued.
+    pub(crate) releasing: std::sync::Mutex<std::collections::HashSet<Bytes>>,
 }
 
-/// What the writer task does, in queue order.
-enum Write {
-    /// Sends a command (skipped while the breaker is open).
-    Command(Command),
-    /// Answers once every write queued before it is done.
-    Flush(tokio::sync::oneshot::Sender<()>),
-}
-
-/// A queued command.
-enum Command {
-    /// `SET key value PX px`, then the key's hash into each tag set.
-    Set {
-        key: String,
-        value: Bytes,
-        px: i64,
-        tags: Vec<String>,
-        member: String,
-    },
-    /// Release a fill lock and announce how the fill ended, after the
-    /// writes queued before it.
-    Unlock {
-        lock: String,
-        channel: String,
-        token: Bytes,
-        filled: bool,
-    },
+impl Inner {
+    /// A release is done (or was never queued): the token is no longer ours.
+    pub(crate) fn released(&self, token: &Bytes) {
+        self.releasing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(token);
+    }
 }
 
 impl fmt::Debug for ValkeyTier {
@@ -303,6 +144,7 @@ impl ValkeyTier {
             write_errors: AtomicU64::new(0),
             corrupt: AtomicU64::new(0),
             skipped: AtomicU64::new(0),
+            releasing: Default::default(),
         });
         runtime.spawn(writer(Arc::downgrade(&inner), rx));
         let weak = Arc::downgrade(&inner);
@@ -325,6 +167,41 @@ impl ValkeyTier {
         slot_key(&self.inner.prefix, &key.hash(), "lock")
     }
 
+    /// Where a lock's holder leaves an answer it shared unstored:
+    /// `PREFIX:{HASH}:shared:TOKEN`, for [`SHARED_ANSWER_TTL`]. Named by
+    /// the holder's token, so only the requests that waited on that holder
+    /// read it; the next flight goes to the origin again.
+    fn shared_key(&self, key: &CacheKey, holder: &LockToken) -> String {
+        let token = String::from_utf8_lossy(&holder.0);
+        slot_key(&self.inner.prefix, &key.hash(), &format!("shared:{token}"))
+    }
+
+    /// How a lock found gone ended: filled (the entry is there), shared (its
+    /// holder left its answer), or gone without a word.
+    async fn gone(
+        &self,
+        key: &CacheKey,
+        holder: Option<&LockToken>,
+    ) -> Result<Unlocked, TierError> {
+        let pipe = self.inner.client.pipeline();
+        let queued: Result<(), _> = pipe.exists(self.entry_key(key)).await;
+        queued.map_err(fred_error)?;
+        if let Some(holder) = holder {
+            let queued: Result<(), _> = pipe.get(self.shared_key(key, holder)).await;
+            queued.map_err(fred_error)?;
+        }
+        let mut replies: Vec<Value> = pipe.all().await.map_err(fred_error)?;
+        let shared = replies
+            .pop()
+            .and_then(|v| v.as_bytes().map(read_unlock_message));
+        let filled = replies.pop().and_then(|v| v.as_i64()).unwrap_or(0) > 0;
+        Ok(match shared {
+            _ if filled => Unlocked::Filled,
+            Some(shared @ Unlocked::Shared(..)) => shared,
+            _ => Unlocked::Gone,
+        })
+    }
+
     fn done_channel(&self, key: &CacheKey) -> String {
         slot_key(&self.inner.prefix, &key.hash(), "done")
     }
@@ -335,100 +212,8 @@ impl ValkeyTier {
         slot_key(&self.inner.prefix, &hash, "tag")
     }
 
-    fn entry_key_of(&self, hash: &KeyHash) -> String {
+    pub(crate) fn entry_key_of(&self, hash: &KeyHash) -> String {
         slot_key(&self.inner.prefix, hash, "e")
-    }
-
-    /// Deletes `keys` and announces `invalidation`, in one pipeline (one
-    /// key per `DEL`: in a cluster the entries live on many slots).
-    async fn delete_and_publish(
-        &self,
-        keys: Vec<String>,
-        invalidation: Invalidation,
-        at: Option<SystemTime>,
-    ) -> Result<(), TierError> {
-        let text = bus::encode(&bus::Message {
-            from: self.inner.bus.instance.clone(),
-            invalidation,
-            at,
-        });
-        let pipe = self.inner.client.pipeline();
-        for key in keys {
-            let queued: Result<(), _> = pipe.del(key).await;
-            queued.map_err(fred_error)?;
-        }
-        let queued: Result<(), _> = pipe.publish(&self.inner.bus.channel, text).await;
-        queued.map_err(fred_error)?;
-        let _: Value = pipe.all().await.map_err(fred_error)?;
-        Ok(())
-    }
-
-    /// Waits (at most two command timeouts) until the writes queued so far
-    /// are done: before a delete, so an earlier fill's `SET` cannot land
-    /// after it, and before a graceful shutdown.
-    pub async fn flush(&self) {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        if self.inner.writes.try_send(Write::Flush(tx)).is_ok() {
-            let _ = tokio::time::timeout(self.inner.command_timeout * 2, rx).await;
-        }
-    }
-
-    async fn apply_invalidation(&self, invalidation: Invalidation) -> Result<(), TierError> {
-        self.flush().await;
-        match invalidation {
-            Invalidation::Keys(hashes) => {
-                let keys = hashes.iter().map(|h| self.entry_key_of(h)).collect();
-                self.delete_and_publish(keys, Invalidation::Keys(hashes), None)
-                    .await
-            }
-            Invalidation::Tag(tag, mut hashes) => {
-                let set = self.tag_key(&tag);
-                let members: Vec<String> =
-                    self.inner.client.smembers(&set).await.map_err(fred_error)?;
-                hashes.extend(members.iter().filter_map(|m| KeyHash::from_hex(m)));
-                hashes.sort_unstable();
-                hashes.dedup();
-                // This instance's L1 too: it may hold copies promoted from L2,
-                // which its own tag index never saw.
-                if let Some(sink) = self.inner.bus.sink() {
-                    sink.apply(&Invalidation::Keys(hashes.clone()));
-                }
-                let mut keys: Vec<String> = hashes.iter().map(|h| self.entry_key_of(h)).collect();
-                keys.push(set);
-                self.delete_and_publish(keys, Invalidation::Tag(tag, hashes), None)
-                    .await
-            }
-            Invalidation::Prefix(pattern) => {
-                let at = SystemTime::now();
-                let field = bus::hex(&pattern.to_bytes());
-                let recorded: Result<i64, _> = self
-                    .inner
-                    .client
-                    .hset(
-                        bans_key(&self.inner.prefix),
-                        (field, bus::millis(at).to_string()),
-                    )
-                    .await;
-                recorded.map_err(fred_error)?;
-                let ttl = BAN_RETENTION.as_millis() as i64;
-                let kept: Result<i64, _> = self
-                    .inner
-                    .client
-                    .pexpire(bans_key(&self.inner.prefix), ttl, None)
-                    .await;
-                kept.map_err(fred_error)?;
-                self.inner.bus.add_ban(
-                    Ban {
-                        pattern: pattern.clone(),
-                        at,
-                    },
-                    BAN_RETENTION,
-                );
-                self.delete_and_publish(Vec::new(), Invalidation::Prefix(pattern), Some(at))
-                    .await
-            }
-            other => self.delete_and_publish(Vec::new(), other, None).await,
-        }
     }
 
     /// The Valkey key an entry is stored under: `PREFIX:{HASH}:e`. The hash
@@ -483,11 +268,68 @@ impl ValkeyTier {
     }
 }
 
-fn fred_error(e: fred::error::Error) -> TierError {
+pub(crate) fn fred_error(e: fred::error::Error) -> TierError {
     if matches!(e.kind(), fred::error::ErrorKind::Timeout) {
         TierError::timeout(e.to_string())
     } else {
         TierError::new(e.to_string(), Some(Box::new(e)))
+    }
+}
+
+impl ValkeyTier {
+    fn is_releasing(&self, holder: &LockToken) -> bool {
+        self.inner
+            .releasing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&holder.0)
+    }
+
+    /// One run of the lock script.
+    async fn lock_once(
+        &self,
+        key: &CacheKey,
+        token: &Bytes,
+        px: i64,
+    ) -> Result<LockAttempt, TierError> {
+        {
+            let lock = self.lock_key(key);
+            let reply: Vec<Value> = self
+                .bounded(async {
+                    let r: Result<Vec<Value>, _> = self
+                        .inner
+                        .client
+                        .eval(
+                            LOCK_SCRIPT,
+                            vec![lock],
+                            vec![Value::from(token.clone()), px.into()],
+                        )
+                        .await;
+                    r.map_err(fred_error)
+                })
+                .await?;
+            let ms = reply.first().and_then(Value::as_i64).unwrap_or(0);
+            let holder = reply
+                .get(1)
+                .and_then(Value::as_bytes)
+                .filter(|t| !t.is_empty())
+                .map(|t| LockToken(Bytes::copy_from_slice(t)));
+            Ok(match ms {
+                -10 => {
+                    self.inner.bus.locks_acquired.fetch_add(1, Relaxed);
+                    LockAttempt::Acquired(LockToken(token.clone()))
+                }
+                ms if ms > 0 => LockAttempt::Held {
+                    left: Duration::from_millis(ms as u64),
+                    holder,
+                },
+                // Gone between SET and PTTL, or no expiry (not ours to judge).
+                _ => LockAttempt::Held {
+                    left: Duration::ZERO,
+                    holder,
+                },
+            })
+        }
     }
 }
 
@@ -583,49 +425,47 @@ impl Tier for ValkeyTier {
             }
             let token = Bytes::from(bus::hex(&rand::rng().random::<[u8; 16]>()));
             let px = ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
-            let lock = self.lock_key(key);
-            let reply: i64 = self
-                .bounded(async {
-                    let r: Result<i64, _> = self
-                        .inner
-                        .client
-                        .eval(
-                            LOCK_SCRIPT,
-                            vec![lock],
-                            vec![Value::from(token.clone()), px.into()],
-                        )
-                        .await;
-                    r.map_err(fred_error)
-                })
-                .await?;
-            Ok(match reply {
-                -10 => {
-                    self.inner.bus.locks_acquired.fetch_add(1, Relaxed);
-                    LockAttempt::Acquired(LockToken(token))
-                }
-                ms if ms > 0 => LockAttempt::Held(Duration::from_millis(ms as u64)),
-                // Gone between SET and PTTL, or no expiry (not ours to judge).
-                _ => LockAttempt::Held(Duration::ZERO),
-            })
+            let mut attempt = self.lock_once(key, &token, px).await?;
+            // Held by this instance's own finished flight, whose release is
+            // still in the write queue: let it land and try again, rather
+            // than wait on (or answer with) a flight that is over.
+            if let LockAttempt::Held {
+                holder: Some(holder),
+                ..
+            } = &attempt
+                && self.is_releasing(holder)
+            {
+                self.flush().await;
+                attempt = self.lock_once(key, &token, px).await?;
+            }
+            Ok(attempt)
         })
     }
 
-    fn unlock(&self, key: &CacheKey, token: &LockToken, filled: bool) {
+    fn unlock(&self, key: &CacheKey, token: &LockToken, how: Unlocked) {
+        self.inner
+            .releasing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(token.0.clone());
         let write = Write::Command(Command::Unlock {
             lock: self.lock_key(key),
             channel: self.done_channel(key),
+            shared: self.shared_key(key, token),
             token: token.0.clone(),
-            filled,
+            message: unlock_message(&how),
         });
         if self.inner.writes.try_send(write).is_err() {
             // The lock expires by its PX; waiters read L2 then.
             self.inner.write_drops.fetch_add(1, Relaxed);
+            self.inner.released(&token.0);
         }
     }
 
     fn wait_unlock<'a>(
         &'a self,
         key: &'a CacheKey,
+        holder: Option<&'a LockToken>,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<Unlocked, TierError>> {
         Box::pin(async move {
@@ -652,10 +492,10 @@ impl Tier for ValkeyTier {
                 })
                 .await?;
             if held == 0 {
-                return Ok(Unlocked::Gone);
+                return self.bounded(self.gone(key, holder)).await;
             }
             match tokio::time::timeout(timeout, waiter.rx.wait_for(Option::is_some)).await {
-                Ok(Ok(how)) => Ok(how.unwrap_or(Unlocked::Gone)),
+                Ok(Ok(how)) => Ok(how.clone().unwrap_or(Unlocked::Gone)),
                 Ok(Err(_)) => Ok(Unlocked::Gone),
                 Err(_) => Ok(Unlocked::TimedOut),
             }
@@ -681,13 +521,8 @@ impl Tier for ValkeyTier {
 
 /// `PREFIX:{HASH}:SUFFIX`: the hash tag puts everything about one key (its
 /// entry, lock and wake-up channel) on one cluster slot.
-fn slot_key(prefix: &str, hash: &KeyHash, suffix: &str) -> String {
+pub(crate) fn slot_key(prefix: &str, hash: &KeyHash, suffix: &str) -> String {
     format!("{prefix}:{{{hash}}}:{suffix}")
-}
-
-/// The hash of recorded prefix bans: `PREFIX:bans`.
-fn bans_key(prefix: &str) -> String {
-    format!("{prefix}:bans")
 }
 
 /// Reads the recorded prefix bans (on every reconnect).
@@ -713,116 +548,3 @@ async fn load_bans(tier: Weak<Inner>) -> Option<Vec<Ban>> {
             .collect(),
     )
 }
-
-/// Drains the write queue in order; ends when the tier is dropped.
-async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<Write>) {
-    while let Some(write) = rx.recv().await {
-        let Some(inner) = tier.upgrade() else {
-            return;
-        };
-        let command = match write {
-            Write::Flush(done) => {
-                let _ = done.send(());
-                continue;
-            }
-            Write::Command(command) => command,
-        };
-        if !inner.breaker.allow() {
-            inner.skipped.fetch_add(1, Relaxed);
-            continue;
-        }
-        let done = tokio::time::timeout(inner.command_timeout, apply(&inner, command)).await;
-        match done {
-            Ok(Ok(())) => inner.breaker.success(),
-            _ => {
-                inner.write_errors.fetch_add(1, Relaxed);
-                inner.breaker.failure();
-            }
-        }
-    }
-}
-
-async fn apply(inner: &Inner, command: Command) -> Result<(), fred::error::Error> {
-    let client = &inner.client;
-    match command {
-        Command::Set {
-            key,
-            value,
-            px,
-            tags,
-            member,
-        } => {
-            client
-                .set::<(), _, _>(key, value, Some(Expiration::PX(px)), None, false)
-                .await?;
-            for set in tags {
-                // The set lives as long as its longest-lived member.
-                client.sadd::<i64, _, _>(&set, member.as_str()).await?;
-                client
-                    .pexpire::<i64, _>(&set, px, Some(ExpireOptions::NX))
-                    .await?;
-                client
-                    .pexpire::<i64, _>(&set, px, Some(ExpireOptions::GT))
-                    .await?;
-            }
-            Ok(())
-        }
-        Command::Unlock {
-            lock,
-            channel,
-            token,
-            filled,
-        } => {
-            client
-                .eval::<i64, _, _, _>(UNLOCK_SCRIPT, vec![lock], vec![Value::from(token)])
-                .await?;
-            let word = if filled { "1" } else { "0" };
-            client.spublish::<i64, _, _>(channel, word).await?;
-            Ok(())
-        }
-    }
-}
-
-/// The Valkey tier could not be set up.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum ValkeyError {
-    /// The URL does not parse.
-    Url {
-        /// The URL as given.
-        url: String,
-        /// fred's reason.
-        reason: String,
-    },
-    /// A setting is out of range.
-    Config {
-        /// The setting.
-        field: &'static str,
-        /// What it accepts.
-        allowed: &'static str,
-    },
-    /// fred refused the configuration.
-    Client(String),
-    /// Not called inside a Tokio runtime.
-    NoRuntime,
-}
-
-impl fmt::Display for ValkeyError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ValkeyError::Url { url, reason } => write!(
-                f,
-                "invalid Valkey URL `{url}`: {reason} (write redis://[user:password@]host:port[/db], or rediss:// for TLS)"
-            ),
-            ValkeyError::Config { field, allowed } => {
-                write!(f, "invalid Valkey setting `{field}`: must be {allowed}")
-            }
-            ValkeyError::Client(e) => write!(f, "cannot build the Valkey client: {e}"),
-            ValkeyError::NoRuntime => f.write_str(
-                "the Valkey tier needs a Tokio runtime: create it inside one (e.g. in #[tokio::main])",
-            ),
-        }
-    }
-}
-
-impl std::error::Error for ValkeyError {}

@@ -31,11 +31,11 @@ impl TieredCache {
         // The lock outlives a slow fill by the policy's whole wait: the
         // flight's own deadline abandons a stalled leader before it.
         let hold = policy.lock_wait();
-        let held_for = match l2.try_lock(key, hold).await {
+        let (held_for, holder) = match l2.try_lock(key, hold).await {
             Ok(LockAttempt::Acquired(token)) => {
                 return FleetJoin::Lead(FleetLock::held(l2, key.clone(), token));
             }
-            Ok(LockAttempt::Held(left)) => left,
+            Ok(LockAttempt::Held { left, holder }) => (left, holder),
             Ok(_) => return FleetJoin::Lead(FleetLock::local()),
             Err(_) => {
                 bump(&self.inner.counters.l2_errors);
@@ -45,9 +45,17 @@ impl TieredCache {
         bump(&self.inner.counters.coalesced);
         // A little past the lock's own end, so an expired lock is seen gone.
         let bound = wait.min(held_for + Duration::from_millis(20));
-        // Passed: the owner's answer may not be shared; load without a lock.
-        if l2.wait_unlock(key, bound).await.unwrap_or(Unlocked::Gone) == Unlocked::Passed {
-            return FleetJoin::Lead(FleetLock::local());
+        match l2
+            .wait_unlock(key, holder.as_ref(), bound)
+            .await
+            .unwrap_or(Unlocked::Gone)
+        {
+            // The owner's answer may not be shared; load without a lock.
+            Unlocked::Passed => return FleetJoin::Lead(FleetLock::local()),
+            Unlocked::Shared(entry, failed) if entry.key() == key.full() => {
+                return FleetJoin::Shared(entry, failed);
+            }
+            _ => {}
         }
         if let Some(entry) = self.lookup_l2(key, epoch, &accept).await {
             return FleetJoin::Filled(entry);

@@ -24,6 +24,7 @@ use crate::{Clock, KeyHash, Stats, Tier};
 mod api;
 mod builder;
 mod fetch;
+mod fill;
 mod fleet;
 mod invalidate;
 mod journal;

@@ -166,17 +166,31 @@ fn own_values(outcome: &Outcome, hit_ratio: f64) -> [Option<HeaderValue>; 4] {
 }
 
 /// Sets this cache's own fields in a map built from an entry's view, where
-/// each is a single placeholder, in order: no hashed look-ups (five of those
-/// cost more than the rest of the response). `None` leaves a placeholder.
+/// each is a single placeholder, normally its last fields in this order: no
+/// hashed look-ups (five of those cost more than the rest of the response).
+/// Each slot's name is checked (a cheap compare, not a hash), and a map
+/// whose tail is not the placeholders, in whatever order the `http` crate
+/// iterates it, is set by name instead: correctness never rests on an
+/// order the crate calls unspecified. `None` leaves a placeholder.
 fn set_own_fields(headers: &mut HeaderMap, own: [Option<HeaderValue>; 5]) {
-    // Every map set here comes from a view, whose placeholders are its last
-    // fields, one value each, in this order (see `head_view`; a clone and the
-    // 304's subset keep that order): no field name needs comparing.
     let skip = headers.len().saturating_sub(OWN_FIELDS.len());
-    for (((name, value), v), own_name) in headers.iter_mut().skip(skip).zip(own).zip(&OWN_FIELDS) {
-        debug_assert_eq!(name, own_name);
+    let in_place = headers.len() >= OWN_FIELDS.len()
+        && headers
+            .iter()
+            .skip(skip)
+            .zip(&OWN_FIELDS)
+            .all(|((name, _), own_name)| name == own_name);
+    if in_place {
+        for ((_, value), v) in headers.iter_mut().skip(skip).zip(own) {
+            if let Some(v) = v {
+                *value = v;
+            }
+        }
+        return;
+    }
+    for (name, v) in OWN_FIELDS.iter().zip(own) {
         if let Some(v) = v {
-            *value = v;
+            set(headers, name.clone(), v);
         }
     }
 }
@@ -465,55 +479,4 @@ pub fn ttl_left(entry: &Entry, now: SystemTime) -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cache_status_forms() {
-        let hit = Outcome::Hit {
-            tier: Source::L1,
-            ttl: 37,
-            collapsed: false,
-        };
-        assert_eq!(hit.cache_status(), "tiercache; hit; ttl=37; detail=l1");
-        let miss = Outcome::Miss {
-            stored: true,
-            reason: None,
-            collapsed: false,
-        };
-        assert_eq!(miss.cache_status(), "tiercache; fwd=miss; stored");
-        assert_eq!(
-            Outcome::Bypass(Reason::Authorization).cache_status(),
-            "tiercache; fwd=bypass; detail=authorization"
-        );
-    }
-
-    #[test]
-    fn accept_encoding_weights() {
-        let req = |v: &str| {
-            let mut h = HeaderMap::new();
-            h.insert(ACCEPT_ENCODING, v.parse().unwrap());
-            h
-        };
-        assert!(accepts_encoding(&req("gzip, br"), b"gzip"));
-        assert!(accepts_encoding(&req("br;q=1, GZIP;q=0.5"), b"gzip"));
-        assert!(!accepts_encoding(&req("gzip;q=0, br"), b"gzip"));
-        assert!(accepts_encoding(&req("*"), b"br"));
-        assert!(!accepts_encoding(&req("*, br;q=0"), b"br"));
-        assert!(accepts_encoding(&req("x-gzip"), b"gzip"));
-        assert!(!accepts_encoding(&req("identity"), b"gzip"));
-        assert!(!accepts_encoding(&HeaderMap::new(), b"gzip"));
-    }
-
-    #[test]
-    fn connection_listed_fields_are_stripped() {
-        let mut h = HeaderMap::new();
-        h.insert("connection", "x-secret, close".parse().unwrap());
-        h.insert("x-secret", "1".parse().unwrap());
-        h.insert("transfer-encoding", "chunked".parse().unwrap());
-        h.insert("etag", "\"a\"".parse().unwrap());
-        strip_hop_by_hop(&mut h);
-        assert_eq!(h.len(), 1);
-        assert!(h.contains_key("etag"));
-    }
-}
+mod tests;

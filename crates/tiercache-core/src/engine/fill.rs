@@ -1,0 +1,399 @@
+//! The leader's side of a flight: its task (L2, the fleet lock, the
+//! origin, storage, stale-if-error), what its followers make of its result,
+//! and loads outside any flight.
+
+use tokio::time::Instant;
+
+use super::TieredCache;
+use super::fetch::Keys;
+use crate::fleet::{FleetJoin, FleetLock};
+use crate::flight::{FlightError, FlightResult, Leader};
+use crate::stats::bump;
+use crate::{
+    Answer, CacheKey, Entry, FetchError, Fetched, Loaded, Origin, Panic, Policy, Select, Served,
+    Source, StaleReason, Unlocked,
+};
+
+/// What the leader's fill produced.
+pub(super) enum Filled<T> {
+    Entry(Entry, Source, bool),
+    Transient(Entry),
+    Stale(Entry),
+    Passed(T),
+}
+
+/// An origin behind a lock: `Sync` for any `Send` origin, so a future may
+/// hold a reference to it across an await.
+struct Locked<O>(std::sync::Mutex<O>);
+
+impl<O: Select> Select for Locked<O> {
+    fn accepts(&self, entry: &Entry) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .accepts(entry)
+    }
+
+    fn variant_key(&self, requested: &CacheKey, latest: &Entry) -> Option<CacheKey> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .variant_key(requested, latest)
+    }
+
+    fn must_revalidate(&self, entry: &Entry) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .must_revalidate(entry)
+    }
+}
+
+/// What a follower does with its leader's result.
+pub(super) enum Followed<T, E> {
+    Answer(Fetched<T>),
+    Error(FetchError<E>),
+    /// Load alone: the answer may not be shared, or is another variant.
+    Alone,
+}
+
+/// A flight this request leads, and how.
+pub(super) struct Lead {
+    pub(super) leader: Leader,
+    pub(super) keys: Keys,
+    pub(super) policy: Policy,
+    /// An entry to revalidate, or to answer with when the origin fails.
+    pub(super) stale: Option<Entry>,
+    /// Skip L2 and the fleet lock: revalidate `stale` with the origin.
+    pub(super) revalidate: bool,
+    /// A refresh of this entry: only a newer copy from L2 replaces it.
+    pub(super) current: Option<Entry>,
+}
+
+impl TieredCache {
+    /// Leads the flight: the fill runs in a task of its own (a caller that
+    /// goes away strands nobody); with a usable stale entry and a soft
+    /// timeout, the caller gets the stale entry once the timeout passes.
+    pub(super) async fn lead<O: Origin>(
+        &self,
+        lead: Lead,
+        origin: O,
+        collapsed: bool,
+    ) -> Result<Fetched<O::Output>, FetchError<O::Error>> {
+        let usable = lead.stale.clone().filter(|e| self.stale_usable(e));
+        let soft = lead.policy.soft_timeout();
+        let stale_answer = |entry: Entry, why| Answer {
+            entry,
+            source: Source::L1,
+            served: Served::Stale(why),
+            collapsed,
+        };
+        let mut task = tokio::spawn(self.clone().fill(lead, origin));
+        let joined = match (usable, soft) {
+            (Some(stale), Some(soft)) => match tokio::time::timeout(soft, &mut task).await {
+                Ok(joined) => joined,
+                // The origin is slow and a stale answer is at hand: give it
+                // now; the fill goes on in the background.
+                Err(_) => {
+                    bump(&self.inner.counters.stale_served);
+                    let answer = stale_answer(stale, StaleReason::OriginTimeout);
+                    return Ok(Fetched::Entry(answer));
+                }
+            },
+            _ => task.await,
+        };
+        let filled = match joined {
+            Ok(filled) => filled?,
+            Err(e) if e.is_panic() => {
+                return Err(FetchError::Panicked(Panic(Some(e.into_panic()))));
+            }
+            Err(_) => return Err(FetchError::Failed),
+        };
+        let answer = |entry, source, served| {
+            let answer = Answer {
+                entry,
+                source,
+                served,
+                collapsed,
+            };
+            self.count(&answer);
+            Fetched::Entry(answer)
+        };
+        Ok(match filled {
+            Filled::Entry(entry, source, stored) => {
+                let served = match source {
+                    Source::Origin => Served::Miss { stored },
+                    _ => Served::Hit,
+                };
+                answer(entry, source, served)
+            }
+            Filled::Transient(entry) => answer(entry, Source::Origin, Served::Shared),
+            Filled::Stale(entry) => {
+                answer(entry, Source::L1, Served::Stale(StaleReason::OriginError))
+            }
+            Filled::Passed(output) => {
+                bump(&self.inner.counters.misses);
+                Fetched::Passed {
+                    output,
+                    collapsed,
+                    hit_for_miss: false,
+                }
+            }
+        })
+    }
+
+    /// The leader's fill: L2 first (unless revalidating), the fleet lock,
+    /// then the origin (revalidating the stale entry when there is one, and
+    /// falling back to it when the origin fails); stores what may be stored
+    /// unless an invalidation overtook the fill; completes the flight.
+    pub(super) async fn fill<O: Origin>(
+        self,
+        lead: Lead,
+        origin: O,
+    ) -> Result<Filled<O::Output>, FetchError<O::Error>> {
+        let Lead {
+            leader,
+            keys,
+            policy,
+            mut stale,
+            revalidate,
+            current,
+        } = lead;
+        // Noted before anything is read: an invalidation after this point
+        // keeps what this fill reads from being stored.
+        let epoch = self.inner.journal.epoch();
+        // The origin is asked which entries fit across the awaits below; a
+        // lock makes it shareable with them whatever it holds (`Send` only).
+        let origin = Locked(std::sync::Mutex::new(origin));
+        let newer = |e: &Entry| {
+            current
+                .as_ref()
+                .is_none_or(|c| e.times().created_at > c.times().created_at)
+        };
+        if !revalidate
+            && let Some(entry) = self
+                .read_l2(&keys.requested, &keys.flight, epoch, &origin)
+                .await
+            && newer(&entry)
+        {
+            if !origin.must_revalidate(&entry) {
+                return Ok(self.filled_from_l2(leader, entry));
+            }
+            stale = Some(entry);
+        }
+        // One load per key across the fleet: take the shared lock, or wait
+        // for the instance that holds it and answer with what it stored.
+        let lock = if revalidate {
+            FleetLock::local()
+        } else {
+            let fits = |e: &Entry| origin.accepts(e) && !origin.must_revalidate(e) && newer(e);
+            let wait = leader.time_left();
+            match self
+                .lead_fleet(&keys.flight, &policy, wait, epoch, fits)
+                .await
+            {
+                FleetJoin::Filled(entry) => {
+                    return Ok(self.filled_from_l2(leader, entry));
+                }
+                FleetJoin::Shared(entry, failed) => {
+                    let usable = stale.filter(|e| self.stale_usable(e));
+                    return Ok(self.shared(leader, entry, failed, usable));
+                }
+                FleetJoin::Lead(lock) => lock,
+            }
+        };
+        let usable = stale.clone().filter(|e| self.stale_usable(e));
+        let origin = origin.0.into_inner().unwrap_or_else(|e| e.into_inner());
+        let (started, began) = (Instant::now(), self.now());
+        let loaded = origin.load(stale).await;
+        let took = started.elapsed();
+        let delta = self.delta_since(began, took);
+        self.inner.counters.origin_load(took);
+        let stand_in = |leader: Leader, stale: Entry| {
+            leader.complete(FlightResult::Stale(stale.clone()));
+            Filled::Stale(stale)
+        };
+        match loaded {
+            Ok(Loaded::Store(mut fill)) => {
+                if fill.origin_latency_unset() {
+                    fill = fill.origin_latency(delta);
+                }
+                let (entry, stored) = self.store_since(&keys.flight, fill, &policy, epoch);
+                // After the store was queued: the waiting instances read it.
+                lock.release(if stored {
+                    Unlocked::Filled
+                } else {
+                    Unlocked::Passed
+                });
+                leader.complete(FlightResult::Shared(entry.clone(), Source::Origin));
+                Ok(Filled::Entry(entry, Source::Origin, stored))
+            }
+            Ok(Loaded::Share { value, failed }) => {
+                let entry = self.transient(&keys.flight, value, delta);
+                lock.release(Unlocked::Shared(entry.clone(), failed));
+                Ok(self.shared(leader, entry, failed, usable))
+            }
+            Ok(Loaded::Pass {
+                output,
+                failed,
+                uncacheable,
+            }) => {
+                lock.release(Unlocked::Passed);
+                if let Some(stale) = usable.filter(|_| failed) {
+                    return Ok(stand_in(leader, stale));
+                }
+                if uncacheable {
+                    self.mark_uncacheable(&keys.requested, &policy);
+                }
+                leader.complete(FlightResult::Released);
+                Ok(Filled::Passed(output))
+            }
+            Err(e) => {
+                lock.release(Unlocked::Passed);
+                match usable {
+                    Some(stale) => Ok(stand_in(leader, stale)),
+                    None => {
+                        leader.complete(FlightResult::Failed(FlightError::Origin));
+                        Err(FetchError::Origin(e))
+                    }
+                }
+            }
+        }
+    }
+
+    /// An answer shared but not stored (this instance's origin's, or
+    /// another instance's): the stale entry stands in for a failure when
+    /// stale-if-error allows.
+    fn shared<T>(
+        &self,
+        leader: Leader,
+        entry: Entry,
+        failed: bool,
+        usable: Option<Entry>,
+    ) -> Filled<T> {
+        match usable.filter(|_| failed) {
+            Some(stale) => {
+                leader.complete(FlightResult::Stale(stale.clone()));
+                Filled::Stale(stale)
+            }
+            None => {
+                leader.complete(FlightResult::Transient(entry.clone(), failed));
+                Filled::Transient(entry)
+            }
+        }
+    }
+
+    fn filled_from_l2<T>(&self, leader: Leader, entry: Entry) -> Filled<T> {
+        leader.complete(FlightResult::Shared(entry.clone(), Source::L2));
+        Filled::Entry(entry, Source::L2, false)
+    }
+
+    /// What a follower answers with, given its leader's result.
+    pub(super) fn followed<O: Origin>(
+        &self,
+        result: FlightResult,
+        fallback: Option<Entry>,
+        origin: &O,
+    ) -> Followed<O::Output, O::Error> {
+        let answer = |entry, source, served| {
+            let answer = Answer {
+                entry,
+                source,
+                served,
+                collapsed: true,
+            };
+            self.count(&answer);
+            Followed::Answer(Fetched::Entry(answer))
+        };
+        let stale = |fallback: Option<Entry>| {
+            fallback
+                .filter(|e| self.stale_usable(e))
+                .map(|e| answer(e, Source::L1, Served::Stale(StaleReason::OriginError)))
+        };
+        match result {
+            FlightResult::Shared(entry, source) if origin.accepts(&entry) => {
+                let served = match source {
+                    Source::Origin => Served::Miss { stored: true },
+                    _ => Served::Hit,
+                };
+                answer(entry, source, served)
+            }
+            FlightResult::Transient(entry, failed) => match stale(fallback.filter(|_| failed)) {
+                Some(stand_in) => stand_in,
+                None => answer(entry, Source::Origin, Served::Shared),
+            },
+            FlightResult::Stale(entry) => {
+                answer(entry, Source::L1, Served::Stale(StaleReason::OriginError))
+            }
+            FlightResult::Failed(FlightError::Panicked) => {
+                Followed::Error(FetchError::Panicked(Panic(None)))
+            }
+            FlightResult::Failed(_) => {
+                stale(fallback).unwrap_or(Followed::Error(FetchError::Failed))
+            }
+            // Not shareable, or another variant: this request loads alone.
+            FlightResult::Released | FlightResult::Shared(..) => Followed::Alone,
+        }
+    }
+
+    /// One origin call outside any flight (hit-for-miss, or a follower whose
+    /// leader's answer could not be shared); what may be stored still is.
+    pub(super) async fn load_alone<O: Origin>(
+        &self,
+        keys: &Keys,
+        policy: &Policy,
+        origin: O,
+        collapsed: bool,
+        hit_for_miss: bool,
+    ) -> Result<Fetched<O::Output>, FetchError<O::Error>> {
+        let epoch = self.inner.journal.epoch();
+        let (started, began) = (Instant::now(), self.now());
+        let loaded = origin.load(None).await;
+        let took = started.elapsed();
+        let delta = self.delta_since(began, took);
+        self.inner.counters.origin_load(took);
+        let answer = |entry, stored| {
+            let answer = Answer {
+                entry,
+                source: Source::Origin,
+                served: Served::Miss { stored },
+                collapsed,
+            };
+            bump(&self.inner.counters.misses);
+            Fetched::Entry(answer)
+        };
+        match loaded.map_err(FetchError::Origin)? {
+            Loaded::Store(mut fill) => {
+                if fill.origin_latency_unset() {
+                    fill = fill.origin_latency(delta);
+                }
+                let (entry, stored) = self.store_since(&keys.flight, fill, policy, epoch);
+                Ok(answer(entry, stored))
+            }
+            Loaded::Share { value, .. } => {
+                let mut fetched = answer(self.transient(&keys.flight, value, took), false);
+                if let Fetched::Entry(answer) = &mut fetched {
+                    answer.served = Served::Shared;
+                }
+                Ok(fetched)
+            }
+            Loaded::Pass {
+                output,
+                uncacheable,
+                ..
+            } => {
+                if uncacheable {
+                    self.mark_uncacheable(&keys.requested, policy);
+                }
+                if !hit_for_miss {
+                    bump(&self.inner.counters.misses);
+                }
+                Ok(Fetched::Passed {
+                    output,
+                    collapsed,
+                    hit_for_miss,
+                })
+            }
+        }
+    }
+}

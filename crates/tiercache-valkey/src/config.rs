@@ -1,0 +1,185 @@
+//! [`ValkeyConfig`]: how to reach Valkey and how to behave when it
+//! misbehaves; [`ValkeyError`]: why the tier could not be set up.
+
+use std::fmt;
+use std::time::Duration;
+
+use fred::prelude::Config;
+
+/// How to reach Valkey and how to behave when it misbehaves.
+///
+/// ```
+/// use std::time::Duration;
+/// use tiercache_valkey::ValkeyConfig;
+///
+/// let config = ValkeyConfig::from_url("redis://127.0.0.1:6379")?
+///     .prefix("shop")
+///     .command_timeout(Duration::from_millis(30));
+/// # Ok::<(), tiercache_valkey::ValkeyError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct ValkeyConfig {
+    pub(crate) fred: Config,
+    pub(crate) prefix: String,
+    pub(crate) command_timeout: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) write_queue: usize,
+    pub(crate) breaker_failures: u32,
+    pub(crate) breaker_interval: Duration,
+    pub(crate) fill_locks: bool,
+}
+
+impl ValkeyConfig {
+    /// Default command timeout: 50 ms.
+    pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_millis(50);
+    /// Default connect timeout: 500 ms.
+    pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+    /// Default write-queue capacity.
+    pub const DEFAULT_WRITE_QUEUE: usize = 4096;
+    /// Default consecutive failures that open the breaker.
+    pub const DEFAULT_BREAKER_FAILURES: u32 = 3;
+    /// Default time the breaker stays open before one probe.
+    pub const DEFAULT_BREAKER_INTERVAL: Duration = Duration::from_millis(500);
+
+    /// A standalone server from `redis://[user:pass@]host:port[/db]`, or
+    /// `rediss://` for TLS (also `valkey://`, `valkeys://`).
+    pub fn from_url(url: &str) -> Result<Self, ValkeyError> {
+        let normalised = url
+            .strip_prefix("valkeys://")
+            .map(|rest| format!("rediss://{rest}"))
+            .or_else(|| {
+                url.strip_prefix("valkey://")
+                    .map(|rest| format!("redis://{rest}"))
+            })
+            .unwrap_or_else(|| url.to_owned());
+        let fred = Config::from_url(&normalised).map_err(|e| ValkeyError::Url {
+            url: url.to_owned(),
+            reason: e.to_string(),
+        })?;
+        Ok(Self::from_fred(fred))
+    }
+
+    /// fred's own configuration, for Sentinel, Cluster or anything a URL cannot say.
+    pub fn from_fred(config: Config) -> Self {
+        Self {
+            fred: config,
+            prefix: "tc".to_owned(),
+            command_timeout: Self::DEFAULT_COMMAND_TIMEOUT,
+            connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
+            write_queue: Self::DEFAULT_WRITE_QUEUE,
+            breaker_failures: Self::DEFAULT_BREAKER_FAILURES,
+            breaker_interval: Self::DEFAULT_BREAKER_INTERVAL,
+            fill_locks: true,
+        }
+    }
+
+    /// Whether instances take fleet-wide fill locks (default on): one origin
+    /// load per key across every instance on this Valkey. Off, each
+    /// instance loads on its own (its local single flight still applies).
+    pub fn fill_locks(mut self, on: bool) -> Self {
+        self.fill_locks = on;
+        self
+    }
+
+    /// The key prefix (default `tc`): caches with different prefixes on one
+    /// server never read each other's entries.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Bound on each read, write and delete (default 50 ms).
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.command_timeout = timeout;
+        self
+    }
+
+    /// Bound on each connection attempt (default 500 ms).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Capacity of the write queue (default 4096); a full queue drops writes.
+    pub fn write_queue(mut self, capacity: usize) -> Self {
+        self.write_queue = capacity;
+        self
+    }
+
+    /// Consecutive failures that open the breaker (default 3), and how long
+    /// it stays open before one probe (default 500 ms).
+    pub fn breaker(mut self, failures: u32, interval: Duration) -> Self {
+        self.breaker_failures = failures;
+        self.breaker_interval = interval;
+        self
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), ValkeyError> {
+        let bad = |field: &'static str, allowed: &'static str| {
+            Err(ValkeyError::Config { field, allowed })
+        };
+        if self.prefix.is_empty() || self.prefix.contains(['{', '}']) {
+            return bad("prefix", "non-empty, without `{` or `}`");
+        }
+        if self.command_timeout.is_zero() || self.command_timeout > Duration::from_secs(60) {
+            return bad("command_timeout", "greater than 0 and at most 60 s");
+        }
+        if self.connect_timeout.is_zero() {
+            return bad("connect_timeout", "greater than 0");
+        }
+        if self.write_queue == 0 {
+            return bad("write_queue", "at least 1");
+        }
+        if self.breaker_failures == 0 || self.breaker_interval.is_zero() {
+            return bad(
+                "breaker",
+                "at least 1 failure and an interval greater than 0",
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The Valkey tier could not be set up.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ValkeyError {
+    /// The URL does not parse.
+    Url {
+        /// The URL as given.
+        url: String,
+        /// fred's reason.
+        reason: String,
+    },
+    /// A setting is out of range.
+    Config {
+        /// The setting.
+        field: &'static str,
+        /// What it accepts.
+        allowed: &'static str,
+    },
+    /// fred refused the configuration.
+    Client(String),
+    /// Not called inside a Tokio runtime.
+    NoRuntime,
+}
+
+impl fmt::Display for ValkeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ValkeyError::Url { url, reason } => write!(
+                f,
+                "invalid Valkey URL `{url}`: {reason} (write redis://[user:password@]host:port[/db], or rediss:// for TLS)"
+            ),
+            ValkeyError::Config { field, allowed } => {
+                write!(f, "invalid Valkey setting `{field}`: must be {allowed}")
+            }
+            ValkeyError::Client(e) => write!(f, "cannot build the Valkey client: {e}"),
+            ValkeyError::NoRuntime => f.write_str(
+                "the Valkey tier needs a Tokio runtime: create it inside one (e.g. in #[tokio::main])",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ValkeyError {}

@@ -1,0 +1,701 @@
+//! The engine owns the fill: its guarantees, through the layer and the
+//! programmatic API, on a real Valkey where L2 is on (issue 14).
+//!
+//! - an invalidation that arrives while a fill is in flight wins (by URL,
+//!   key, tag, prefix; locally or from another instance);
+//! - XFetch refreshes early with Valkey on (a refresh takes only a newer L2 copy);
+//! - a failing origin is called once for all the requests waiting on it;
+//! - waiters wait until the flight's deadline, and a stalled leader is taken
+//!   over by one request at a time.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use tiercache::core::{CacheKey, MockClock};
+use tiercache::http::key::request_key;
+use tiercache::valkey::{ValkeyConfig, ValkeyTier};
+use tiercache::{Commit, LoadError, Policy, PolicyBuilder, ResponseCacheLayer, TieredCache, Value};
+use tiercache_testkit::http::{HOST, header, send};
+use tiercache_testkit::{Counter, Gate, ValkeyServer, bounded, eventually};
+
+/// An origin whose data has a version: a GET reads it first, then waits on
+/// the gate (a slow answer built from data read before it); a POST bumps it.
+#[derive(Clone, Default)]
+struct World {
+    calls: Counter,
+    gate: Gate,
+    version: Arc<AtomicUsize>,
+    /// Only the first call waits on the gate (default: every call does).
+    only_first_gated: Arc<std::sync::atomic::AtomicBool>,
+}
+
+fn app(world: &World, route: ResponseCacheLayer) -> Router {
+    Router::new()
+        .route(
+            "/v",
+            get(|State(w): State<World>| async move {
+                let version = w.version.load(SeqCst);
+                let n = w.calls.bump();
+                if n == 1 || !w.only_first_gated.load(SeqCst) {
+                    w.gate.passed().await;
+                }
+                ([("surrogate-key", "item")], format!("v{version}"))
+            })
+            .post(|State(w): State<World>| async move {
+                w.version.fetch_add(1, SeqCst);
+                "ok"
+            }),
+        )
+        .route(
+            "/fail",
+            get(|State(w): State<World>| async move {
+                let n = w.calls.bump();
+                w.gate.passed().await;
+                (StatusCode::SERVICE_UNAVAILABLE, format!("down {n}"))
+            }),
+        )
+        .layer(route)
+        .with_state(world.clone())
+}
+
+fn engine() -> TieredCache {
+    TieredCache::builder().sweep_interval(None).build().unwrap()
+}
+
+async fn engine_on(server: &ValkeyServer) -> (TieredCache, ValkeyTier) {
+    let tier = ValkeyTier::connect(ValkeyConfig::from_url(&server.url()).unwrap())
+        .await
+        .unwrap();
+    let engine = TieredCache::builder()
+        .l2(tier.clone())
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    (engine, tier)
+}
+
+fn policy() -> PolicyBuilder {
+    Policy::ttl(Duration::from_secs(60)).tag("items")
+}
+
+fn key_of(path: &str) -> CacheKey {
+    let req = axum::http::Request::get(path)
+        .header("host", HOST)
+        .body(())
+        .unwrap();
+    request_key(&req.into_parts().0)
+}
+
+/// How a test invalidates `/v` while its fill is in flight.
+#[derive(Debug, Clone, Copy)]
+enum Invalidate {
+    UnsafeMethod,
+    Key,
+    Tag,
+    Url,
+    PathPrefix,
+}
+
+async fn invalidate(how: Invalidate, app: &Router, layer: &ResponseCacheLayer) {
+    let uri: axum::http::Uri = format!("http://{HOST}/v").parse().unwrap();
+    match how {
+        Invalidate::UnsafeMethod => {
+            let (status, _, _) = send(app, "POST", "/v").await;
+            assert_eq!(status, StatusCode::OK);
+        }
+        Invalidate::Key => layer.engine().invalidate(&key_of("/v")).await,
+        Invalidate::Tag => layer.invalidate_tag("items").await,
+        Invalidate::Url => layer.invalidate_url(&uri).await,
+        Invalidate::PathPrefix => layer.invalidate_path_prefix(&uri).await,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalidation_during_a_fill_wins_through_the_layer() {
+    for how in [
+        Invalidate::UnsafeMethod,
+        Invalidate::Key,
+        Invalidate::Tag,
+        Invalidate::Url,
+        Invalidate::PathPrefix,
+    ] {
+        let world = World::default();
+        let layer = ResponseCacheLayer::new(engine());
+        let app = app(&world, layer.route(policy()).unwrap());
+        // The fill reads version 0, then waits.
+        let fill = tokio::spawn({
+            let app = app.clone();
+            async move { send(&app, "GET", "/v").await }
+        });
+        world.calls.reached(1).await;
+        invalidate(how, &app, &layer).await;
+        if !matches!(how, Invalidate::UnsafeMethod) {
+            world.version.fetch_add(1, SeqCst);
+        }
+        world.gate.open();
+        let (_, _, body) = bounded("the fill", fill).await.unwrap();
+        assert_eq!(body, "v0", "{how:?}: the fill still answers its request");
+        let (_, headers, body) = send(&app, "GET", "/v").await;
+        assert_eq!(
+            (header(&headers, "x-cache"), body.as_str()),
+            ("MISS", "v1"),
+            "{how:?}: the fill the invalidation overtook was stored"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalidation_from_another_instance_during_a_fill_wins_in_l1_and_l2() {
+    let server = ValkeyServer::start();
+    let world = World::default();
+    let (a_engine, a_tier) = engine_on(&server).await;
+    let (b_engine, _b_tier) = engine_on(&server).await;
+    let a_layer = ResponseCacheLayer::new(a_engine.clone());
+    let b_layer = ResponseCacheLayer::new(b_engine.clone());
+    let a = app(&world, a_layer.route(policy()).unwrap());
+    let b = app(&world, b_layer.route(policy()).unwrap());
+
+    let fill = tokio::spawn({
+        let a = a.clone();
+        async move { send(&a, "GET", "/v").await }
+    });
+    world.calls.reached(1).await;
+    // The write lands on the other instance; its message reaches A.
+    let (status, _, _) = send(&b, "POST", "/v").await;
+    assert_eq!(status, StatusCode::OK);
+    eventually("A heard B's invalidation", || {
+        a_engine.stats().l2.invalidations_received >= 1
+    })
+    .await;
+    world.gate.open();
+    assert_eq!(bounded("the fill", fill).await.unwrap().2, "v0");
+    a_tier.flush().await;
+    for (name, app) in [("A", &a), ("B", &b)] {
+        let (_, headers, body) = send(app, "GET", "/v").await;
+        assert_eq!(
+            body, "v1",
+            "{name} answered the overtaken fill ({headers:?})"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalidation_during_get_or_load_wins() {
+    let server = ValkeyServer::start();
+    let (cache, tier) = engine_on(&server).await;
+    let policy = policy().build().unwrap();
+    let key = CacheKey::new("report");
+    let (started, gate) = (Counter::new(), Gate::new());
+    let load = tokio::spawn({
+        let (cache, policy, key, started, gate) = (
+            cache.clone(),
+            policy.clone(),
+            key.clone(),
+            started.clone(),
+            gate.clone(),
+        );
+        async move {
+            cache
+                .get_or_load(&key, &policy, move || async move {
+                    started.bump();
+                    gate.passed().await;
+                    Ok::<_, ()>(Value::from_body("old"))
+                })
+                .await
+        }
+    });
+    started.reached(1).await;
+    cache.invalidate(&key).await;
+    gate.open();
+    assert_eq!(load.await.unwrap().unwrap().body, "old");
+    tier.flush().await;
+    assert!(
+        cache.get(&key).await.is_none(),
+        "the overtaken load was stored"
+    );
+    let (fresh, _) = engine_on(&server).await;
+    assert!(
+        fresh.get(&key).await.is_none(),
+        "the overtaken load reached L2"
+    );
+}
+
+/// The origin answered; the invalidation comes before the store: it still wins.
+#[tokio::test]
+async fn an_invalidation_between_the_answer_and_the_store_wins() {
+    let cache = engine();
+    let policy = policy().build().unwrap();
+    let key = CacheKey::new("k");
+    let value = cache
+        .get_or_load(&key, &policy, {
+            let (cache, key) = (cache.clone(), key.clone());
+            move || async move {
+                let answer = Value::from_body("old");
+                cache.invalidate(&key).await;
+                Ok::<_, ()>(answer)
+            }
+        })
+        .await;
+    assert_eq!(value.unwrap().body, "old");
+    assert!(!cache.exists(&key).await);
+}
+
+/// With Valkey on, an XFetch refresh reads L2 first and finds the very entry
+/// it refreshes: it must go on to the origin, not stop there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn xfetch_refreshes_early_with_valkey_on() {
+    let server = ValkeyServer::start();
+    let clock = MockClock::new();
+    let tier = ValkeyTier::connect(ValkeyConfig::from_url(&server.url()).unwrap())
+        .await
+        .unwrap();
+    let engine = TieredCache::builder()
+        .clock(clock.clone())
+        .l2(tier.clone())
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let layer = ResponseCacheLayer::new(engine.clone());
+    let route = layer
+        .route(
+            Policy::ttl(Duration::from_secs(60))
+                .jitter(0.0)
+                .xfetch_beta(1.0),
+        )
+        .unwrap();
+    let calls = Counter::new();
+    // The origin takes 1,000 s on the engine's clock (δ): close to expiry,
+    // XFetch fires on practically every hit.
+    let app = Router::new().route(
+        "/x",
+        get({
+            let (clock, calls) = (clock.clone(), calls.clone());
+            move || {
+                let n = calls.bump();
+                clock.advance(Duration::from_secs(1000));
+                async move { format!("v{n}") }
+            }
+        })
+        .layer(route),
+    );
+    assert_eq!(send(&app, "GET", "/x").await.2, "v1");
+    tier.flush().await;
+    let left = engine.ttl(&key_of("/x")).await.expect("stored");
+    clock.advance(left - Duration::from_millis(1));
+    let (_, headers, body) = send(&app, "GET", "/x").await;
+    assert_eq!((header(&headers, "x-cache"), body.as_str()), ("HIT", "v1"));
+    calls.reached(2).await;
+    eventually("the refresh landed", || engine.in_flight() == 0).await;
+    let (_, headers, body) = send(&app, "GET", "/x").await;
+    assert_eq!((header(&headers, "x-cache"), body.as_str()), ("HIT", "v2"));
+    // (The refreshed entry's δ is 1,000 s too: XFetch may fire again.)
+    assert_eq!(engine.stats().misses, 1, "no client waited on the refresh");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_origin_is_called_once_for_its_waiters_then_again() {
+    let world = World::default();
+    let layer = ResponseCacheLayer::new(engine());
+    let app = app(&world, layer.route(policy()).unwrap());
+    let requests: Vec<_> = (0..50)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, "GET", "/fail").await })
+        })
+        .collect();
+    let engine = layer.engine().clone();
+    eventually("49 waiting", || engine.stats().coalesced == 49).await;
+    world.gate.open();
+    for r in requests {
+        let (status, _, body) = bounded("a request", r).await.unwrap();
+        assert_eq!(
+            (status, body.as_str()),
+            (StatusCode::SERVICE_UNAVAILABLE, "down 1")
+        );
+    }
+    assert_eq!(world.calls.get(), 1);
+    // Nothing was stored: the next request tries the origin again.
+    let (status, headers, body) = send(&app, "GET", "/fail").await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, "down 2")
+    );
+    assert_eq!(header(&headers, "x-cache"), "MISS");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_origin_is_called_once_across_the_fleet() {
+    let server = ValkeyServer::start();
+    let world = World::default();
+    let (a_engine, _a) = engine_on(&server).await;
+    let (b_engine, _b) = engine_on(&server).await;
+    let a = app(
+        &world,
+        ResponseCacheLayer::new(a_engine.clone())
+            .route(policy())
+            .unwrap(),
+    );
+    let b = app(
+        &world,
+        ResponseCacheLayer::new(b_engine.clone())
+            .route(policy())
+            .unwrap(),
+    );
+    let requests: Vec<_> = (0..40)
+        .map(|i| {
+            let app = if i % 2 == 0 { a.clone() } else { b.clone() };
+            tokio::spawn(async move { send(&app, "GET", "/fail").await })
+        })
+        .collect();
+    eventually("39 waiting across the fleet", || {
+        a_engine.stats().coalesced + b_engine.stats().coalesced == 39
+    })
+    .await;
+    world.gate.open();
+    for r in requests {
+        let (status, _, body) = bounded("a request", r).await.unwrap();
+        assert_eq!(
+            (status, body.as_str()),
+            (StatusCode::SERVICE_UNAVAILABLE, "down 1")
+        );
+    }
+    assert_eq!(world.calls.get(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_loader_is_called_once_for_its_waiters() {
+    let cache = engine();
+    let policy = policy().build().unwrap();
+    let key = CacheKey::new("k");
+    let (calls, gate) = (Counter::new(), Gate::new());
+    let loads: Vec<_> = (0..20)
+        .map(|_| {
+            let (cache, policy, key, calls, gate) = (
+                cache.clone(),
+                policy.clone(),
+                key.clone(),
+                calls.clone(),
+                gate.clone(),
+            );
+            tokio::spawn(async move {
+                cache
+                    .get_or_load(&key, &policy, move || async move {
+                        calls.bump();
+                        gate.passed().await;
+                        Err::<Value, String>("database down".into())
+                    })
+                    .await
+            })
+        })
+        .collect();
+    eventually("19 waiting", || cache.stats().coalesced == 19).await;
+    gate.open();
+    let mut own = 0;
+    for l in loads {
+        match l.await.unwrap() {
+            Err(LoadError::Loader(e)) if e == "database down" => own += 1,
+            Err(LoadError::Failed) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!((calls.get(), own), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_if_error_answers_every_waiter_of_a_failing_load() {
+    let clock = MockClock::new();
+    let engine = TieredCache::builder()
+        .clock(clock.clone())
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let layer = ResponseCacheLayer::new(engine.clone());
+    let route = layer
+        .route(
+            Policy::ttl(Duration::from_secs(10))
+                .jitter(0.0)
+                .stale_if_error(Duration::from_secs(300)),
+        )
+        .unwrap();
+    let (calls, gate) = (Counter::new(), Gate::new());
+    let app = Router::new().route(
+        "/x",
+        get({
+            let (calls, gate) = (calls.clone(), gate.clone());
+            move || {
+                let (calls, gate) = (calls.clone(), gate.clone());
+                async move {
+                    if calls.bump() == 1 {
+                        return (StatusCode::OK, "good".to_owned());
+                    }
+                    gate.passed().await;
+                    (StatusCode::BAD_GATEWAY, "bad".to_owned())
+                }
+            }
+        })
+        .layer(route),
+    );
+    assert_eq!(send(&app, "GET", "/x").await.2, "good");
+    clock.advance(Duration::from_secs(20));
+    let requests: Vec<_> = (0..20)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, "GET", "/x").await })
+        })
+        .collect();
+    eventually("19 waiting", || engine.stats().coalesced == 19).await;
+    gate.open();
+    for r in requests {
+        let (status, headers, body) = bounded("a request", r).await.unwrap();
+        assert_eq!((status, body.as_str()), (StatusCode::OK, "good"));
+        assert_eq!(header(&headers, "x-cache"), "STALE");
+    }
+    assert_eq!(calls.get(), 2);
+}
+
+/// A leader that hangs is abandoned at the flight's deadline, and one
+/// request at a time takes it over.
+#[tokio::test(start_paused = true)]
+async fn a_hung_leader_is_taken_over_by_one_request_at_a_time() {
+    let world = World::default();
+    let layer = ResponseCacheLayer::new(engine());
+    let route = layer
+        .route(policy().lock_timeout(Duration::from_millis(200)))
+        .unwrap();
+    let app = app(&world, route);
+    let requests: Vec<_> = (0..20)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, "GET", "/v").await })
+        })
+        .collect();
+    world.calls.reached(1).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(world.calls.get(), 1, "followers wait for the deadline");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(world.calls.get(), 2, "one request took over at 200 ms");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(world.calls.get(), 3, "and one more at 400 ms");
+    world.gate.open();
+    for r in requests {
+        assert_eq!(r.await.unwrap().0, StatusCode::OK);
+    }
+    assert_eq!(layer.engine().stats().lock_timeouts, 19 + 18);
+}
+
+/// A follower that arrives late waits only for what is left of the flight's
+/// `lock_timeout`, not a whole one from its own arrival.
+#[tokio::test(start_paused = true)]
+async fn a_late_follower_waits_until_the_flights_deadline() {
+    let world = World::default();
+    world.only_first_gated.store(true, SeqCst); // only the leader hangs
+    let layer = ResponseCacheLayer::new(engine());
+    let route = layer
+        .route(policy().lock_timeout(Duration::from_millis(200)))
+        .unwrap();
+    let app = app(&world, route);
+    let t0 = tokio::time::Instant::now();
+    let _leader = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, "GET", "/v").await }
+    });
+    world.calls.reached(1).await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let (status, _, _) = send(&app, "GET", "/v").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(world.calls.get(), 2);
+    assert_eq!(t0.elapsed(), Duration::from_millis(200));
+}
+
+/// `get_or_load` gets the whole orchestration: the fleet lock across
+/// instances, stale-while-revalidate, stale-if-error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_or_load_loads_once_across_the_fleet() {
+    let server = ValkeyServer::start();
+    let (a, _ta) = engine_on(&server).await;
+    let (b, _tb) = engine_on(&server).await;
+    let policy = policy().build().unwrap();
+    let key = CacheKey::new("report");
+    let (calls, gate) = (Counter::new(), Gate::new());
+    let loads: Vec<_> = (0..20)
+        .map(|i| {
+            let cache = if i % 2 == 0 { a.clone() } else { b.clone() };
+            let (policy, key, calls, gate) =
+                (policy.clone(), key.clone(), calls.clone(), gate.clone());
+            tokio::spawn(async move {
+                cache
+                    .get_or_load(&key, &policy, move || async move {
+                        calls.bump();
+                        gate.passed().await;
+                        Ok::<_, ()>(Value::from_body("built"))
+                    })
+                    .await
+            })
+        })
+        .collect();
+    eventually("19 waiting across the fleet", || {
+        a.stats().coalesced + b.stats().coalesced == 19
+    })
+    .await;
+    gate.open();
+    for l in loads {
+        assert_eq!(l.await.unwrap().unwrap().body, "built");
+    }
+    assert_eq!(calls.get(), 1);
+}
+
+#[tokio::test]
+async fn get_or_load_serves_stale_while_it_refreshes_and_when_the_loader_fails() {
+    let clock = MockClock::new();
+    let cache = TieredCache::builder()
+        .clock(clock.clone())
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let policy = Policy::ttl(Duration::from_secs(10))
+        .jitter(0.0)
+        .stale_while_revalidate(Duration::from_secs(10))
+        .stale_if_error(Duration::from_secs(100))
+        .build()
+        .unwrap();
+    let key = CacheKey::new("k");
+    let calls = Counter::new();
+    let load = |body: &'static str, fail: bool| {
+        let calls = calls.clone();
+        move || async move {
+            calls.bump();
+            if fail {
+                Err("down")
+            } else {
+                Ok(Value::from_body(body))
+            }
+        }
+    };
+    assert_eq!(
+        cache
+            .get_or_load(&key, &policy, load("v1", false))
+            .await
+            .unwrap()
+            .body,
+        "v1"
+    );
+    // Stale: answered at once, refreshed in the background.
+    clock.advance(Duration::from_secs(15));
+    assert_eq!(
+        cache
+            .get_or_load(&key, &policy, load("v2", false))
+            .await
+            .unwrap()
+            .body,
+        "v1"
+    );
+    calls.reached(2).await;
+    eventually("the refresh stored v2", || {
+        futures_lite_ready(cache.get(&key))
+            .flatten()
+            .is_some_and(|v| v.body == "v2")
+    })
+    .await;
+    // Past stale-while-revalidate, inside stale-if-error: a failing loader
+    // is answered with the stale value.
+    clock.advance(Duration::from_secs(30));
+    assert_eq!(
+        cache
+            .get_or_load(&key, &policy, load("v3", true))
+            .await
+            .unwrap()
+            .body,
+        "v2"
+    );
+    assert_eq!(calls.get(), 3);
+}
+
+/// Polls a future once (the engine's L1 reads complete without waiting).
+fn futures_lite_ready<F: std::future::Future>(f: F) -> Option<F::Output> {
+    let mut f = std::pin::pin!(f);
+    let waker = std::task::Waker::noop();
+    match f.as_mut().poll(&mut std::task::Context::from_waker(waker)) {
+        std::task::Poll::Ready(v) => Some(v),
+        std::task::Poll::Pending => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn typed_values_travel_through_l2() {
+    #[derive(serde::Serialize, serde::Deserialize, Debug, PartialEq, Clone)]
+    struct Product {
+        id: u32,
+        name: String,
+        price_cents: u64,
+    }
+    let server = ValkeyServer::start();
+    let (a, ta) = engine_on(&server).await;
+    let (b, _tb) = engine_on(&server).await;
+    let policy = policy().build().unwrap();
+    let key = CacheKey::new("product:7");
+    let product = Product {
+        id: 7,
+        name: "lamp".into(),
+        price_cents: 1999,
+    };
+    let loaded = a
+        .get_or_load_as(&key, &policy, {
+            let product = product.clone();
+            move || async move { Ok::<_, ()>(product) }
+        })
+        .await
+        .unwrap();
+    assert_eq!(loaded, product);
+    ta.flush().await;
+    assert_eq!(b.get_as::<Product>(&key).await, Some(product.clone()));
+    // Another type under the key is a miss, not a wrong value.
+    assert_eq!(b.get_as::<String>(&key).await, None);
+    let again = b
+        .get_or_load_as(&key, &policy, || async { Err::<Product, _>("not called") })
+        .await;
+    assert_eq!(again.unwrap(), product);
+}
+
+#[tokio::test]
+async fn the_cachex_calls() {
+    let clock = MockClock::new();
+    let cache = TieredCache::builder()
+        .clock(clock.clone())
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let policy = Policy::ttl(Duration::from_secs(60))
+        .jitter(0.0)
+        .build()
+        .unwrap();
+    let key = CacheKey::new("k");
+    assert!(!cache.exists(&key).await);
+    assert_eq!(cache.ttl(&key).await, None);
+    cache.put(&key, Value::from_body("v"), &policy);
+    assert!(cache.exists(&key).await);
+    assert_eq!(cache.ttl(&key).await, Some(Duration::from_secs(60)));
+    clock.advance(Duration::from_secs(50));
+    assert!(cache.touch(&key, &policy).await);
+    assert_eq!(cache.ttl(&key).await, Some(Duration::from_secs(60)));
+    assert!(
+        cache
+            .expire_at(&key, cache.now() + Duration::from_secs(5))
+            .await
+    );
+    assert_eq!(cache.ttl(&key).await, Some(Duration::from_secs(5)));
+    assert_eq!(cache.take(&key).await.unwrap().body, "v");
+    assert!(!cache.exists(&key).await);
+    // A loader may answer without storing.
+    let ignored = cache
+        .get_or_load_with(&key, &policy, || async {
+            Ok::<_, ()>(Commit::Ignore(Value::from_body("partial")))
+        })
+        .await;
+    assert_eq!(ignored.unwrap().body, "partial");
+    assert!(!cache.exists(&key).await);
+}

@@ -1,0 +1,105 @@
+//! Unsafe methods invalidate what they name, and nothing else.
+
+use super::harness::*;
+
+use axum::body::Body;
+use axum::http::StatusCode;
+
+#[tokio::test]
+async fn successful_unsafe_methods_invalidate_the_target_in_l1_and_l2() {
+    for h in Harness::both().await {
+        for (i, method) in ["POST", "PUT", "PATCH", "DELETE", "PURGE"]
+            .iter()
+            .enumerate()
+        {
+            let target = format!("/item{i}?cc=max-age%3D60");
+            h.get(&target).await;
+            assert_eq!(h.get(&target).await.x_cache(), "HIT");
+            let before = h.calls();
+            let write = h
+                .send(h.request(method, &target).body(Body::from("x")).unwrap())
+                .await;
+            assert_eq!(write.status, StatusCode::OK);
+            let after = h.get(&target).await;
+            assert_eq!(after.x_cache(), "MISS", "{} {method}", h.name);
+            assert_eq!(h.calls(), before + 2, "{} {method}", h.name);
+        }
+        // A redirect is a success too (the classic POST → 303 See Other).
+        let target = "/form?cc=max-age%3D60";
+        h.get(target).await;
+        let see_other = h
+            .request("POST", target)
+            .header("x-respond-status", "303")
+            .body(Body::empty())
+            .unwrap();
+        assert_eq!(h.send(see_other).await.status, StatusCode::SEE_OTHER);
+        assert_eq!(
+            h.get(target).await.x_cache(),
+            "MISS",
+            "{} after a 303",
+            h.name
+        );
+        // L2 too: an instance that never saw it finds nothing stale there.
+        let target = "/item9?cc=max-age%3D60";
+        h.get(target).await;
+        h.stored_in_valkey().await;
+        h.send(h.request("POST", target).body(Body::empty()).unwrap())
+            .await;
+        let fresh_eyes = h.sibling().await.get(target).await;
+        assert_eq!(fresh_eyes.h("x-cache-tier"), "origin", "{}", h.name);
+    }
+}
+
+#[tokio::test]
+async fn failed_writes_and_cross_origin_locations_invalidate_nothing() {
+    for h in Harness::both().await {
+        let target = "/stock?cc=max-age%3D60";
+        h.get(target).await;
+        for status in ["500", "404", "403"] {
+            let failed = h
+                .request("POST", target)
+                .header("x-respond-status", status)
+                .body(Body::empty())
+                .unwrap();
+            h.send(failed).await;
+            assert_eq!(
+                h.get(target).await.x_cache(),
+                "HIT",
+                "{} after a {status}",
+                h.name
+            );
+        }
+
+        let elsewhere = "/list?cc=max-age%3D60";
+        h.get(elsewhere).await;
+        let foreign = h
+            .request("POST", "/orders")
+            .header("x-respond-status", "201")
+            .header(
+                "x-respond-location",
+                "http://other.example/list?cc=max-age%3D60",
+            )
+            .body(Body::empty())
+            .unwrap();
+        h.send(foreign).await;
+        assert_eq!(
+            h.get(elsewhere).await.x_cache(),
+            "HIT",
+            "{}: cross-origin",
+            h.name
+        );
+        let same = h
+            .request("POST", "/orders")
+            .header("x-respond-status", "201")
+            .header("x-respond-location", "/list?cc=max-age%3D60")
+            .body(Body::empty())
+            .unwrap();
+        h.send(same).await;
+        assert_eq!(
+            h.get(elsewhere).await.x_cache(),
+            "MISS",
+            "{}: same origin",
+            h.name
+        );
+    }
+}
