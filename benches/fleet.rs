@@ -95,7 +95,7 @@ async fn invalidation_latency(server: &ValkeyServer) {
         let key = CacheKey::new(format!("bench:inv:{i}"));
         heard.mark_unchanged();
         let started = Instant::now();
-        a.invalidate(&key).await;
+        a.invalidate(&key).await.unwrap();
         call.push(started.elapsed());
         heard.changed().await.unwrap();
         dropped.push(started.elapsed());

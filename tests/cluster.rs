@@ -162,7 +162,7 @@ async fn a_fleet_on_the_cluster_loads_once_shares_l2_and_invalidates_everywhere(
     assert_eq!(origin.calls.get(), 101);
 
     // A tag spans slots; its invalidation reaches both instances.
-    a.engine.invalidate_tag("all").await;
+    a.engine.invalidate_tag("all").await.unwrap();
     eventually("every product gone from both L1s", || {
         (1..102).all(|i| {
             let key = url_key(&format!("/p/{i}"));

@@ -185,7 +185,7 @@ async fn invalidation_by_key_tag_and_url_reaches_every_instances_l1() {
     // By key, from instance 0.
     fill_everywhere("/p/1").await;
     assert_eq!(in_l1(&fleet, "/p/1"), [true; 3]);
-    fleet[0].engine.invalidate(&key("/p/1")).await;
+    fleet[0].engine.invalidate(&key("/p/1")).await.unwrap();
     eventually("/p/1 gone from every L1", || {
         in_l1(&fleet, "/p/1") == [false; 3]
     })
@@ -195,14 +195,14 @@ async fn invalidation_by_key_tag_and_url_reaches_every_instances_l1() {
     // By tag: the origin's Surrogate-Key, from instance 1.
     fill_everywhere("/p/2").await;
     fill_everywhere("/p/3").await;
-    fleet[1].layer.invalidate_tag("product-2").await;
+    fleet[1].layer.invalidate_tag("product-2").await.unwrap();
     eventually("/p/2 gone from every L1", || {
         in_l1(&fleet, "/p/2") == [false; 3]
     })
     .await;
     assert_eq!(in_l1(&fleet, "/p/3"), [true; 3], "other tags stay");
     // By the route's tag: everything.
-    fleet[2].engine.invalidate_tag("products").await;
+    fleet[2].engine.invalidate_tag("products").await.unwrap();
     eventually("/p/3 gone from every L1", || {
         in_l1(&fleet, "/p/3") == [false; 3]
     })
@@ -238,7 +238,8 @@ async fn invalidation_by_key_tag_and_url_reaches_every_instances_l1() {
     fleet[0]
         .layer
         .invalidate_path_prefix(&"/p/".parse().unwrap())
-        .await;
+        .await
+        .unwrap();
     eventually("/p/5 and /p/4 gone from every L1", || {
         in_l1(&fleet, "/p/5") == [false; 3] && in_l1(&fleet, "/p/4") == [false; 3]
     })
@@ -277,7 +278,7 @@ async fn an_instance_that_missed_an_invalidation_drops_its_l1_on_reconnect() {
     // B is cut off; A updates and invalidates; B hears nothing.
     link.set(Fault::Reset);
     origin.bump_version();
-    a.engine.invalidate(&key("/p/9")).await;
+    a.engine.invalidate(&key("/p/9")).await.unwrap();
     eventually("the witness to hear it", || {
         witness.engine.stats().l2.invalidations_received >= 1
     })

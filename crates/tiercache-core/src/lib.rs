@@ -52,7 +52,7 @@ mod tier;
 pub use clock::MockClock;
 pub use clock::{Clock, SystemClock};
 pub use engine::{
-    Begin, BuildError, Commit, Fill, Hit, Lifetime, LoadError, Miss, Refresh, TieredCache,
+    Begin, BuildError, Commit, Fill, Hit, Lifetime, LoadError, Miss, Queued, Refresh, TieredCache,
     TieredCacheBuilder,
 };
 pub use entry::{Entry, Freshness, Source, Times, Value};
@@ -65,7 +65,7 @@ pub use origin::{
 pub use policy::{
     IntoPolicy, Jitter, MAX_JITTER, MAX_LOCK_TIMEOUT, MAX_TTL, Policy, PolicyBuilder, PolicyError,
 };
-pub use stats::{LatencyStats, Stats};
+pub use stats::{InvalidationStats, LatencyStats, Stats};
 #[cfg(any(test, feature = "test-util"))]
 pub use tier::MemoryTier;
 pub use tier::{BoxFuture, Tier, TierError, TierHit, TierReport};

@@ -45,6 +45,24 @@ pub struct Stats {
     pub hit_ratio: f64,
     /// Origin load time (δ, the XFetch input).
     pub origin_latency: LatencyStats,
+    /// Invalidations on their way to the shared tier.
+    pub invalidations: InvalidationStats,
+}
+
+/// What became of the invalidations that had to reach the shared tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct InvalidationStats {
+    /// Landed in the shared tier (at once, or after retries).
+    pub landed: u64,
+    /// Could not land at once, and were queued for retries.
+    pub queued: u64,
+    /// Retries sent.
+    pub retried: u64,
+    /// Merged into one broader invalidation because the queue was full.
+    pub merged: u64,
+    /// Waiting in the queue now.
+    pub pending: u64,
 }
 
 /// Origin latency summary, in milliseconds.
@@ -76,6 +94,10 @@ pub(crate) struct Counters {
     pub(crate) expired: AtomicU64,
     pub(crate) evicted: AtomicU64,
     pub(crate) sweeps: AtomicU64,
+    pub(crate) invalidations_landed: AtomicU64,
+    pub(crate) invalidations_queued: AtomicU64,
+    pub(crate) invalidations_retried: AtomicU64,
+    pub(crate) invalidations_merged: AtomicU64,
     origin_nanos_total: AtomicU64,
     origin_nanos_last: AtomicU64,
     origin_nanos_max: AtomicU64,
@@ -111,7 +133,7 @@ impl Counters {
         }
     }
 
-    pub(crate) fn snapshot(&self, l2: crate::TierReport) -> Stats {
+    pub(crate) fn snapshot(&self, l2: crate::TierReport, pending: usize) -> Stats {
         let count = self.origin_loads.load(Relaxed);
         let ms = |n: u64| n as f64 / 1e6;
         Stats {
@@ -146,6 +168,13 @@ impl Counters {
                     ms(self.origin_nanos_total.load(Relaxed)) / count as f64
                 },
                 max_ms: ms(self.origin_nanos_max.load(Relaxed)),
+            },
+            invalidations: InvalidationStats {
+                landed: self.invalidations_landed.load(Relaxed),
+                queued: self.invalidations_queued.load(Relaxed),
+                retried: self.invalidations_retried.load(Relaxed),
+                merged: self.invalidations_merged.load(Relaxed),
+                pending: pending as u64,
             },
         }
     }

@@ -110,6 +110,9 @@ pub struct TierReport {
     pub locks_acquired: u64,
     /// Waits on another instance's fill lock.
     pub lock_waits: u64,
+    /// Lock releases sent again after a failure (they are retried until
+    /// they land or the lock would have expired anyway).
+    pub release_retries: u64,
 }
 
 /// A shared tier failed (unreachable, timed out, refused).

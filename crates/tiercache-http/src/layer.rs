@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use http::HeaderName;
 
-use tiercache_core::{IntoPolicy, Policy, PolicyError, TieredCache};
+use tiercache_core::{IntoPolicy, Policy, PolicyError, Queued, TieredCache};
 
 use crate::config::{Cookies, HttpConfig};
 use crate::metrics::{EngineMetrics, RouteMetrics};
@@ -194,26 +194,49 @@ impl ResponseCacheLayer {
         &self.engine
     }
 
-    /// Removes every cached response of `uri` (its `Vary` variants and keyed
-    /// copies included) from every tier and every instance; see
-    /// [`url_pattern`](crate::key::url_pattern) for how `uri` matches.
-    pub async fn invalidate_url(&self, uri: &http::Uri) {
-        self.engine
-            .invalidate_prefix(crate::key::url_pattern(uri))
-            .await;
+    /// Removes the cached responses of `uri` from every tier and every
+    /// instance, as a successful unsafe request on it would: the URL's
+    /// entry and its `Vary` variants (by their exact keys and the URL's
+    /// family tag, so the variants other instances stored go too), without
+    /// scanning any L1. Copies keyed on a client's credentials or cookies
+    /// are not reached (use [`invalidate_path_prefix`](Self::invalidate_path_prefix)).
+    /// A `uri` without scheme and host names the path on every host: that
+    /// is a prefix invalidation (see [`url_pattern`](crate::key::url_pattern)).
+    ///
+    /// `Err(Queued)`: this instance's L1 is clean, the shared tier was not
+    /// reached in time, and the invalidation is retried until it lands.
+    pub async fn invalidate_url(&self, uri: &http::Uri) -> Result<(), Queued> {
+        let (Some(scheme), Some(authority)) = (uri.scheme_str(), uri.authority()) else {
+            return self
+                .engine
+                .invalidate_prefix(crate::key::url_pattern(uri))
+                .await;
+        };
+        let key = crate::key::uri_key(
+            scheme,
+            authority.as_str().as_bytes(),
+            uri.path(),
+            uri.query(),
+        )
+        .finish();
+        let mut known = self.variants.take(&key);
+        let tag = crate::key::family_tag(&key);
+        known.push(key);
+        self.engine.invalidate_tag_and_keys(tag, &known).await
     }
 
     /// Removes every cached response whose path starts with `uri`'s path
     /// (of its host when `uri` is absolute), from every tier and instance.
-    pub async fn invalidate_path_prefix(&self, uri: &http::Uri) {
+    pub async fn invalidate_path_prefix(&self, uri: &http::Uri) -> Result<(), Queued> {
         self.engine
             .invalidate_prefix(crate::key::path_prefix_pattern(uri))
-            .await;
+            .await
     }
 
     /// Removes every response recorded under `tag` (a route's
-    /// [`Policy::tag`] or a `Surrogate-Key` the origin sent).
-    pub async fn invalidate_tag(&self, tag: impl Into<bytes::Bytes>) {
-        self.engine.invalidate_tag(tag).await;
+    /// [`Policy::tag`](tiercache_core::PolicyBuilder::tag) or a `Surrogate-Key`
+    /// the origin sent).
+    pub async fn invalidate_tag(&self, tag: impl Into<bytes::Bytes>) -> Result<(), Queued> {
+        self.engine.invalidate_tag(tag).await
     }
 }

@@ -3,11 +3,11 @@
 
 use std::sync::Arc;
 
-use http::Response;
+use http::{HeaderValue, Response};
 
 use crate::body::CacheBody;
 use crate::cacheable::Reason;
-use crate::headers::Outcome;
+use crate::headers::{Outcome, X_CACHE_INVALIDATION};
 use crate::invalidate::{Target, location_keys};
 use crate::key::family_tag;
 use crate::route::Route;
@@ -17,6 +17,12 @@ use tiercache_core::CacheKey;
 /// 3xx) the target URI and any same-origin `Location` / `Content-Location`
 /// are invalidated in L1 and L2 before the response is returned. Loads of
 /// those URLs already in flight are not stored (the engine's journal).
+///
+/// What the response waits for: this instance's L1, always; the shared
+/// tier, within its bound (a few command timeouts). When that bound passes
+/// the invalidation is queued and retried until it lands, this instance
+/// stops answering from the L2 copies it covers, and the response says
+/// `x-cache-invalidation: queued` (else `done`).
 pub(crate) async fn write_through<F, ResB, E>(
     route: Arc<Route>,
     future: F,
@@ -27,19 +33,32 @@ where
     F: std::future::Future<Output = Result<Response<ResB>, E>>,
 {
     let res = future.await?;
+    let mut invalidated = None;
     if res.status().is_success() || res.status().is_redirection() {
         keys.extend(location_keys(res.headers(), &request));
         // One message per URL: its key and the variants this instance knows,
         // with its family tag, under which the shared tier recorded the
         // variants other instances stored.
+        let mut queued = false;
         for key in keys {
             let mut known = route.variants.take(&key);
             let tag = family_tag(&key);
             known.push(key);
-            route.engine.invalidate_tag_and_keys(tag, &known).await;
+            queued |= route
+                .engine
+                .invalidate_tag_and_keys(tag, &known)
+                .await
+                .is_err();
         }
+        invalidated = Some(if queued { "queued" } else { "done" });
     }
     let mut res = res.map(CacheBody::stream);
     route.label(res.headers_mut(), &Outcome::Bypass(Reason::Method));
+    if route.config.emit_headers
+        && let Some(how) = invalidated
+    {
+        res.headers_mut()
+            .insert(X_CACHE_INVALIDATION, HeaderValue::from_static(how));
+    }
     Ok(res)
 }

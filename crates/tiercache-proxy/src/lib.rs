@@ -428,7 +428,10 @@ struct InvalidateQuery {
 }
 
 /// `POST /invalidate?key=URL|tag=TAG|prefix=PATH`: drops the matching
-/// entries from L1, Valkey and every instance's L1 before answering.
+/// entries from L1, Valkey and every instance's L1 before answering `200
+/// invalidated`; when Valkey cannot be reached in time, this instance's L1
+/// is clean, the invalidation is queued and retried until it lands, and the
+/// answer is `202 queued`.
 async fn invalidate(
     State(Admin { layer, .. }): State<Admin>,
     axum::extract::Query(q): axum::extract::Query<InvalidateQuery>,
@@ -445,7 +448,7 @@ async fn invalidate(
                 ))
             })
     };
-    match (q.key, q.tag, q.prefix) {
+    let done = match (q.key, q.tag, q.prefix) {
         (Some(key), None, None) => match uri("key", &key) {
             Ok(u) => layer.invalidate_url(&u).await,
             Err(e) => return e,
@@ -456,6 +459,9 @@ async fn invalidate(
             Err(e) => return e,
         },
         _ => return bad("give exactly one of key=URL, tag=TAG, prefix=PATH".into()),
+    };
+    match done {
+        Ok(()) => (http::StatusCode::OK, "invalidated\n".into()),
+        Err(queued) => (http::StatusCode::ACCEPTED, format!("queued: {queued}\n")),
     }
-    (http::StatusCode::OK, "invalidated\n".into())
 }

@@ -23,8 +23,13 @@ enum State {
     Open {
         until: Instant,
     },
-    /// One probe is out; everyone else is refused until it answers.
-    Probing,
+    /// One probe is out; everyone else is refused until it answers, or
+    /// until `until`: a probe whose caller gave up on it (its future was
+    /// dropped by a timeout) never answers, and must not keep the breaker
+    /// open for good.
+    Probing {
+        until: Instant,
+    },
 }
 
 impl Breaker {
@@ -40,13 +45,16 @@ impl Breaker {
     /// Whether an operation may go to Valkey now.
     pub(crate) fn allow(&self) -> bool {
         let mut state = self.state.lock().unwrap();
+        let now = Instant::now();
         match *state {
             State::Closed { .. } => true,
-            State::Open { until } if Instant::now() >= until => {
-                *state = State::Probing;
+            State::Open { until } | State::Probing { until } if now >= until => {
+                *state = State::Probing {
+                    until: now + self.interval,
+                };
                 true
             }
-            State::Open { .. } | State::Probing => false,
+            State::Open { .. } | State::Probing { .. } => false,
         }
     }
 
@@ -102,6 +110,21 @@ mod tests {
         assert!(b.allow());
         b.success();
         assert!(b.allow() && b.allow(), "a good probe closes it");
+        assert!(!b.is_open());
+    }
+
+    /// A probe whose caller went away (its future dropped by a timeout)
+    /// never reports; after an interval another probe goes out.
+    #[tokio::test(start_paused = true)]
+    async fn an_abandoned_probe_does_not_keep_it_open() {
+        let b = Breaker::new(1, Duration::from_secs(1));
+        b.failure();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(b.allow(), "the probe goes out, and is never heard of again");
+        assert!(!b.allow());
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(b.allow(), "a new probe after the interval");
+        b.success();
         assert!(!b.is_open());
     }
 }

@@ -1,12 +1,110 @@
-//! Fleet-wide fill locks: the scripts that take and release them, and the
-//! message a release sends to the instances waiting on it.
+//! Fleet-wide fill locks: the scripts that take and release them, the
+//! message a release sends to the instances waiting on it, and releases
+//! that cannot be lost.
+//!
+//! A release is small and idempotent (a token-checked delete), so it is
+//! never dropped by a full write queue nor skipped by an open breaker: it is
+//! retried with backoff until it lands or the lock would have expired
+//! anyway. The unlock and the notification are sent independently: a lost
+//! notification still lets waiters finish (they re-check the lock on a
+//! short backoff), and a lost unlock is retried. A lock attempt whose reply
+//! never came is treated as possibly held: its release is sent when Valkey
+//! answers again.
 
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
+use fred::prelude::{KeysInterface, LuaInterface, PubsubInterface, Value};
+use fred::types::Expiration;
 use tiercache_core::Unlocked;
+use tokio::time::Instant;
 
 use crate::codec;
+use crate::tier::Inner;
+
+/// One lock's release: what to delete, announce, and leave for late waiters.
+#[derive(Debug, Clone)]
+pub(crate) struct Release {
+    pub(crate) lock: String,
+    pub(crate) channel: String,
+    pub(crate) shared: String,
+    pub(crate) token: Bytes,
+    pub(crate) message: Bytes,
+    /// Past this the lock has expired by its `PX`: nothing left to release.
+    pub(crate) until: Instant,
+    /// Announce even when the lock was not there to delete (a real
+    /// release); a possibly-held lock announces only what it deleted.
+    pub(crate) announce: bool,
+}
+
+/// Sends `release` once: the unlock, the shared answer (if any) and the
+/// notification, each on its own bound. Whether the unlock landed.
+pub(crate) async fn release_once(inner: &Inner, release: &Release) -> bool {
+    let client = &inner.client;
+    let bound = inner.command_timeout;
+    let unlock = tokio::time::timeout(
+        bound,
+        client.eval::<i64, _, _, _>(
+            UNLOCK_SCRIPT,
+            vec![release.lock.clone()],
+            vec![Value::from(release.token.clone())],
+        ),
+    );
+    let deleted = match unlock.await {
+        Ok(Ok(n)) => Some(n > 0),
+        _ => None,
+    };
+    // A shared answer is also left for a moment where a waiter that
+    // subscribed too late (and so found the lock gone) reads it.
+    if release.message.len() > 1 {
+        let px = Expiration::PX(SHARED_ANSWER_TTL.as_millis() as i64);
+        let set = client.set::<(), _, _>(
+            release.shared.clone(),
+            release.message.clone(),
+            Some(px),
+            None,
+            false,
+        );
+        let _ = tokio::time::timeout(bound, set).await;
+    }
+    if release.announce || deleted == Some(true) {
+        let publish =
+            client.spublish::<i64, _, _>(release.channel.clone(), release.message.clone());
+        let _ = tokio::time::timeout(bound, publish).await;
+    }
+    deleted.is_some()
+}
+
+/// Retries `release` with backoff (50 ms, doubling, 1 s at most) until the
+/// unlock lands or the lock would have expired anyway.
+pub(crate) async fn release_until_done(inner: Weak<Inner>, release: Release) {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let Some(live) = inner.upgrade() else {
+            return;
+        };
+        if Instant::now() >= release.until || release_once(&live, &release).await {
+            live.released(&release.token);
+            return;
+        }
+        live.release_retries.fetch_add(1, Relaxed);
+        drop(live);
+        tokio::time::sleep(backoff.min(release.until.saturating_duration_since(Instant::now())))
+            .await;
+        backoff = (backoff * 2).min(Duration::from_secs(1));
+    }
+}
+
+/// Runs a release now, and on in the background until it lands.
+pub(crate) async fn release(inner: &Arc<Inner>, release: Release) {
+    if release_once(inner, &release).await {
+        inner.released(&release.token);
+    } else {
+        tokio::spawn(release_until_done(Arc::downgrade(inner), release));
+    }
+}
 
 /// Takes the lock (`SET NX PX`) or tells how long it is still held.
 /// Replies `{-10, ''}` when taken, else `{PTTL, holder's token}`.

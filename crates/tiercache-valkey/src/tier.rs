@@ -22,7 +22,7 @@ use crate::breaker::Breaker;
 use crate::bus::{self, Ban, Bus};
 use crate::codec;
 use crate::config::{ValkeyConfig, ValkeyError};
-use crate::lock::{LOCK_SCRIPT, read_unlock_message, unlock_message};
+use crate::lock::{LOCK_SCRIPT, Release, read_unlock_message, release_until_done, unlock_message};
 use crate::writer::{Command, Write, writer};
 
 /// The L2 tier on Valkey. Cheap to clone.
@@ -49,8 +49,12 @@ pub(crate) struct Inner {
     pub(crate) write_errors: AtomicU64,
     pub(crate) corrupt: AtomicU64,
     pub(crate) skipped: AtomicU64,
-    /// Tokens of locks this instance released whose release is still queued.
+    /// Tokens of locks this instance released whose release has not landed yet.
     pub(crate) releasing: std::sync::Mutex<std::collections::HashSet<Bytes>>,
+    /// Locks this instance holds, and when each expires by its `PX`.
+    pub(crate) held: std::sync::Mutex<std::collections::HashMap<Bytes, tokio::time::Instant>>,
+    /// Lock releases sent again after a failure.
+    pub(crate) release_retries: AtomicU64,
 }
 
 impl Inner {
@@ -145,6 +149,8 @@ impl ValkeyTier {
             corrupt: AtomicU64::new(0),
             skipped: AtomicU64::new(0),
             releasing: Default::default(),
+            held: Default::default(),
+            release_retries: AtomicU64::new(0),
         });
         runtime.spawn(writer(Arc::downgrade(&inner), rx));
         let weak = Arc::downgrade(&inner);
@@ -277,6 +283,39 @@ pub(crate) fn fred_error(e: fred::error::Error) -> TierError {
 }
 
 impl ValkeyTier {
+    /// A lock attempt got no answer: if the script ran after all, this
+    /// instance holds a lock nobody knows of. Release it by its token when
+    /// Valkey answers again (announcing only if it was there).
+    fn release_possibly_held(&self, key: &CacheKey, token: &Bytes, ttl: Duration) {
+        self.inner
+            .releasing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(token.clone());
+        let release = Release {
+            lock: self.lock_key(key),
+            channel: self.done_channel(key),
+            shared: String::new(),
+            token: token.clone(),
+            message: Bytes::from_static(b"0"),
+            until: tokio::time::Instant::now() + ttl,
+            announce: false,
+        };
+        tokio::spawn(release_until_done(Arc::downgrade(&self.inner), release));
+    }
+
+    /// Whether `key`'s fill lock exists.
+    async fn lock_held(&self, key: &CacheKey) -> Result<bool, TierError> {
+        let lock = self.lock_key(key);
+        let held: i64 = self
+            .bounded(async {
+                let r: Result<i64, _> = self.inner.client.exists(lock).await;
+                r.map_err(fred_error)
+            })
+            .await?;
+        Ok(held > 0)
+    }
+
     fn is_releasing(&self, holder: &LockToken) -> bool {
         self.inner
             .releasing
@@ -425,7 +464,16 @@ impl Tier for ValkeyTier {
             }
             let token = Bytes::from(bus::hex(&rand::rng().random::<[u8; 16]>()));
             let px = ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
-            let mut attempt = self.lock_once(key, &token, px).await?;
+            let mut attempt = match self.lock_once(key, &token, px).await {
+                Ok(attempt) => attempt,
+                Err(e) => {
+                    // The script may still run once Valkey reads it: treat
+                    // the lock as possibly held, and release it by its token
+                    // when Valkey answers again.
+                    self.release_possibly_held(key, &token, ttl);
+                    return Err(e);
+                }
+            };
             // Held by this instance's own finished flight, whose release is
             // still in the write queue: let it land and try again, rather
             // than wait on (or answer with) a flight that is over.
@@ -436,7 +484,20 @@ impl Tier for ValkeyTier {
                 && self.is_releasing(holder)
             {
                 self.flush().await;
-                attempt = self.lock_once(key, &token, px).await?;
+                attempt = match self.lock_once(key, &token, px).await {
+                    Ok(attempt) => attempt,
+                    Err(e) => {
+                        self.release_possibly_held(key, &token, ttl);
+                        return Err(e);
+                    }
+                };
+            }
+            if let LockAttempt::Acquired(_) = &attempt {
+                self.inner
+                    .held
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(token, tokio::time::Instant::now() + ttl);
             }
             Ok(attempt)
         })
@@ -448,17 +509,32 @@ impl Tier for ValkeyTier {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(token.0.clone());
-        let write = Write::Command(Command::Unlock {
+        let until = self
+            .inner
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&token.0)
+            .unwrap_or_else(tokio::time::Instant::now);
+        let release = Release {
             lock: self.lock_key(key),
             channel: self.done_channel(key),
             shared: self.shared_key(key, token),
             token: token.0.clone(),
             message: unlock_message(&how),
-        });
-        if self.inner.writes.try_send(write).is_err() {
-            // The lock expires by its PX; waiters read L2 then.
-            self.inner.write_drops.fetch_add(1, Relaxed);
-            self.inner.released(&token.0);
+            until,
+            announce: true,
+        };
+        // After the writes queued before it (a fill's `SET` lands first); a
+        // full queue does not drop it: it goes out on its own at once.
+        if let Err(full) = self
+            .inner
+            .writes
+            .try_send(Write::Command(Command::Unlock(release)))
+        {
+            if let Write::Command(Command::Unlock(release)) = full.into_inner() {
+                tokio::spawn(release_until_done(Arc::downgrade(&self.inner), release));
+            }
         }
     }
 
@@ -483,21 +559,27 @@ impl Tier for ValkeyTier {
                 .await?;
             }
             // Subscribed: a release from now on is heard. One before it left
-            // no lock behind.
-            let lock = self.lock_key(key);
-            let held: i64 = self
-                .bounded(async {
-                    let r: Result<i64, _> = self.inner.client.exists(lock).await;
-                    r.map_err(fred_error)
-                })
-                .await?;
-            if held == 0 {
-                return self.bounded(self.gone(key, holder)).await;
-            }
-            match tokio::time::timeout(timeout, waiter.rx.wait_for(Option::is_some)).await {
-                Ok(Ok(how)) => Ok(how.clone().unwrap_or(Unlocked::Gone)),
-                Ok(Err(_)) => Ok(Unlocked::Gone),
-                Err(_) => Ok(Unlocked::TimedOut),
+            // no lock behind. The notification is not relied on alone: the
+            // lock is re-checked on a short backoff (50, 100, 200 ms), so a
+            // lost release or notification costs one step, not the lock's
+            // whole life.
+            let deadline = tokio::time::Instant::now() + timeout;
+            let mut step = Duration::from_millis(50);
+            loop {
+                if !self.lock_held(key).await? {
+                    return self.bounded(self.gone(key, holder)).await;
+                }
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                if left.is_zero() {
+                    return Ok(Unlocked::TimedOut);
+                }
+                match tokio::time::timeout(step.min(left), waiter.rx.wait_for(Option::is_some))
+                    .await
+                {
+                    Ok(Ok(how)) => return Ok(how.clone().unwrap_or(Unlocked::Gone)),
+                    Ok(Err(_)) => return Ok(Unlocked::Gone),
+                    Err(_) => step = (step * 2).min(Duration::from_millis(200)),
+                }
             }
         })
     }
@@ -515,6 +597,7 @@ impl Tier for ValkeyTier {
         report.resyncs = i.bus.resyncs.load(Relaxed);
         report.locks_acquired = i.bus.locks_acquired.load(Relaxed);
         report.lock_waits = i.bus.lock_waits.load(Relaxed);
+        report.release_retries = i.release_retries.load(Relaxed);
         report
     }
 }

@@ -4,13 +4,11 @@
 use std::sync::atomic::Ordering::Relaxed;
 
 use bytes::Bytes;
-use fred::prelude::{
-    Expiration, KeysInterface, LuaInterface, PubsubInterface, SetsInterface, Value,
-};
+use fred::prelude::{Expiration, KeysInterface, SetsInterface};
 use fred::types::ExpireOptions;
 use tokio::sync::mpsc;
 
-use crate::lock::{SHARED_ANSWER_TTL, UNLOCK_SCRIPT};
+use crate::lock::Release;
 use crate::tier::Inner;
 
 /// What the writer task does, in queue order.
@@ -31,15 +29,9 @@ pub(crate) enum Command {
         tags: Vec<String>,
         member: String,
     },
-    /// Release a fill lock and announce how the fill ended (`message`:
-    /// see [`unlock_message`]), after the writes queued before it.
-    Unlock {
-        lock: String,
-        channel: String,
-        shared: String,
-        token: Bytes,
-        message: Bytes,
-    },
+    /// Release a fill lock and announce how the fill ended, after the
+    /// writes queued before it (see [`Release`]).
+    Unlock(Release),
 }
 
 /// Drains the write queue in order; ends when the tier is dropped.
@@ -55,17 +47,20 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
             }
             Write::Command(command) => command,
         };
-        let releasing = match &command {
-            Command::Unlock { token, .. } => Some(token.clone()),
-            Command::Set { .. } => None,
+        let command = match command {
+            // Never skipped by the breaker: small, idempotent, and a lock
+            // left behind stalls every instance that waits on it.
+            Command::Unlock(release) => {
+                crate::lock::release(&inner, release).await;
+                continue;
+            }
+            set => set,
         };
         if !inner.breaker.allow() {
             inner.skipped.fetch_add(1, Relaxed);
-            releasing.inspect(|t| inner.released(t));
             continue;
         }
         let done = tokio::time::timeout(inner.command_timeout, apply(&inner, command)).await;
-        releasing.inspect(|t| inner.released(t));
         match done {
             Ok(Ok(())) => inner.breaker.success(),
             _ => {
@@ -101,26 +96,6 @@ async fn apply(inner: &Inner, command: Command) -> Result<(), fred::error::Error
             }
             Ok(())
         }
-        Command::Unlock {
-            lock,
-            channel,
-            shared,
-            token,
-            message,
-        } => {
-            // A shared answer is also left for a moment where a waiter that
-            // subscribed too late (and so found the lock gone) reads it.
-            if message.len() > 1 {
-                let px = Expiration::PX(SHARED_ANSWER_TTL.as_millis() as i64);
-                client
-                    .set::<(), _, _>(shared, message.clone(), Some(px), None, false)
-                    .await?;
-            }
-            client
-                .eval::<i64, _, _, _>(UNLOCK_SCRIPT, vec![lock], vec![Value::from(token)])
-                .await?;
-            client.spublish::<i64, _, _>(channel, message).await?;
-            Ok(())
-        }
+        Command::Unlock(_) => Ok(()),
     }
 }

@@ -372,7 +372,8 @@ impl TieredCache {
         };
         let ttl = at.duration_since(now).unwrap_or_default();
         if ttl.is_zero() {
-            self.invalidate(key).await;
+            // Queued or landed, it is gone for this instance's answers.
+            let _ = self.invalidate(key).await;
             return true;
         }
         let times = Times::fresh(entry.times().created_at.min(now), at);
@@ -398,7 +399,8 @@ impl TieredCache {
     /// Removes `key` everywhere and returns the fresh value it had, if any.
     pub async fn take(&self, key: &CacheKey) -> Option<Value> {
         let value = self.get(key).await;
-        self.invalidate(key).await;
+        // Queued or landed, it is gone for this instance's answers.
+        let _ = self.invalidate(key).await;
         value
     }
 

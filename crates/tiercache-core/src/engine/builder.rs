@@ -118,6 +118,7 @@ impl TieredCacheBuilder {
                 .build(),
             tags: moka::sync::Cache::builder().max_capacity(100_000).build(),
             journal: Journal::default(),
+            outbox: Arc::default(),
         });
         if let Some(l2) = &inner.l2 {
             let sink: Weak<dyn InvalidationSink> = Arc::downgrade(&inner) as _;

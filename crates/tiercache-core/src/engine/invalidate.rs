@@ -5,6 +5,7 @@
 use bytes::Bytes;
 
 use super::journal::Scope;
+use super::outbox::Queued;
 use super::{Inner, TieredCache};
 use crate::stats::bump;
 use crate::{CacheKey, Invalidation, InvalidationSink, KeyHash, KeyPattern};
@@ -18,24 +19,24 @@ impl TieredCache {
     /// use std::time::Duration;
     /// use tiercache_core::{CacheKey, Policy, TieredCache, Value};
     ///
-    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tiercache_core::Queued> {
     /// let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
     /// let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
     /// let key = CacheKey::new("user:7");
     /// cache.put(&key, Value::from_body("v"), &policy);
-    /// cache.invalidate(&key).await;
+    /// cache.invalidate(&key).await?;
     /// assert!(!cache.exists(&key).await);
-    /// # }
+    /// # Ok(()) }
     /// ```
-    pub async fn invalidate(&self, key: &CacheKey) {
-        self.invalidate_keys(std::slice::from_ref(key)).await;
+    pub async fn invalidate(&self, key: &CacheKey) -> Result<(), Queued> {
+        self.invalidate_keys(std::slice::from_ref(key)).await
     }
 
     /// Removes `keys` everywhere, like [`invalidate`](Self::invalidate), in one message.
-    pub async fn invalidate_keys(&self, keys: &[CacheKey]) {
+    pub async fn invalidate_keys(&self, keys: &[CacheKey]) -> Result<(), Queued> {
         let hashes: Vec<KeyHash> = keys.iter().map(CacheKey::hash).collect();
         self.inner.apply(&Invalidation::Keys(hashes.clone()));
-        self.invalidate_shared(Invalidation::Keys(hashes)).await;
+        self.invalidate_shared(Invalidation::Keys(hashes)).await
     }
 
     /// Removes every entry stored with `tag` (see [`Fill::tags`](crate::Fill::tags)
@@ -46,17 +47,17 @@ impl TieredCache {
     /// use std::time::Duration;
     /// use tiercache_core::{CacheKey, Fill, Policy, TieredCache, Value};
     ///
-    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tiercache_core::Queued> {
     /// let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
     /// let policy = Policy::ttl(Duration::from_secs(60)).tag("products").build().unwrap();
     /// let key = CacheKey::new("product:7");
     /// cache.put(&key, Value::from_body("v"), &policy);
-    /// cache.invalidate_tag("products").await;
+    /// cache.invalidate_tag("products").await?;
     /// assert!(cache.get(&key).await.is_none());
-    /// # }
+    /// # Ok(()) }
     /// ```
-    pub async fn invalidate_tag(&self, tag: impl Into<Bytes>) {
-        self.invalidate_tag_and_keys(tag, &[]).await;
+    pub async fn invalidate_tag(&self, tag: impl Into<Bytes>) -> Result<(), Queued> {
+        self.invalidate_tag_and_keys(tag, &[]).await
     }
 
     /// Removes every entry stored with `tag` and `keys` too, everywhere, in
@@ -67,18 +68,22 @@ impl TieredCache {
     /// use std::time::Duration;
     /// use tiercache_core::{CacheKey, Policy, TieredCache, Value};
     ///
-    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tiercache_core::Queued> {
     /// let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
     /// let tagged = Policy::ttl(Duration::from_secs(60)).tag("t").build().unwrap();
     /// let plain = Policy::ttl(Duration::from_secs(60)).build().unwrap();
     /// let (a, b) = (CacheKey::new("a"), CacheKey::new("b"));
     /// cache.put(&a, Value::from_body("v"), &tagged);
     /// cache.put(&b, Value::from_body("v"), &plain);
-    /// cache.invalidate_tag_and_keys("t", &[b.clone()]).await;
+    /// cache.invalidate_tag_and_keys("t", &[b.clone()]).await?;
     /// assert!(cache.get(&a).await.is_none() && cache.get(&b).await.is_none());
-    /// # }
+    /// # Ok(()) }
     /// ```
-    pub async fn invalidate_tag_and_keys(&self, tag: impl Into<Bytes>, keys: &[CacheKey]) {
+    pub async fn invalidate_tag_and_keys(
+        &self,
+        tag: impl Into<Bytes>,
+        keys: &[CacheKey],
+    ) -> Result<(), Queued> {
         let tag = tag.into();
         let mut hashes: Vec<KeyHash> = keys.iter().map(CacheKey::hash).collect();
         hashes.extend(
@@ -89,24 +94,39 @@ impl TieredCache {
                     self.inner.drop_tag(&tag)
                 }),
         );
-        self.invalidate_shared(Invalidation::Tag(tag, hashes)).await;
+        self.invalidate_shared(Invalidation::Tag(tag, hashes)).await
     }
 
     /// Removes every key `pattern` matches from L1, the shared tier and
     /// every instance's L1. L1 is scanned (O(entries)); the shared tier
     /// applies the pattern as it sees fit (the Valkey tier records a ban
     /// that its reads check).
-    pub async fn invalidate_prefix(&self, pattern: KeyPattern) {
+    pub async fn invalidate_prefix(&self, pattern: KeyPattern) -> Result<(), Queued> {
         self.inner.apply(&Invalidation::Prefix(pattern.clone()));
-        self.invalidate_shared(Invalidation::Prefix(pattern)).await;
+        self.invalidate_shared(Invalidation::Prefix(pattern)).await
     }
 
-    async fn invalidate_shared(&self, invalidation: Invalidation) {
-        if let Some(l2) = &self.inner.l2
-            && l2.invalidate(invalidation).await.is_err()
-        {
-            bump(&self.inner.counters.l2_errors);
+    /// Sends `invalidation` to the shared tier through the outbox: its
+    /// tombstone is in force at once, one attempt is made within the tier's
+    /// bound, and if that fails the outbox retries it until it lands.
+    async fn invalidate_shared(&self, invalidation: Invalidation) -> Result<(), Queued> {
+        let Some(l2) = self.inner.l2.clone() else {
+            return Ok(());
+        };
+        let counters = &self.inner.counters;
+        let outbox = &self.inner.outbox;
+        let id = outbox.push(invalidation.clone(), self.now(), counters);
+        if l2.invalidate(invalidation).await.is_ok() {
+            outbox.landed(id);
+            bump(&counters.invalidations_landed);
+            return Ok(());
         }
+        bump(&counters.l2_errors);
+        bump(&counters.invalidations_queued);
+        outbox.drain_in_background(l2, counters.clone());
+        Err(Queued {
+            pending: outbox.pending(),
+        })
     }
 }
 

@@ -28,15 +28,18 @@ mod fill;
 mod fleet;
 mod invalidate;
 mod journal;
+mod outbox;
 pub(crate) mod read;
 mod store;
 
 pub use api::{Commit, LoadError};
 pub use builder::{BuildError, TieredCacheBuilder};
 pub use fetch::{Begin, Hit, Miss, Refresh};
+pub use outbox::Queued;
 pub use store::{Fill, Lifetime};
 
 use journal::Journal;
+use outbox::Outbox;
 
 /// A two-tier cache engine. Cheap to clone: clones share everything.
 ///
@@ -70,6 +73,8 @@ pub(crate) struct Inner {
     tags: moka::sync::Cache<Bytes, Arc<Mutex<HashSet<KeyHash>>>>,
     /// Recent invalidations, so a fill they overtook is not stored.
     journal: Journal,
+    /// Invalidations on their way to the shared tier, and their tombstones.
+    outbox: Arc<Outbox>,
 }
 
 impl fmt::Debug for TieredCache {
@@ -118,7 +123,9 @@ impl TieredCache {
             .as_ref()
             .map(|t| t.report())
             .unwrap_or_default();
-        self.inner.counters.snapshot(l2)
+        self.inner
+            .counters
+            .snapshot(l2, self.inner.outbox.pending())
     }
 
     /// Runs one sweep now: reclaims every entry past its hard expiry on the

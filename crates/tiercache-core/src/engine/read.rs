@@ -122,6 +122,8 @@ impl TieredCache {
         if hit.entry.key() != key.full()
             || !matches!(hit.entry.freshness(now), Freshness::Fresh(_))
             || !accept(&hit.entry)
+            // Invalidated here, and the shared tier has not heard yet.
+            || self.inner.outbox.covers(key, hit.entry.times().created_at)
         {
             return None;
         }

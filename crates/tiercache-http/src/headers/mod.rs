@@ -25,6 +25,10 @@ pub const X_CACHE: HeaderName = HeaderName::from_static("x-cache");
 pub const X_CACHE_TIER: HeaderName = HeaderName::from_static("x-cache-tier");
 /// `x-cache-hit-ratio`: this instance's hit ratio so far, `0.0000`..`1.0000`.
 pub const X_CACHE_HIT_RATIO: HeaderName = HeaderName::from_static("x-cache-hit-ratio");
+/// `x-cache-invalidation` on a successful unsafe request: `done` (every
+/// tier), or `queued` (this instance's L1; the shared tier retried until it
+/// lands).
+pub const X_CACHE_INVALIDATION: HeaderName = HeaderName::from_static("x-cache-invalidation");
 /// RFC 9211 `cache-status`.
 pub const CACHE_STATUS: HeaderName = HeaderName::from_static("cache-status");
 

@@ -1,0 +1,253 @@
+//! The outbox: invalidations on their way to the shared tier, never lost.
+//!
+//! Every invalidation that must reach the shared tier (its deletes, the tag
+//! set, the bus message) is put here first, with the time it was made: a
+//! local tombstone. Until it has landed, this instance does not answer from
+//! an L2 copy it covers that was created before it. It is tried at once,
+//! within the tier's bound; when that fails it stays queued, and one task
+//! retries the queue with backoff (50 ms, doubling, 2 s at most) until each
+//! lands. The queue is bounded: past [`Outbox::CAP`] the oldest half is
+//! merged into one broader invalidation (every key, as of the newest one
+//! merged: a ban of all that L2 held before it), never dropped.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, SystemTime};
+
+use crate::stats::{Counters, bump};
+use crate::{CacheKey, Invalidation, KeyPattern, Tier};
+
+/// An invalidation that reached this instance's L1 but not yet the shared
+/// tier (unreachable or too slow within its bound). It is queued and
+/// retried until it lands; meanwhile this instance does not answer from the
+/// L2 copies it covers, and other instances that missed it drop their L1 when
+/// their message stream reconnects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Queued {
+    /// Invalidations waiting for the shared tier, this one included.
+    pub pending: usize,
+}
+
+impl fmt::Display for Queued {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invalidated in this instance; the shared tier could not be reached, so the \
+             invalidation is queued ({} pending) and retried until it lands",
+            self.pending
+        )
+    }
+}
+
+impl std::error::Error for Queued {}
+
+#[derive(Debug)]
+struct Pending {
+    id: u64,
+    invalidation: Invalidation,
+    /// When it was made (the engine's clock): L2 copies created before it are refused.
+    at: SystemTime,
+}
+
+impl Pending {
+    fn covers(&self, key: &CacheKey, created_at: SystemTime) -> bool {
+        if created_at >= self.at {
+            return false;
+        }
+        match &self.invalidation {
+            Invalidation::Keys(hashes) | Invalidation::Tag(_, hashes) => {
+                hashes.contains(&key.hash())
+            }
+            Invalidation::Prefix(pattern) => pattern.matches(key),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    next_id: u64,
+    items: VecDeque<Pending>,
+    draining: bool,
+}
+
+/// See the module docs.
+#[derive(Debug, Default)]
+pub(crate) struct Outbox {
+    state: Mutex<State>,
+    /// Items in the queue (a lock-free check for the L2 read path).
+    len: AtomicUsize,
+}
+
+impl Outbox {
+    /// Most invalidations kept; past it the oldest half is merged into one.
+    pub(crate) const CAP: usize = 10_000;
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Puts `invalidation` in the queue (its tombstone is in force from
+    /// now); returns its id.
+    pub(crate) fn push(
+        &self,
+        invalidation: Invalidation,
+        at: SystemTime,
+        counters: &Counters,
+    ) -> u64 {
+        let mut state = self.lock();
+        let id = state.next_id;
+        state.next_id += 1;
+        state.items.push_back(Pending {
+            id,
+            invalidation,
+            at,
+        });
+        if state.items.len() > Self::CAP {
+            let merged: Vec<Pending> = state.items.drain(..Self::CAP / 2).collect();
+            let newest = merged.iter().map(|p| p.at).max().unwrap_or(at);
+            counters
+                .invalidations_merged
+                .fetch_add(merged.len() as u64, Relaxed);
+            let everything = Pending {
+                id: state.next_id,
+                invalidation: Invalidation::Prefix(KeyPattern::new()),
+                at: newest,
+            };
+            state.next_id += 1;
+            state.items.push_front(everything);
+        }
+        self.len.store(state.items.len(), Relaxed);
+        id
+    }
+
+    /// Removes item `id` (it landed).
+    pub(crate) fn landed(&self, id: u64) {
+        let mut state = self.lock();
+        state.items.retain(|p| p.id != id);
+        self.len.store(state.items.len(), Relaxed);
+    }
+
+    /// Invalidations waiting for the shared tier.
+    pub(crate) fn pending(&self) -> usize {
+        self.len.load(Relaxed)
+    }
+
+    /// Whether a pending invalidation covers an L2 copy of `key` created at
+    /// `created_at` (it must not answer).
+    pub(crate) fn covers(&self, key: &CacheKey, created_at: SystemTime) -> bool {
+        if self.len.load(Relaxed) == 0 {
+            return false;
+        }
+        self.lock().items.iter().any(|p| p.covers(key, created_at))
+    }
+
+    /// Starts the task that retries the queue, unless one runs.
+    pub(crate) fn drain_in_background(
+        self: &Arc<Self>,
+        tier: Arc<dyn Tier>,
+        counters: Arc<Counters>,
+    ) {
+        {
+            let mut state = self.lock();
+            if state.draining || state.items.is_empty() {
+                return;
+            }
+            state.draining = true;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.lock().draining = false;
+            return;
+        };
+        runtime.spawn(drain(Arc::downgrade(self), tier, counters));
+    }
+
+    /// The oldest pending invalidation, to retry.
+    fn oldest(&self) -> Option<(u64, Invalidation)> {
+        self.lock()
+            .items
+            .front()
+            .map(|p| (p.id, p.invalidation.clone()))
+    }
+}
+
+/// Retries the queue, oldest first, until it is empty.
+async fn drain(outbox: Weak<Outbox>, tier: Arc<dyn Tier>, counters: Arc<Counters>) {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let Some(live) = outbox.upgrade() else {
+            return;
+        };
+        let Some((id, invalidation)) = live.oldest() else {
+            let mut state = live.lock();
+            if state.items.is_empty() {
+                state.draining = false;
+                return;
+            }
+            // Pushed between the look and the lock: go on.
+            continue;
+        };
+        drop(live);
+        bump(&counters.invalidations_retried);
+        let landed = tier.invalidate(invalidation).await.is_ok();
+        let Some(live) = outbox.upgrade() else {
+            return;
+        };
+        if landed {
+            live.landed(id);
+            bump(&counters.invalidations_landed);
+            backoff = Duration::from_millis(50);
+        } else {
+            drop(live);
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tombstone_covers_older_copies_of_its_keys_only() {
+        let outbox = Outbox::default();
+        let counters = Counters::default();
+        let now = SystemTime::now();
+        let (a, b) = (CacheKey::new("a"), CacheKey::new("b"));
+        outbox.push(Invalidation::Keys(vec![a.hash()]), now, &counters);
+        let before = now - Duration::from_secs(1);
+        assert!(outbox.covers(&a, before));
+        assert!(
+            !outbox.covers(&a, now + Duration::from_secs(1)),
+            "a newer fill"
+        );
+        assert!(!outbox.covers(&b, before));
+    }
+
+    #[test]
+    fn a_full_outbox_merges_its_oldest_into_one_invalidation_of_everything() {
+        let outbox = Outbox::default();
+        let counters = Counters::default();
+        let t0 = SystemTime::now();
+        for i in 0..=Outbox::CAP as u32 {
+            let key = CacheKey::new(i.to_le_bytes());
+            outbox.push(
+                Invalidation::Keys(vec![key.hash()]),
+                t0 + Duration::from_millis(i as u64),
+                &counters,
+            );
+        }
+        assert_eq!(outbox.pending(), Outbox::CAP / 2 + 2);
+        assert_eq!(
+            counters.invalidations_merged.load(Relaxed),
+            (Outbox::CAP / 2) as u64
+        );
+        // Nothing was lost: a key of a merged invalidation is still covered.
+        let merged = CacheKey::new(7u32.to_le_bytes());
+        assert!(outbox.covers(&merged, t0));
+        assert!(outbox.covers(&CacheKey::new("never named"), t0));
+    }
+}
