@@ -527,14 +527,14 @@ impl Tier for ValkeyTier {
         };
         // After the writes queued before it (a fill's `SET` lands first); a
         // full queue does not drop it: it goes out on its own at once.
-        if let Err(full) = self
+        let queued = self
             .inner
             .writes
-            .try_send(Write::Command(Command::Unlock(release)))
+            .try_send(Write::Command(Command::Unlock(release)));
+        if let Err(full) = queued
+            && let Write::Command(Command::Unlock(release)) = full.into_inner()
         {
-            if let Write::Command(Command::Unlock(release)) = full.into_inner() {
-                tokio::spawn(release_until_done(Arc::downgrade(&self.inner), release));
-            }
+            tokio::spawn(release_until_done(Arc::downgrade(&self.inner), release));
         }
     }
 
