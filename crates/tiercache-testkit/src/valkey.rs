@@ -259,6 +259,37 @@ impl ValkeyServer {
         self.cmd(&["CLIENT", "PAUSE", &ms.to_string(), "ALL"]);
     }
 
+    /// `CLIENT PAUSE ms WRITE`: writes (`SET`, `DEL`, `PUBLISH`, scripts)
+    /// wait `ms`; reads go on. (What a write-heavy stall looks like.)
+    pub fn pause_writes(&self, ms: u64) {
+        self.cmd(&["CLIENT", "PAUSE", &ms.to_string(), "WRITE"]);
+    }
+
+    /// Freezes the process (`SIGSTOP`): connections stay open, nothing is
+    /// answered, commands sent meanwhile run once it is [thawed](Self::thaw).
+    pub fn freeze(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Resumes a [frozen](Self::freeze) process (`SIGCONT`).
+    pub fn thaw(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self
+            .child
+            .as_ref()
+            .expect("the server is running")
+            .id()
+            .to_string();
+        let status = Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {signal} {pid} failed");
+    }
+
     /// `DEBUG SLEEP secs` on a side connection: the server stops answering for that long.
     pub fn slow(&self, secs: f64) -> std::thread::JoinHandle<()> {
         let port = self.port;

@@ -1,0 +1,310 @@
+//! Valkey trouble never loses a write's invalidation, leaks a fill lock or
+//! strands a waiter (issue 15): real Valkey, faults injected with `CLIENT
+//! PAUSE`, `SIGSTOP` and kills.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::routing::get;
+use tiercache::valkey::{ValkeyConfig, ValkeyTier};
+use tiercache::{Policy, ResponseCacheLayer, TieredCache};
+use tiercache_testkit::http::{header, send};
+use tiercache_testkit::{Counter, Fault, FaultProxy, Gate, ValkeyServer, bounded, eventually};
+
+/// The origin: `/v/{k}` answers its data's version (a POST bumps it);
+/// `/slow` holds its first call until the gate opens.
+#[derive(Clone, Default)]
+struct Origin {
+    versions: Arc<[AtomicUsize; 8]>,
+    calls: Counter,
+    gate: Gate,
+}
+
+impl Origin {
+    fn version(&self, k: usize) -> usize {
+        self.versions[k].load(SeqCst)
+    }
+}
+
+struct Instance {
+    engine: TieredCache,
+    tier: ValkeyTier,
+    app: Router,
+}
+
+async fn instance(server: &ValkeyServer, origin: &Origin) -> Instance {
+    instance_at(&server.url(), origin).await
+}
+
+async fn instance_at(url: &str, origin: &Origin) -> Instance {
+    let tier = ValkeyTier::connect(ValkeyConfig::from_url(url).unwrap())
+        .await
+        .unwrap();
+    let engine = TieredCache::builder()
+        .l2(tier.clone())
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let layer = ResponseCacheLayer::new(engine.clone());
+    let route = layer
+        .route(Policy::ttl(Duration::from_secs(60)).lock_timeout(Duration::from_secs(5)))
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/v/{k}",
+            get(|State(o): State<Origin>, Path(k): Path<usize>| async move {
+                format!("v{}", o.version(k))
+            })
+            .post(|State(o): State<Origin>, Path(k): Path<usize>| async move {
+                o.versions[k].fetch_add(1, SeqCst);
+                "ok"
+            }),
+        )
+        .route(
+            "/slow",
+            get(|State(o): State<Origin>| async move {
+                if o.calls.bump() == 1 {
+                    o.gate.passed().await;
+                }
+                "slow"
+            }),
+        )
+        .layer(route)
+        .with_state(origin.clone());
+    Instance { engine, tier, app }
+}
+
+/// Finding 1: the write's invalidation is lost on its way to Valkey (the
+/// connection is reset under it). It is said to be queued, and retried until
+/// it lands: after the fault, neither instance answers the old version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_whose_invalidation_is_lost_in_transit_is_retried_until_it_lands() {
+    let server = ValkeyServer::start();
+    let link = FaultProxy::start(server.addr()).await;
+    let origin = Origin::default();
+    let a = instance_at(&link.redis_url(), &origin).await;
+    let b = instance(&server, &origin).await;
+    assert_eq!(send(&a.app, "GET", "/v/0").await.2, "v0");
+    a.tier.flush().await;
+    let (_, headers, body) = send(&b.app, "GET", "/v/0").await;
+    assert_eq!(
+        (header(&headers, "x-cache-tier"), body.as_str()),
+        ("l2", "v0")
+    );
+
+    link.set(Fault::Reset);
+    let (status, headers, _) = send(&a.app, "POST", "/v/0").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(header(&headers, "x-cache-invalidation"), "queued");
+    assert!(a.engine.stats().invalidations.queued >= 1);
+    link.set(Fault::Pass);
+
+    bounded("the invalidation lands", async {
+        eventually("nothing pending", || {
+            a.engine.stats().invalidations.pending == 0
+        })
+        .await;
+    })
+    .await;
+    assert!(a.engine.stats().invalidations.landed >= 1);
+    // The old copy is gone from Valkey, and the other instance heard.
+    for (name, app) in [("the writer", &a.app), ("the other instance", &b.app)] {
+        bounded("the new version", async {
+            loop {
+                let (_, headers, body) = send(app, "GET", "/v/0").await;
+                assert_ne!(
+                    (header(&headers, "x-cache-tier"), body.as_str()),
+                    ("l2", "v0"),
+                    "{name} answered the old version from L2"
+                );
+                if body == "v1" {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+    }
+}
+
+/// Until a pending invalidation lands, its instance does not answer from
+/// the L2 copies it covers, though Valkey still serves them: here Valkey
+/// refuses the instance's deletes and messages (an ACL) but answers its
+/// reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_never_answers_from_an_l2_copy_its_pending_invalidation_covers() {
+    let server = ValkeyServer::start();
+    server.cmd(&[
+        "ACL", "SETUSER", "app", "on", ">pw", "~*", "&*", "+@all", "-del", "-unlink", "-publish",
+    ]);
+    let url = format!("redis://app:pw@127.0.0.1:{}", server.port());
+    let origin = Origin::default();
+    let a = instance_at(&url, &origin).await;
+    let b = instance(&server, &origin).await;
+    assert_eq!(send(&b.app, "GET", "/v/2").await.2, "v0");
+    b.tier.flush().await;
+    let (_, headers, body) = send(&a.app, "GET", "/v/2").await;
+    assert_eq!(
+        (header(&headers, "x-cache-tier"), body.as_str()),
+        ("l2", "v0")
+    );
+
+    let (_, headers, _) = send(&a.app, "POST", "/v/2").await;
+    assert_eq!(header(&headers, "x-cache-invalidation"), "queued");
+    // Valkey still holds the old copy, and would hand it out.
+    let (_, headers, body) = send(&a.app, "GET", "/v/2").await;
+    assert_eq!(
+        body, "v1",
+        "answered from the L2 copy its own write invalidated"
+    );
+    assert_eq!(header(&headers, "x-cache"), "MISS");
+
+    server.cmd(&["ACL", "SETUSER", "app", "+@all"]);
+    bounded("the invalidation lands", async {
+        eventually("nothing pending", || {
+            a.engine.stats().invalidations.pending == 0
+        })
+        .await;
+    })
+    .await;
+}
+
+/// Finding 2: a lock attempt times out client-side while Valkey is frozen,
+/// and runs when it thaws; its token-checked release follows at once, so
+/// no other instance waits out the orphan's `PX`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_attempt_that_got_no_answer_is_released_when_valkey_answers() {
+    let server = ValkeyServer::start();
+    let origin = Origin::default();
+    let a = instance(&server, &origin).await;
+    let b = instance(&server, &origin).await;
+    server.freeze();
+    let (status, _, _) = bounded(
+        "a request while Valkey is frozen",
+        send(&a.app, "GET", "/v/1"),
+    )
+    .await;
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "Valkey frozen never fails a request"
+    );
+    server.thaw();
+    // The lock the frozen server took late is gone well before its 5 s PX.
+    let started = tokio::time::Instant::now();
+    tokio::time::timeout(Duration::from_secs(2), async {
+        while !server.keys("tc:*:lock").is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "the orphan lock was not released: locks {:?}, {:?}",
+            server.keys("tc:*"),
+            a.engine.stats().l2
+        )
+    });
+    let (status, _, _) = send(&b.app, "GET", "/v/1").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the other instance waited {:?} on a lock nobody held",
+        started.elapsed()
+    );
+}
+
+/// Finding 3: B waits on A's lock; Valkey hangs mid-fill. B does not wait
+/// on a release that cannot come: it re-checks, finds Valkey gone, and goes
+/// to the origin itself, answered while Valkey is still frozen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_is_not_stranded_by_a_release_lost_to_a_hung_valkey() {
+    let server = ValkeyServer::start();
+    let origin = Origin::default();
+    let a = instance(&server, &origin).await;
+    let b = instance(&server, &origin).await;
+    let holder = tokio::spawn({
+        let app = a.app.clone();
+        async move { send(&app, "GET", "/slow").await }
+    });
+    origin.calls.reached(1).await;
+    let waiter = tokio::spawn({
+        let app = b.app.clone();
+        async move { send(&app, "GET", "/slow").await }
+    });
+    eventually("B waits on A's lock", || {
+        b.engine.stats().l2.lock_waits >= 1
+    })
+    .await;
+    server.freeze();
+    let answered = tokio::time::timeout(Duration::from_secs(2), waiter).await;
+    let (status, _, body) = answered
+        .expect("B waited on a lock while Valkey hung")
+        .unwrap();
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "slow"));
+    server.thaw();
+    origin.gate.open();
+    assert_eq!(bounded("the holder", holder).await.unwrap().2, "slow");
+}
+
+/// Under reads and writes, with Valkey paused, write-paused, frozen and
+/// killed in turn: an acknowledged write is never followed by the old
+/// version on the writing instance, nor on the other once it has heard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_acknowledged_write_is_followed_by_the_old_version() {
+    let mut server = ValkeyServer::start();
+    let origin = Origin::default();
+    let a = instance(&server, &origin).await;
+    let b = instance(&server, &origin).await;
+    for fault in ["pause", "pause-writes", "freeze", "kill"] {
+        for k in 0..4 {
+            let path = format!("/v/{k}");
+            send(&a.app, "GET", &path).await;
+            send(&b.app, "GET", &path).await;
+        }
+        a.tier.flush().await;
+        match fault {
+            "pause" => server.pause(800),
+            "pause-writes" => server.pause_writes(800),
+            "freeze" => server.freeze(),
+            _ => server.kill(),
+        }
+        for k in 0..4 {
+            let path = format!("/v/{k}");
+            let (status, _, _) = send(&a.app, "POST", &path).await;
+            assert_eq!(status, StatusCode::OK, "{fault}");
+            let latest = format!("v{}", origin.version(k));
+            assert_eq!(
+                send(&a.app, "GET", &path).await.2,
+                latest,
+                "{fault}: the writer"
+            );
+        }
+        match fault {
+            "freeze" => server.thaw(),
+            "kill" => server.restart(),
+            _ => {}
+        }
+        bounded("the queue drains", async {
+            eventually("nothing pending", || {
+                a.engine.stats().invalidations.pending == 0
+            })
+            .await;
+        })
+        .await;
+        bounded("the other instance converges", async {
+            for k in 0..4 {
+                let path = format!("/v/{k}");
+                let latest = format!("v{}", origin.version(k));
+                while send(&b.app, "GET", &path).await.2 != latest {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        })
+        .await;
+    }
+}
