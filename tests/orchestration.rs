@@ -67,10 +67,14 @@ fn engine() -> TieredCache {
     TieredCache::builder().sweep_interval(None).build().unwrap()
 }
 
+/// An engine on `server`. The command timeout is generous: these tests are
+/// about the fleet's behaviour, not Valkey's speed under a loaded CI box
+/// (at 50 ms, a slow moment fails open and calls the origin again).
 async fn engine_on(server: &ValkeyServer) -> (TieredCache, ValkeyTier) {
-    let tier = ValkeyTier::connect(ValkeyConfig::from_url(&server.url()).unwrap())
-        .await
-        .unwrap();
+    let config = ValkeyConfig::from_url(&server.url())
+        .unwrap()
+        .command_timeout(Duration::from_secs(1));
+    let tier = ValkeyTier::connect(config).await.unwrap();
     let engine = TieredCache::builder()
         .l2(tier.clone())
         .sweep_interval(None)

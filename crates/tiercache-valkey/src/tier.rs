@@ -563,11 +563,17 @@ impl Tier for ValkeyTier {
             // lock is re-checked on a short backoff (50, 100, 200 ms), so a
             // lost release or notification costs one step, not the lock's
             // whole life.
+            // One failed re-check is a blip (a slow moment under load); two in
+            // a row mean Valkey is gone, and the wait fails open.
             let deadline = tokio::time::Instant::now() + timeout;
             let mut step = Duration::from_millis(50);
+            let mut failed = 0;
             loop {
-                if !self.lock_held(key).await? {
-                    return self.bounded(self.gone(key, holder)).await;
+                match self.lock_held(key).await {
+                    Ok(false) => return self.bounded(self.gone(key, holder)).await,
+                    Ok(true) => failed = 0,
+                    Err(e) if failed > 0 => return Err(e),
+                    Err(_) => failed += 1,
                 }
                 let left = deadline.saturating_duration_since(tokio::time::Instant::now());
                 if left.is_zero() {
