@@ -308,3 +308,40 @@ async fn no_acknowledged_write_is_followed_by_the_old_version() {
         .await;
     }
 }
+
+/// While the breaker keeps a dead Valkey out of the request path, misses
+/// say so: `cache-status: …; detail=l2-down`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_status_says_when_l2_is_down() {
+    let mut server = ValkeyServer::start();
+    let origin = Origin::default();
+    let a = instance(&server, &origin).await;
+    let (_, headers, _) = send(&a.app, "GET", "/v/3").await;
+    assert_eq!(
+        header(&headers, "cache-status"),
+        "tiercache; fwd=miss; stored"
+    );
+    server.kill();
+    bounded("the breaker opens", async {
+        let mut k = 4;
+        while !a.engine.stats().l2.breaker_open {
+            send(&a.app, "GET", &format!("/v/{}", k % 8)).await;
+            k += 1;
+        }
+    })
+    .await;
+    a.engine.forget_local(&tiercache::http::key::request_key(
+        &axum::http::Request::get("/v/3")
+            .header("host", tiercache_testkit::http::HOST)
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0,
+    ));
+    let (status, headers, _) = send(&a.app, "GET", "/v/3").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        header(&headers, "cache-status"),
+        "tiercache; fwd=miss; stored; detail=l2-down"
+    );
+}

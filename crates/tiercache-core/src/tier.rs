@@ -79,6 +79,13 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
         Box::pin(async { Ok(Unlocked::Gone) })
     }
 
+    /// Whether the tier is being asked at all (a tier behind a circuit
+    /// breaker says no while it is open): the HTTP layer says so in
+    /// `cache-status`.
+    fn available(&self) -> bool {
+        true
+    }
+
     /// The tier's own counters, merged into the engine's [`crate::Stats`].
     fn report(&self) -> TierReport {
         TierReport::default()

@@ -36,6 +36,7 @@ impl Route {
                         stored: false,
                         reason: Some(reason),
                         collapsed,
+                        l2_down: false,
                     }
                 };
                 self.label(res.headers_mut(), &outcome);
@@ -71,6 +72,7 @@ impl Route {
                     stored: stored && !answer.collapsed,
                     reason: None,
                     collapsed: answer.collapsed,
+                    l2_down: !self.engine.l2_available(),
                 }
             }
             // Only origin errors are shared unstored (see `HttpOrigin`).
@@ -87,6 +89,7 @@ impl Route {
                     stored: false,
                     reason: (!answer.collapsed).then_some(reason),
                     collapsed: answer.collapsed,
+                    l2_down: !self.engine.l2_available(),
                 }
             }
             _ => {
@@ -110,6 +113,7 @@ impl Route {
             stored: false,
             reason: None,
             collapsed: true,
+            l2_down: !self.engine.l2_available(),
         };
         self.label(res.headers_mut(), &outcome);
         res

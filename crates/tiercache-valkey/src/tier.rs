@@ -590,6 +590,10 @@ impl Tier for ValkeyTier {
         })
     }
 
+    fn available(&self) -> bool {
+        !self.inner.breaker.is_open()
+    }
+
     fn report(&self) -> TierReport {
         let i = &self.inner;
         let mut report = TierReport::default();

@@ -164,6 +164,12 @@ impl TieredCache {
         self.inner.l1.invalidate(&key.hash());
     }
 
+    /// Whether the shared tier is being asked (true without one; false while
+    /// a Valkey tier's circuit breaker is open).
+    pub fn l2_available(&self) -> bool {
+        self.inner.l2.as_ref().is_none_or(|t| t.available())
+    }
+
     /// Keys with an origin load in flight right now.
     pub fn in_flight(&self) -> usize {
         self.inner.flights.in_flight()

@@ -57,6 +57,9 @@ pub enum Outcome {
         reason: Option<Reason>,
         /// Whether it waited on another request's load.
         collapsed: bool,
+        /// The shared tier was unavailable (its circuit breaker open), so it
+        /// was not asked: `detail=l2-down` when no other reason is given.
+        l2_down: bool,
     },
     /// A stale entry answered (stale-while-revalidate, or the origin failed or was slow).
     Stale {
@@ -114,6 +117,7 @@ impl Outcome {
                 stored,
                 reason,
                 collapsed,
+                l2_down,
             } => {
                 s.push_str("; fwd=miss");
                 if *stored {
@@ -122,8 +126,12 @@ impl Outcome {
                 if *collapsed {
                     s.push_str("; collapsed");
                 }
-                if let Some(r) = reason {
-                    let _ = write!(s, "; detail={}", r.as_str());
+                match reason {
+                    Some(r) => {
+                        let _ = write!(s, "; detail={}", r.as_str());
+                    }
+                    None if *l2_down => s.push_str("; detail=l2-down"),
+                    None => {}
                 }
             }
             Outcome::Stale { detail } => {

@@ -51,8 +51,19 @@ fn cache_status_forms() {
         stored: true,
         reason: None,
         collapsed: false,
+        l2_down: false,
     };
     assert_eq!(miss.cache_status(), "tiercache; fwd=miss; stored");
+    let down = Outcome::Miss {
+        stored: true,
+        reason: None,
+        collapsed: false,
+        l2_down: true,
+    };
+    assert_eq!(
+        down.cache_status(),
+        "tiercache; fwd=miss; stored; detail=l2-down"
+    );
     assert_eq!(
         Outcome::Bypass(Reason::Authorization).cache_status(),
         "tiercache; fwd=bypass; detail=authorization"
