@@ -345,3 +345,85 @@ async fn cache_status_says_when_l2_is_down() {
         "tiercache; fwd=miss; stored; detail=l2-down"
     );
 }
+
+/// A tag's keys live in a sorted set scored by expiry and trimmed on every
+/// write: a tag every response carries stays the size of what is alive. Its
+/// invalidation goes page by page and leaves nothing behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tags_stay_bounded_and_large_ones_are_invalidated_whole() {
+    use tiercache::core::{CacheKey, Value};
+    let server = ValkeyServer::start();
+    let origin = Origin::default();
+    let a = instance(&server, &origin).await;
+    let short = Policy::ttl(Duration::from_millis(300))
+        .tag("route")
+        .build()
+        .unwrap();
+    for i in 0..50u32 {
+        a.engine.put(
+            &CacheKey::new(format!("old{i}")),
+            Value::from_body("v"),
+            &short,
+        );
+    }
+    a.tier.flush().await;
+    let set = a.tier.tag_key(b"route");
+    assert_eq!(server.cmd(&["ZCARD", &set]), "50");
+    // Once they have expired, the next write trims them.
+    bounded("the old members expire", async {
+        while !server.keys("tc:*:e").is_empty() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let long = Policy::ttl(Duration::from_secs(60))
+        .tag("route")
+        .build()
+        .unwrap();
+    a.engine
+        .put(&CacheKey::new("new"), Value::from_body("v"), &long);
+    a.tier.flush().await;
+    assert_eq!(server.cmd(&["ZCARD", &set]), "1");
+
+    // 1,200 keys: more than one page.
+    for i in 0..1200u32 {
+        a.engine.put(
+            &CacheKey::new(format!("k{i}")),
+            Value::from_body("v"),
+            &long,
+        );
+    }
+    bounded("the fills land", async {
+        while server.keys("tc:*:e").len() < 1201 {
+            a.tier.flush().await;
+        }
+    })
+    .await;
+    let b = instance(&server, &origin).await;
+    a.engine.invalidate_tag("route").await.unwrap();
+    assert!(server.keys("tc:*:e").is_empty(), "entries left behind");
+    assert_eq!(server.cmd(&["EXISTS", &set]), "0");
+    assert!(b.engine.get(&CacheKey::new("k7")).await.is_none());
+}
+
+/// Prefix bans are kept 24 h; the ones older than that are pruned when the
+/// next is recorded, so the bans hash does not grow for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lapsed_prefix_bans_are_pruned() {
+    let server = ValkeyServer::start();
+    let origin = Origin::default();
+    let a = instance(&server, &origin).await;
+    let two_days_ago = (std::time::SystemTime::now() - Duration::from_secs(48 * 3600))
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        .to_string();
+    server.cmd(&["HSET", "tc:bans", "00", &two_days_ago]);
+    let layer = ResponseCacheLayer::new(a.engine.clone());
+    layer
+        .invalidate_path_prefix(&"/v/".parse().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(server.cmd(&["HEXISTS", "tc:bans", "00"]), "0");
+    assert_eq!(server.cmd(&["HLEN", "tc:bans"]), "1");
+}

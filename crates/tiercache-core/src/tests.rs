@@ -326,3 +326,20 @@ async fn a_flood_of_unique_keys_keeps_l1_and_its_index_bounded() {
         cache.l1_index_records()
     );
 }
+
+/// A tag with more keys than the L1 index keeps still reaches every one of
+/// them: the index knows it overflowed, and drops all of L1 instead.
+#[tokio::test]
+async fn a_tag_past_the_index_bound_still_reaches_every_key() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let tagged = Policy::ttl(TTL).tag("wide").build().unwrap();
+    let keys: Vec<CacheKey> = (0..200u32)
+        .map(|i| CacheKey::new(i.to_le_bytes()))
+        .collect();
+    for key in &keys {
+        cache.put(key, Value::from_body("v"), &tagged);
+    }
+    cache.invalidate_tag("wide").await.unwrap();
+    assert!(keys.iter().all(|k| !cache.l1_contains(k)));
+}

@@ -3,7 +3,10 @@
 
 use std::time::SystemTime;
 
-use fred::prelude::{HashesInterface, KeysInterface, PubsubInterface, SetsInterface, Value};
+use bytes::Bytes;
+use fred::prelude::{
+    HashesInterface, KeysInterface, PubsubInterface, SetsInterface, SortedSetsInterface, Value,
+};
 use tiercache_core::{Invalidation, KeyHash, TierError};
 
 use crate::bans::{BAN_RETENTION, bans_key};
@@ -20,20 +23,24 @@ impl ValkeyTier {
         invalidation: Invalidation,
         at: Option<SystemTime>,
     ) -> Result<(), TierError> {
-        let text = bus::encode(&bus::Message {
-            from: self.inner.bus.instance.clone(),
-            invalidation,
-            at,
-        });
+        let text = self.message(invalidation, at);
         let pipe = self.inner.client.pipeline();
         for key in keys {
-            let queued: Result<(), _> = pipe.del(key).await;
+            let queued: Result<(), _> = pipe.unlink(key).await;
             queued.map_err(fred_error)?;
         }
         let queued: Result<(), _> = pipe.publish(&self.inner.bus.channel, text).await;
         queued.map_err(fred_error)?;
         let _: Value = pipe.all().await.map_err(fred_error)?;
         Ok(())
+    }
+
+    fn message(&self, invalidation: Invalidation, at: Option<SystemTime>) -> String {
+        bus::encode(&bus::Message {
+            from: self.inner.bus.instance.clone(),
+            invalidation,
+            at,
+        })
     }
 
     /// Waits (at most two command timeouts) until the writes queued so far
@@ -44,6 +51,87 @@ impl ValkeyTier {
         if self.inner.writes.try_send(Write::Flush(tx)).is_ok() {
             let _ = tokio::time::timeout(self.inner.command_timeout * 2, rx).await;
         }
+    }
+
+    /// Invalidates a tag page by page: each page of its members (oldest
+    /// first) is unlinked, removed from the tag's set and announced, so a
+    /// tag of any size makes progress within the tier's time bound, and a
+    /// retry goes on where the last attempt stopped. Then the tag itself
+    /// goes, with a message naming it (other instances drop what their own
+    /// tag index holds).
+    async fn invalidate_tag(&self, tag: Bytes, mut hashes: Vec<KeyHash>) -> Result<(), TierError> {
+        const PAGE: i64 = 500;
+        let set = self.tag_key(&tag);
+        // The previous version's plain set, read once during an upgrade.
+        let legacy = self.legacy_tag_key(&tag);
+        let old: Vec<String> = self
+            .inner
+            .client
+            .smembers(&legacy)
+            .await
+            .map_err(fred_error)?;
+        hashes.extend(old.iter().filter_map(|m| KeyHash::from_hex(m)));
+        loop {
+            let members: Vec<String> = self
+                .inner
+                .client
+                .zrange(&set, 0, PAGE - 1, None, false, None, false)
+                .await
+                .map_err(fred_error)?;
+            if members.is_empty() {
+                break;
+            }
+            let page: Vec<KeyHash> = members
+                .iter()
+                .filter_map(|m| KeyHash::from_hex(m))
+                .collect();
+            // This instance's L1 too: it may hold copies promoted from L2,
+            // which its own tag index never saw.
+            if let Some(sink) = self.inner.bus.sink() {
+                sink.apply(&Invalidation::Keys(page.clone()));
+            }
+            let text = self.message(Invalidation::Keys(page.clone()), None);
+            let pipe = self.inner.client.pipeline();
+            for hash in &page {
+                let queued: Result<(), _> = pipe.unlink(self.entry_key_of(hash)).await;
+                queued.map_err(fred_error)?;
+            }
+            let queued: Result<(), _> = pipe.zrem(&set, members).await;
+            queued.map_err(fred_error)?;
+            let queued: Result<(), _> = pipe.publish(&self.inner.bus.channel, text).await;
+            queued.map_err(fred_error)?;
+            let _: Value = pipe.all().await.map_err(fred_error)?;
+        }
+        hashes.sort_unstable();
+        hashes.dedup();
+        let mut keys: Vec<String> = hashes.iter().map(|h| self.entry_key_of(h)).collect();
+        keys.push(set);
+        keys.push(legacy);
+        self.delete_and_publish(keys, Invalidation::Tag(tag, hashes), None)
+            .await
+    }
+
+    /// Drops the recorded bans older than [`BAN_RETENTION`]: the hash is
+    /// renewed with every ban, so without this it would only grow.
+    async fn prune_bans(&self, now: SystemTime) -> Result<(), TierError> {
+        let key = bans_key(&self.inner.prefix);
+        let fields: std::collections::HashMap<String, String> =
+            self.inner.client.hgetall(&key).await.map_err(fred_error)?;
+        let cutoff = bus::millis(now).saturating_sub(BAN_RETENTION.as_millis() as u64);
+        let lapsed: Vec<String> = fields
+            .into_iter()
+            .filter(|(_, at)| at.parse::<u64>().map_or(true, |at| at < cutoff))
+            .map(|(field, _)| field)
+            .collect();
+        if !lapsed.is_empty() {
+            let _: i64 = self
+                .inner
+                .client
+                .hdel(&key, lapsed)
+                .await
+                .map_err(fred_error)?;
+        }
+        Ok(())
     }
 
     pub(crate) async fn apply_invalidation(
@@ -57,23 +145,7 @@ impl ValkeyTier {
                 self.delete_and_publish(keys, Invalidation::Keys(hashes), None)
                     .await
             }
-            Invalidation::Tag(tag, mut hashes) => {
-                let set = self.tag_key(&tag);
-                let members: Vec<String> =
-                    self.inner.client.smembers(&set).await.map_err(fred_error)?;
-                hashes.extend(members.iter().filter_map(|m| KeyHash::from_hex(m)));
-                hashes.sort_unstable();
-                hashes.dedup();
-                // This instance's L1 too: it may hold copies promoted from L2,
-                // which its own tag index never saw.
-                if let Some(sink) = self.inner.bus.sink() {
-                    sink.apply(&Invalidation::Keys(hashes.clone()));
-                }
-                let mut keys: Vec<String> = hashes.iter().map(|h| self.entry_key_of(h)).collect();
-                keys.push(set);
-                self.delete_and_publish(keys, Invalidation::Tag(tag, hashes), None)
-                    .await
-            }
+            Invalidation::Tag(tag, hashes) => self.invalidate_tag(tag, hashes).await,
             Invalidation::Prefix(pattern) => {
                 let at = SystemTime::now();
                 let field = bus::hex(&pattern.to_bytes());
@@ -93,6 +165,7 @@ impl ValkeyTier {
                     .pexpire(bans_key(&self.inner.prefix), ttl, None)
                     .await;
                 kept.map_err(fred_error)?;
+                self.prune_bans(at).await?;
                 self.inner.bus.add_ban(
                     Ban {
                         pattern: pattern.clone(),

@@ -212,8 +212,19 @@ impl ValkeyTier {
         slot_key(&self.inner.prefix, &key.hash(), "done")
     }
 
-    /// The Valkey set of the keys stored with `tag`: `PREFIX:{TAGHASH}:tag`.
+    /// The Valkey sorted set of the keys stored with `tag`: `PREFIX:{TAGHASH}:tags`.
+    ///
+    /// A sorted set: each member (a key's hash) scored by when its entry
+    /// expires, trimmed of expired members on every write, so a tag that
+    /// every response carries stays the size of what is alive.
     pub fn tag_key(&self, tag: &[u8]) -> String {
+        let hash = CacheKey::builder().part(b"tag").part(tag).finish().hash();
+        slot_key(&self.inner.prefix, &hash, "tags")
+    }
+
+    /// The plain set the previous version kept a tag's keys in (read once
+    /// by an invalidation, during a rolling upgrade).
+    pub(crate) fn legacy_tag_key(&self, tag: &[u8]) -> String {
         let hash = CacheKey::builder().part(b"tag").part(tag).finish().hash();
         slot_key(&self.inner.prefix, &hash, "tag")
     }

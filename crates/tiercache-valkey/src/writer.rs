@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 
 use bytes::Bytes;
-use fred::prelude::{Expiration, KeysInterface, SetsInterface};
+use fred::prelude::{Expiration, KeysInterface, SortedSetsInterface};
 use fred::types::ExpireOptions;
 use tokio::sync::mpsc;
 
@@ -84,9 +84,26 @@ async fn apply(inner: &Inner, command: Command) -> Result<(), fred::error::Error
             client
                 .set::<(), _, _>(key, value, Some(Expiration::PX(px)), None, false)
                 .await?;
+            // Each tag's sorted set: the member scored by its expiry, expired
+            // members trimmed, the set living as long as its longest member.
+            let expires = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_millis() as i64;
             for set in tags {
-                // The set lives as long as its longest-lived member.
-                client.sadd::<i64, _, _>(&set, member.as_str()).await?;
+                client
+                    .zadd::<i64, _, _>(
+                        &set,
+                        None,
+                        None,
+                        false,
+                        false,
+                        ((expires + px) as f64, member.as_str()),
+                    )
+                    .await?;
+                client
+                    .zremrangebyscore::<i64, _, _, _>(&set, f64::NEG_INFINITY, expires as f64)
+                    .await?;
                 client
                     .pexpire::<i64, _>(&set, px, Some(ExpireOptions::NX))
                     .await?;

@@ -105,6 +105,7 @@ impl TieredCacheBuilder {
             Some(seed) => SmallRng::seed_from_u64(seed),
             None => SmallRng::from_os_rng(),
         };
+        let tags_incomplete = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let inner = Arc::new(Inner {
             l1: L1::new(self.l1_capacity, self.clock.clone(), counters.clone()),
             l2: self.l2,
@@ -116,7 +117,18 @@ impl TieredCacheBuilder {
                 .max_capacity(100_000)
                 .time_to_live(Policy::DEFAULT_HIT_FOR_MISS_TTL * 60)
                 .build(),
-            tags: moka::sync::Cache::builder().max_capacity(100_000).build(),
+            tags: moka::sync::Cache::builder()
+                .max_capacity(100_000)
+                .eviction_listener({
+                    let incomplete = tags_incomplete.clone();
+                    move |_, _, cause| {
+                        if cause == moka::notification::RemovalCause::Size {
+                            incomplete.store(true, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                })
+                .build(),
+            tags_incomplete,
             journal: Journal::default(),
             outbox: Arc::default(),
         });

@@ -7,6 +7,8 @@ use bytes::Bytes;
 use super::journal::Scope;
 use super::outbox::Queued;
 use super::{Inner, TieredCache};
+use std::sync::atomic::Ordering::Relaxed;
+
 use crate::stats::bump;
 use crate::{CacheKey, Invalidation, InvalidationSink, KeyHash, KeyPattern};
 
@@ -160,17 +162,25 @@ impl InvalidationSink for Inner {
 }
 
 impl Inner {
-    /// Drops the L1 entries recorded under `tag`; returns their keys.
+    /// Drops the L1 entries recorded under `tag`; returns their keys. When
+    /// the index cannot know them all (the tag overflowed it, or tags were
+    /// evicted from it), all of L1 goes: a live key is never missed.
     fn drop_tag(&self, tag: &Bytes) -> Vec<KeyHash> {
-        let Some(keys) = self.tags.remove(tag) else {
-            return Vec::new();
+        let incomplete = self.tags_incomplete.swap(false, Relaxed);
+        let index = self.tags.remove(tag);
+        let (keys, overflowed) = match &index {
+            Some(index) => {
+                let mut index = index.lock().unwrap_or_else(|e| e.into_inner());
+                (index.keys.drain().collect(), index.overflowed)
+            }
+            None => (Vec::new(), false),
         };
-        let keys: Vec<KeyHash> = keys
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain()
-            .collect();
-        self.drop_hashes(&keys);
+        if incomplete || overflowed {
+            self.l1.clear();
+            self.tags.invalidate_all();
+        } else {
+            self.drop_hashes(&keys);
+        }
         keys
     }
 

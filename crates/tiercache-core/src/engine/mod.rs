@@ -70,11 +70,32 @@ pub(crate) struct Inner {
     /// Keys whose last response could not be shared, until when (hit-for-miss).
     uncacheable: moka::sync::Cache<KeyHash, SystemTime>,
     /// Tag → the keys this instance stored with it (tag invalidation without L2).
-    tags: moka::sync::Cache<Bytes, Arc<Mutex<HashSet<KeyHash>>>>,
+    tags: moka::sync::Cache<Bytes, Arc<Mutex<TagKeys>>>,
+    /// The tag index lost a tag to its bound: the next tag invalidation
+    /// cannot know every live key under it, and drops all of L1 instead.
+    tags_incomplete: Arc<std::sync::atomic::AtomicBool>,
     /// Recent invalidations, so a fill they overtook is not stored.
     journal: Journal,
     /// Invalidations on their way to the shared tier, and their tombstones.
     outbox: Arc<Outbox>,
+}
+
+/// The keys this instance stored under one tag.
+#[derive(Debug, Default)]
+pub(crate) struct TagKeys {
+    keys: HashSet<KeyHash>,
+    /// More keys than the index keeps were stored under the tag.
+    overflowed: bool,
+}
+
+impl TagKeys {
+    fn record(&mut self, key: KeyHash, cap: usize) {
+        if self.keys.len() < cap || self.keys.contains(&key) {
+            self.keys.insert(key);
+        } else {
+            self.overflowed = true;
+        }
+    }
 }
 
 impl fmt::Debug for TieredCache {

@@ -277,15 +277,16 @@ impl TieredCache {
             l2.put(key, &entry, l2_ttl, tags);
         }
         for tag in tags {
-            let keys = self.inner.tags.get_with(tag.clone(), Default::default);
-            let mut keys = keys.lock().unwrap_or_else(|e| e.into_inner());
-            if keys.len() < Self::MAX_KEYS_PER_TAG {
-                keys.insert(key.hash());
-            }
+            let index = self.inner.tags.get_with(tag.clone(), Default::default);
+            index
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .record(key.hash(), Self::MAX_KEYS_PER_TAG);
         }
         self.inner.l1.insert(key.hash(), entry);
     }
 
-    /// Keys remembered per tag in this process (the shared tier keeps its own index).
-    const MAX_KEYS_PER_TAG: usize = 100_000;
+    /// Keys remembered per tag in this process (the shared tier keeps its
+    /// own index); past it the tag is marked overflowed (see `TagKeys`).
+    const MAX_KEYS_PER_TAG: usize = if cfg!(test) { 64 } else { 100_000 };
 }
