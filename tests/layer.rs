@@ -444,9 +444,18 @@ async fn unshareable_and_error_responses_are_not_stored() {
                 .body(Body::from(n.to_string()))
                 .unwrap()
         }),
-        ("status", |n| {
+        ("no-freshness", |n| {
             Response::builder()
                 .status(503)
+                .body(Body::from(n.to_string()))
+                .unwrap()
+        }),
+        // A request can provoke a 400 on its own: never stored, whatever
+        // its freshness says.
+        ("status", |n| {
+            Response::builder()
+                .status(400)
+                .header("cache-control", "max-age=60")
                 .body(Body::from(n.to_string()))
                 .unwrap()
         }),
@@ -556,4 +565,38 @@ async fn an_upstream_caches_own_fields_give_way_to_ours_on_a_hit() {
         assert_eq!(all("x-kept"), ["yes"]);
     }
     assert_eq!(origin.calls.get(), 1);
+}
+
+/// RFC 9111 lets a shared cache store an origin failure that declares its
+/// freshness (as Traffic Server, httpd and nginx do): capped by
+/// `max_error_ttl`. Without freshness it is not stored.
+#[tokio::test]
+async fn a_5xx_with_explicit_freshness_is_stored_capped() {
+    let layer = cache().max_error_ttl(Duration::from_secs(10));
+    let origin = Origin::default();
+    let app = app(&layer, origin.clone(), |n| {
+        Response::builder()
+            .status(503)
+            .header("cache-control", "max-age=3600")
+            .body(Body::from(format!("down {n}")))
+            .unwrap()
+    });
+    let (status, _, body) = send(&app, get_req("/r")).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, "down 1")
+    );
+    let (status, headers, body) = send(&app, get_req("/r")).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, "down 1")
+    );
+    assert_eq!(h(&headers, "x-cache"), "HIT");
+    let ttl: u64 = h(&headers, "cache-status")
+        .split("ttl=")
+        .nth(1)
+        .and_then(|t| t.split(';').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap();
+    assert!(ttl <= 10, "kept {ttl} s");
 }

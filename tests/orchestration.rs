@@ -550,7 +550,7 @@ async fn get_or_load_loads_once_across_the_fleet() {
     for l in loads {
         assert_eq!(l.await.unwrap().unwrap().body, "built");
     }
-    assert_eq!(calls.get(), 1);
+    assert_eq!(calls.get(), 1, "A: {:?}\nB: {:?}", a.stats(), b.stats());
 }
 
 #[tokio::test]

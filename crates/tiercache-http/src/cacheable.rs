@@ -219,10 +219,14 @@ pub fn status_heuristic(status: StatusCode) -> bool {
     matches!(status.as_u16(), 200 | 203 | 204 | 300 | 301 | 308)
 }
 
-/// Statuses never stored, whatever the headers: partial content, 304, the
-/// origin failures stale-if-error answers for, and interim responses.
+/// Statuses never stored, whatever the headers: partial content, 304,
+/// interim responses, and the errors a request can provoke on its own
+/// (400, 413, 414, 431: one oversized header must not give everyone a
+/// cached error). Origin failures (500, 502, 503, 504) are stored only with
+/// explicit freshness, capped by `max_error_ttl`, as Traffic Server, httpd
+/// and nginx do.
 pub fn status_never_stored(status: StatusCode) -> bool {
-    matches!(status.as_u16(), 206 | 304 | 500 | 502 | 503 | 504) || status.is_informational()
+    matches!(status.as_u16(), 206 | 304 | 400 | 413 | 414 | 431) || status.is_informational()
 }
 
 /// Whether a response may be stored and shared. `cache_control` is the
@@ -315,7 +319,8 @@ mod tests {
     #[test]
     fn refuses_what_may_not_be_shared() {
         let cases = [
-            (refused(|b| b.status(500)), Reason::Status),
+            (refused(|b| b.status(400)), Reason::Status),
+            (refused(|b| b.status(431)), Reason::Status),
             (refused(|b| b.status(206)), Reason::Status),
             (
                 refused(|b| b.header("set-cookie", "a=b")),

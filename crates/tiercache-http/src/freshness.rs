@@ -46,17 +46,15 @@ impl OriginFreshness {
             .or_else(|| expires_lifetime(headers, now));
         Self {
             lifetime,
-            age: headers
-                .get(AGE)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .map(Duration::from_secs)
-                .unwrap_or_default(),
+            age: age(headers),
             stale_while_revalidate: seconds("stale-while-revalidate"),
             stale_if_error: seconds("stale-if-error"),
+            // `s-maxage` implies `proxy-revalidate` for a shared cache
+            // (RFC 9111 §5.2.2.10): never served stale.
             no_stale: has_directive(headers, "must-revalidate")
                 || has_directive(headers, "proxy-revalidate")
-                || has_directive(headers, "no-cache"),
+                || has_directive(headers, "no-cache")
+                || has_directive(headers, "s-maxage"),
         }
     }
 
@@ -64,6 +62,18 @@ impl OriginFreshness {
     pub fn remaining(&self) -> Option<Duration> {
         self.lifetime.map(|l| l.saturating_sub(self.age))
     }
+}
+
+/// `Age` (RFC 9111 §5.1): of a list, the first member; an invalid value is
+/// ignored.
+fn age(headers: &HeaderMap) -> Duration {
+    headers
+        .get(AGE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(',').next())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(|s| Duration::from_secs(s.min(365 * 24 * 3600 * 10)))
+        .unwrap_or_default()
 }
 
 /// `name=N` in `Cache-Control`, in seconds (the first occurrence; a bad
@@ -85,8 +95,13 @@ fn directive_seconds(headers: &HeaderMap, name: &str) -> Option<Duration> {
 }
 
 fn expires_lifetime(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
-    let expires = headers.get(EXPIRES)?;
-    // An invalid Expires (e.g. "0") means already expired.
+    let mut all = headers.get_all(EXPIRES).iter();
+    let expires = all.next()?;
+    // An invalid Expires (e.g. "0", a malformed date, or more than one
+    // field) means already expired (RFC 9111 §5.3).
+    if all.next().is_some() {
+        return Some(Duration::ZERO);
+    }
     let Some(expires) = expires.to_str().ok().and_then(parse_http_date) else {
         return Some(Duration::ZERO);
     };
@@ -98,82 +113,19 @@ fn expires_lifetime(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
     Some(expires.duration_since(date).unwrap_or_default())
 }
 
-/// Parses an IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`), the form RFC 9110
-/// requires senders to use.
+/// Parses an HTTP date (RFC 9110 §5.6.7): the IMF-fixdate senders must
+/// use (`Sun, 06 Nov 1994 08:49:37 GMT`), and the obsolete RFC 850
+/// (`Sunday, 06-Nov-94 08:49:37 GMT`) and asctime (`Sun Nov  6 08:49:37
+/// 1994`) forms recipients must accept. Anything else (a missing comma,
+/// doubled spaces, a one-digit hour) is not a date. The one parser of the
+/// crate (`httpdate`).
 pub fn parse_http_date(text: &str) -> Option<SystemTime> {
-    let mut it = text.trim().split_ascii_whitespace();
-    let _weekday = it.next()?;
-    let day: u64 = it.next()?.parse().ok()?;
-    let month = match it.next()? {
-        "Jan" => 1,
-        "Feb" => 2,
-        "Mar" => 3,
-        "Apr" => 4,
-        "May" => 5,
-        "Jun" => 6,
-        "Jul" => 7,
-        "Aug" => 8,
-        "Sep" => 9,
-        "Oct" => 10,
-        "Nov" => 11,
-        "Dec" => 12,
-        _ => return None,
-    };
-    let year: i64 = it.next()?.parse().ok()?;
-    let mut hms = it.next()?.split(':').map(|p| p.parse::<u64>().ok());
-    let (h, m, s) = (hms.next()??, hms.next()??, hms.next()??);
-    if it.next()? != "GMT" || !(1..=31).contains(&day) || h > 23 || m > 59 || s > 60 {
-        return None;
-    }
-    let days = days_from_civil(year, month, day as i64);
-    let secs = days.checked_mul(86_400)? + (h * 3600 + m * 60 + s) as i64;
-    u64::try_from(secs)
-        .ok()
-        .map(|s| SystemTime::UNIX_EPOCH + Duration::from_secs(s))
+    httpdate::parse_http_date(text.trim()).ok()
 }
 
 /// Formats `t` as an IMF-fixdate.
 pub fn format_http_date(t: SystemTime) -> String {
-    let secs = t
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_secs() as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let (y, mo, d) = civil_from_days(days);
-    let weekday = ["Thu", "Fri", "Sat", "Sun", "Mon", "Tue", "Wed"][days.rem_euclid(7) as usize];
-    let month = [
-        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
-    ][(mo - 1) as usize];
-    format!(
-        "{weekday}, {d:02} {month} {y} {:02}:{:02}:{:02} GMT",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
-
-// Howard Hinnant's days-from-civil and its inverse.
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
-}
-
-fn civil_from_days(z: i64) -> (i64, i64, i64) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (if m <= 2 { y + 1 } else { y }, m, d)
+    httpdate::fmt_http_date(t)
 }
 
 #[cfg(test)]
@@ -231,6 +183,43 @@ mod tests {
     }
 
     #[test]
+    fn invalid_expires_and_age_lists() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(784_111_777);
+        let date = ("date", "Sun, 06 Nov 1994 08:49:37 GMT");
+        // Two Expires fields, or a malformed one: already expired.
+        for expires in [
+            &[
+                ("expires", "Sun, 06 Nov 1994 09:49:37 GMT"),
+                ("expires", "Sun, 06 Nov 1994 09:49:37 GMT"),
+            ][..],
+            &[("expires", "Sun 06 Nov 1994 09:49:37 GMT")][..],
+        ] {
+            let mut pairs = expires.to_vec();
+            pairs.push(date);
+            let f = OriginFreshness::parse(&headers(&pairs), now);
+            assert_eq!(f.lifetime, Some(Duration::ZERO), "{pairs:?}");
+        }
+        // An obsolete-form Expires is a date.
+        let f = OriginFreshness::parse(
+            &headers(&[("expires", "Sunday, 06-Nov-94 09:49:37 GMT"), date]),
+            now,
+        );
+        assert_eq!(f.lifetime, Some(Duration::from_secs(3600)));
+        // `Age: 7200, 0`: the first member counts.
+        let f = OriginFreshness::parse(
+            &headers(&[("cache-control", "max-age=3600"), ("age", "7200, 0")]),
+            now,
+        );
+        assert_eq!(f.remaining(), Some(Duration::ZERO));
+        // s-maxage forbids stale answers in a shared cache.
+        let f = OriginFreshness::parse(
+            &headers(&[("cache-control", "s-maxage=60, stale-if-error=600")]),
+            now,
+        );
+        assert!(f.no_stale);
+    }
+
+    #[test]
     fn http_dates_round_trip() {
         let t = parse_http_date("Sun, 06 Nov 1994 08:49:37 GMT").unwrap();
         assert_eq!(
@@ -238,7 +227,19 @@ mod tests {
             784_111_777
         );
         assert_eq!(format_http_date(t), "Sun, 06 Nov 1994 08:49:37 GMT");
-        assert!(parse_http_date("Sunday, 06-Nov-94 08:49:37 GMT").is_none());
+        // The obsolete forms recipients must accept (RFC 9110 §5.6.7).
+        assert_eq!(parse_http_date("Sunday, 06-Nov-94 08:49:37 GMT"), Some(t));
+        assert_eq!(parse_http_date("Sun Nov  6 08:49:37 1994"), Some(t));
+        // Malformed IMF-fixdates are not dates.
+        for bad in [
+            "Sun 06 Nov 1994 08:49:37 GMT",
+            "Sun,  06 Nov 1994 08:49:37 GMT",
+            "Sun, 06 Nov 1994 8:49:37 GMT",
+            "Sun, 06 Nov 1994 08:49:37",
+            "0",
+        ] {
+            assert!(parse_http_date(bad).is_none(), "{bad}");
+        }
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_796_233_063);
         assert_eq!(parse_http_date(&format_http_date(now)), Some(now));
     }

@@ -16,7 +16,9 @@ use http::header::{
 use http::{HeaderMap, Method, Request, Response, StatusCode, response};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
-use tiercache_core::{CacheKey, Entry, Event, Fill, Lifetime, Loaded, Origin, Select, Value};
+use tiercache_core::{
+    CacheKey, Entry, Event, Fill, Freshness, Lifetime, Loaded, Origin, Select, Value,
+};
 use tower::{Service, ServiceExt};
 
 use crate::body::{BoxError, CacheBody};
@@ -139,6 +141,18 @@ impl Load<'_> {
             let took = self.started.elapsed();
             route.metrics.origin(took);
             return Loaded::Store(renew(route, stale, &parts.headers));
+        }
+        // An origin failure with a stale entry at hand that may stand in
+        // for it (stale-if-error): the stale entry answers, nothing is stored.
+        if is_origin_error(parts.status)
+            && revalidating.is_some_and(|stale| {
+                matches!(
+                    stale.freshness(route.engine.now()),
+                    Freshness::Stale | Freshness::StaleIfError
+                )
+            })
+        {
+            return self.share(parts, body, Reason::Status).await;
         }
         let cache_control = targeted(&parts.headers, &route.config.targets);
         let safe = response_storable(

@@ -64,23 +64,19 @@ impl ValkeyTier {
         let set = self.tag_key(&tag);
         // The previous version's plain set, read once during an upgrade.
         let legacy = self.legacy_tag_key(&tag);
-        let old: Vec<String> = self
-            .inner
-            .client
-            .smembers(&legacy)
-            .await
-            .map_err(fred_error)?;
+        let pipe = self.inner.client.pipeline();
+        let queued: Result<(), _> = pipe.smembers(&legacy).await;
+        queued.map_err(fred_error)?;
+        let queued: Result<(), _> = pipe
+            .zrange(&set, 0, PAGE - 1, None, false, None, false)
+            .await;
+        queued.map_err(fred_error)?;
+        let (old, mut members): (Vec<String>, Vec<String>) =
+            pipe.all().await.map_err(fred_error)?;
         hashes.extend(old.iter().filter_map(|m| KeyHash::from_hex(m)));
-        loop {
-            let members: Vec<String> = self
-                .inner
-                .client
-                .zrange(&set, 0, PAGE - 1, None, false, None, false)
-                .await
-                .map_err(fred_error)?;
-            if members.is_empty() {
-                break;
-            }
+        // A tag larger than a page goes page by page; the last (or only)
+        // page goes out with the tag itself, in one round trip.
+        while members.len() as i64 == PAGE {
             let page: Vec<KeyHash> = members
                 .iter()
                 .filter_map(|m| KeyHash::from_hex(m))
@@ -100,10 +96,22 @@ impl ValkeyTier {
             queued.map_err(fred_error)?;
             let queued: Result<(), _> = pipe.publish(&self.inner.bus.channel, text).await;
             queued.map_err(fred_error)?;
-            let _: Value = pipe.all().await.map_err(fred_error)?;
+            let queued: Result<(), _> = pipe
+                .zrange(&set, 0, PAGE - 1, None, false, None, false)
+                .await;
+            queued.map_err(fred_error)?;
+            let mut replies: Vec<Value> = pipe.all().await.map_err(fred_error)?;
+            members = replies
+                .pop()
+                .and_then(|v| v.into_array().into_iter().map(|m| m.as_string()).collect())
+                .unwrap_or_default();
         }
+        hashes.extend(members.iter().filter_map(|m| KeyHash::from_hex(m)));
         hashes.sort_unstable();
         hashes.dedup();
+        if let Some(sink) = self.inner.bus.sink() {
+            sink.apply(&Invalidation::Keys(hashes.clone()));
+        }
         let mut keys: Vec<String> = hashes.iter().map(|h| self.entry_key_of(h)).collect();
         keys.push(set);
         keys.push(legacy);

@@ -57,6 +57,10 @@ pub(crate) struct Inner {
     pub(crate) release_retries: AtomicU64,
 }
 
+/// How long a lock's re-checks must keep failing before its waiter gives
+/// up on Valkey and goes to the origin itself.
+const FAIL_OPEN_AFTER: Duration = Duration::from_millis(500);
+
 impl Inner {
     /// A release is done (or was never queued): the token is no longer ours.
     pub(crate) fn released(&self, token: &Bytes) {
@@ -574,17 +578,22 @@ impl Tier for ValkeyTier {
             // lock is re-checked on a short backoff (50, 100, 200 ms), so a
             // lost release or notification costs one step, not the lock's
             // whole life.
-            // One failed re-check is a blip (a slow moment under load); two in
-            // a row mean Valkey is gone, and the wait fails open.
+            // Failed re-checks are a blip (a slow moment under load) until
+            // they have failed for `FAIL_OPEN_AFTER`: then Valkey is gone,
+            // and the wait fails open (the request goes to the origin).
             let deadline = tokio::time::Instant::now() + timeout;
             let mut step = Duration::from_millis(50);
-            let mut failed = 0;
+            let mut failing_since = None;
             loop {
                 match self.lock_held(key).await {
                     Ok(false) => return self.bounded(self.gone(key, holder)).await,
-                    Ok(true) => failed = 0,
-                    Err(e) if failed > 0 => return Err(e),
-                    Err(_) => failed += 1,
+                    Ok(true) => failing_since = None,
+                    Err(e) => {
+                        let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
+                        if since.elapsed() >= FAIL_OPEN_AFTER {
+                            return Err(e);
+                        }
+                    }
                 }
                 let left = deadline.saturating_duration_since(tokio::time::Instant::now());
                 if left.is_zero() {
