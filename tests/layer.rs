@@ -600,3 +600,33 @@ async fn a_5xx_with_explicit_freshness_is_stored_capped() {
         .unwrap();
     assert!(ttl <= 10, "kept {ttl} s");
 }
+
+/// A client's validators are answered against a response that is passed
+/// through unstored, as against a stored one: 304, no body.
+#[tokio::test]
+async fn validators_are_answered_on_passed_responses() {
+    let layer = cache();
+    let origin = Origin::default();
+    let app = app(&layer, origin.clone(), |n| {
+        Response::builder()
+            .header("cache-control", "private")
+            .header("etag", "\"v1\"")
+            .body(Body::from(format!("body {n}")))
+            .unwrap()
+    });
+    let req = Request::get("/r")
+        .header("host", "example.com")
+        .header("if-none-match", "\"v0\", \"v1\"")
+        .body(Body::empty())
+        .unwrap();
+    let (status, headers, body) = send(&app, req).await;
+    assert_eq!((status, body.as_str()), (StatusCode::NOT_MODIFIED, ""));
+    assert_eq!(h(&headers, "etag"), "\"v1\"");
+    let req = Request::get("/r")
+        .header("host", "example.com")
+        .header("if-none-match", "\"v2\"")
+        .body(Body::empty())
+        .unwrap();
+    let (status, _, body) = send(&app, req).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "body 2"));
+}

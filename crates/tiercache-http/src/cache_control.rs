@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 
 use http::header::{AsHeaderName, CACHE_CONTROL};
-use http::{HeaderMap, HeaderName};
+use http::{HeaderMap, HeaderName, HeaderValue};
 
 /// Whether any `Cache-Control` field in `headers` carries directive `name`
 /// (case-insensitive; arguments, quoted strings and unknown directives ignored).
@@ -21,12 +21,16 @@ pub fn has_directive(headers: &HeaderMap, name: &str) -> bool {
     has_directive_in(headers, CACHE_CONTROL, name)
 }
 
-/// `headers` with the first targeted field (RFC 9213) of `targets` present
+/// `headers` with the first valid targeted field (RFC 9213) of `targets`
 /// standing in for `Cache-Control`; `headers` itself when none is.
 ///
+/// A targeted field is a Structured Field Dictionary (RFC 9651): one that
+/// does not parse is ignored, as if absent, and so is a member whose value
+/// has the wrong type (`max-age="60"`, a string, is no lifetime).
+///
 /// ```
-/// use http::{HeaderMap, HeaderName};
-/// use tiercache_http::cache_control::{has_directive, targeted};
+/// use http::{HeaderMap, HeaderName, HeaderValue};
+/// use tiercache_http::cache_control::{directive_value, has_directive, targeted};
 ///
 /// let mut h = HeaderMap::new();
 /// h.insert("cache-control", "no-store".parse().unwrap());
@@ -34,17 +38,60 @@ pub fn has_directive(headers: &HeaderMap, name: &str) -> bool {
 /// let cdn = [HeaderName::from_static("cdn-cache-control")];
 /// assert!(!has_directive(&targeted(&h, &cdn), "no-store"));
 /// assert!(has_directive(&targeted(&h, &[]), "no-store"));
+///
+/// // Not a Structured Field: ignored, `Cache-Control` rules.
+/// h.insert("cdn-cache-control", "max-age=60,,".parse().unwrap());
+/// assert!(has_directive(&targeted(&h, &cdn), "no-store"));
+/// // A lifetime given as a string is no lifetime.
+/// h.insert("cdn-cache-control", "max-age=\"60\", public".parse().unwrap());
+/// assert_eq!(directive_value(&targeted(&h, &cdn), "max-age"), None);
 /// ```
 pub fn targeted<'a>(headers: &'a HeaderMap, targets: &[HeaderName]) -> Cow<'a, HeaderMap> {
-    let Some(field) = targets.iter().find(|t| headers.contains_key(*t)) else {
-        return Cow::Borrowed(headers);
-    };
-    let mut out = headers.clone();
-    out.remove(CACHE_CONTROL);
-    for v in headers.get_all(field) {
-        out.append(CACHE_CONTROL, v.clone());
+    for field in targets.iter().filter(|t| headers.contains_key(*t)) {
+        let Some(value) = dictionary_as_cache_control(headers, field) else {
+            continue;
+        };
+        let mut out = headers.clone();
+        out.remove(CACHE_CONTROL);
+        if let Ok(value) = HeaderValue::try_from(value) {
+            out.insert(CACHE_CONTROL, value);
+        }
+        return Cow::Owned(out);
     }
-    Cow::Owned(out)
+    Cow::Borrowed(headers)
+}
+
+/// A targeted field, parsed as a Structured Field Dictionary, written back
+/// as `Cache-Control` directives: integers as `name=N`, `true` as `name`;
+/// members of other types are dropped. `None` when it does not parse.
+fn dictionary_as_cache_control(headers: &HeaderMap, field: &HeaderName) -> Option<String> {
+    let mut joined = Vec::new();
+    for (i, v) in headers.get_all(field).iter().enumerate() {
+        if i > 0 {
+            joined.extend_from_slice(b", ");
+        }
+        joined.extend_from_slice(v.as_bytes());
+    }
+    let dictionary = sfv::Parser::parse_dictionary(&joined).ok()?;
+    let mut out = String::new();
+    for (name, member) in dictionary {
+        let directive = match member {
+            sfv::ListEntry::Item(sfv::Item {
+                bare_item: sfv::BareItem::Integer(n),
+                ..
+            }) if n >= 0 => format!("{name}={n}"),
+            sfv::ListEntry::Item(sfv::Item {
+                bare_item: sfv::BareItem::Boolean(true),
+                ..
+            }) => name,
+            _ => continue,
+        };
+        if !out.is_empty() {
+            out.push_str(", ");
+        }
+        out.push_str(&directive);
+    }
+    Some(out)
 }
 
 /// Like [`has_directive`], for any list-valued field of that grammar.
@@ -89,6 +136,15 @@ pub fn directive_value(headers: &HeaderMap, name: &str) -> Option<String> {
 }
 
 /// The items (`name[=arg]`) of one field value, in order, split outside quotes.
+/// The members of a comma-separated list, split outside quoted strings
+/// (an `If-None-Match` entity-tag may hold a comma), trimmed, empty ones
+/// skipped.
+pub(crate) fn list_items(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+    items(value)
+        .map(<[u8]>::trim_ascii)
+        .filter(|i| !i.is_empty())
+}
+
 fn items(value: &[u8]) -> impl Iterator<Item = &[u8]> {
     let mut rest = value;
     std::iter::from_fn(move || {

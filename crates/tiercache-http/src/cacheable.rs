@@ -169,9 +169,7 @@ impl Scan {
             } else if name == IF_NONE_MATCH || name == IF_MODIFIED_SINCE {
                 scan.conditional = true;
             } else {
-                let n = name.as_str();
-                scan.unkeyed |= (n.starts_with("x-") || n == "forwarded")
-                    && crate::request::UNKEYED.contains(&n);
+                scan.unkeyed |= crate::request::is_unkeyed(name.as_str());
             }
         }
         scan

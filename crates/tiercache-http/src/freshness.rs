@@ -3,7 +3,7 @@
 use std::time::{Duration, SystemTime};
 
 use http::HeaderMap;
-use http::header::{AGE, CACHE_CONTROL, DATE, EXPIRES};
+use http::header::{AGE, DATE, EXPIRES};
 
 use crate::cache_control::has_directive;
 
@@ -76,22 +76,13 @@ fn age(headers: &HeaderMap) -> Duration {
         .unwrap_or_default()
 }
 
-/// `name=N` in `Cache-Control`, in seconds (the first occurrence; a bad
-/// value reads as 0, RFC 9111 §4.2.1's "invalid is stale").
+/// `name=N` in `Cache-Control`, in seconds (the first occurrence, found
+/// outside quoted strings; a bad value reads as 0, RFC 9111 §4.2.1's
+/// "invalid is stale").
 fn directive_seconds(headers: &HeaderMap, name: &str) -> Option<Duration> {
-    for value in headers.get_all(CACHE_CONTROL) {
-        let Ok(text) = value.to_str() else { continue };
-        for item in text.split(',') {
-            let mut parts = item.splitn(2, '=');
-            let key = parts.next().unwrap_or("").trim();
-            if key.eq_ignore_ascii_case(name) {
-                let arg = parts.next().unwrap_or("").trim().trim_matches('"');
-                let secs = arg.parse::<u64>().unwrap_or(0).min(365 * 24 * 3600);
-                return Some(Duration::from_secs(secs));
-            }
-        }
-    }
-    None
+    let arg = crate::cache_control::directive_value(headers, name)?;
+    let secs = arg.trim().parse::<u64>().unwrap_or(0).min(365 * 24 * 3600);
+    Some(Duration::from_secs(secs))
 }
 
 fn expires_lifetime(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
@@ -211,6 +202,12 @@ mod tests {
             now,
         );
         assert_eq!(f.remaining(), Some(Duration::ZERO));
+        // A directive inside another's quoted argument is not a directive.
+        let f = OriginFreshness::parse(
+            &headers(&[("cache-control", "no-cache=\"x, max-age=999\", max-age=10")]),
+            now,
+        );
+        assert_eq!(f.lifetime, Some(Duration::from_secs(10)));
         // s-maxage forbids stale answers in a shared cache.
         let f = OriginFreshness::parse(
             &headers(&[("cache-control", "s-maxage=60, stale-if-error=600")]),

@@ -2,7 +2,7 @@
 //! POST, PUT, PATCH, DELETE (or unknown method) makes stale.
 
 use http::header::{CONTENT_LENGTH, CONTENT_LOCATION, HOST, LOCATION, TRANSFER_ENCODING};
-use http::{HeaderMap, Method, Uri, request};
+use http::{HeaderMap, Method, request};
 use tiercache_core::CacheKey;
 
 use crate::config::HttpConfig;
@@ -79,47 +79,30 @@ pub(crate) fn location_keys(headers: &HeaderMap, target: &Target) -> Vec<CacheKe
             let Ok(text) = value.to_str() else { continue };
             let text = text.trim().split('#').next().unwrap_or("");
             if let Some((path, query)) = resolve(text, target) {
-                keys.push(uri_key(&target.scheme, &target.authority, &path, query).finish());
+                keys.push(
+                    uri_key(&target.scheme, &target.authority, &path, query.as_deref()).finish(),
+                );
             }
         }
     }
     keys
 }
 
-/// A `Location`-style reference as a path and query on the target's
-/// origin, or `None` when it names another origin or does not parse.
-fn resolve<'a>(text: &'a str, target: &Target) -> Option<(String, Option<&'a str>)> {
-    let absolute = text.contains("://") || text.starts_with("//");
-    if absolute {
-        let uri: Uri = if text.starts_with("//") {
-            format!("{}:{text}", target.scheme).parse().ok()?
-        } else {
-            text.parse().ok()?
-        };
-        let same = uri.scheme_str()?.eq_ignore_ascii_case(&target.scheme)
-            && uri
-                .authority()?
-                .as_str()
-                .as_bytes()
-                .eq_ignore_ascii_case(&target.authority);
-        if !same {
-            return None;
-        }
-        let query = text.split_once('?').map(|(_, q)| q);
-        return Some((uri.path().to_owned(), query));
+/// A `Location`-style reference resolved against the request's target (RFC
+/// 3986 §5: `..` and `.` segments removed, relative paths joined to the
+/// target's directory), as a path and query on the target's origin; `None`
+/// when it names another origin or does not parse.
+fn resolve(text: &str, target: &Target) -> Option<(String, Option<String>)> {
+    let authority = std::str::from_utf8(&target.authority).ok()?;
+    let base = url::Url::parse(&format!("{}://{authority}{}", target.scheme, target.path)).ok()?;
+    let resolved = base.join(text).ok()?;
+    if resolved.origin() != base.origin() {
+        return None;
     }
-    let (path, query) = match text.split_once('?') {
-        Some((p, q)) => (p, Some(q)),
-        None => (text, None),
-    };
-    let path = if path.starts_with('/') {
-        path.to_owned()
-    } else {
-        // A relative reference: resolved against the target's directory.
-        let dir = target.path.rsplit_once('/').map_or("", |(d, _)| d);
-        format!("{dir}/{path}")
-    };
-    Some((path, query))
+    Some((
+        resolved.path().to_owned(),
+        resolved.query().map(str::to_owned),
+    ))
 }
 
 #[cfg(test)]
@@ -159,10 +142,22 @@ mod tests {
         res.append(LOCATION, "http://other.example/cart".parse().unwrap());
         res.append(LOCATION, "https://shop.example/cart".parse().unwrap());
         res.append(LOCATION, "summary".parse().unwrap());
+        // Dot segments are resolved (RFC 3986 §5.2.4), so the target is hit.
+        res.append(
+            LOCATION,
+            "/cart/items/../checkout/./done?x=2".parse().unwrap(),
+        );
+        res.append(LOCATION, "../account".parse().unwrap());
         let keys = location_keys(&res, &target);
         assert_eq!(
             keys,
-            vec![get("/cart"), get("/cart/summary"), get("/cart/items/7")]
+            vec![
+                get("/cart"),
+                get("/cart/summary"),
+                get("/cart/checkout/done?x=2"),
+                get("/account"),
+                get("/cart/items/7"),
+            ]
         );
     }
 

@@ -21,44 +21,68 @@ use crate::freshness::parse_http_date;
 use crate::key::target_key;
 
 /// Request fields a cache does not key on and an origin may still act on
-/// (host and scheme for links, rewrites, method overrides): removed from every
-/// cacheable request unless the route keys on them
-/// ([`key_header`](crate::ResponseCacheLayer::key_header)).
-pub const UNKEYED: [&str; 14] = [
+/// to build links, rewrite paths or change the method: the whole family
+/// frameworks read for scheme, host, port, prefix, path and method (Rack,
+/// Rails, Django, Symfony, Spring, ASP.NET, IIS, Flask and Puma among them).
+/// Removed from every cacheable request unless the route keys on them
+/// ([`key_header`](crate::ResponseCacheLayer::key_header)), in every
+/// spelling: names are compared case-blind and with `_` read as `-`, since
+/// Puma and WSGI servers fold `X_Forwarded_Host` into `X-Forwarded-Host`.
+pub const UNKEYED: [&str; 26] = [
+    // host
     "x-forwarded-host",
     "x-forwarded-server",
-    "x-forwarded-scheme",
-    "x-forwarded-proto",
-    "x-forwarded-port",
-    "x-forwarded-prefix",
     "x-host",
-    "forwarded",
-    "x-original-url",
-    "x-rewrite-url",
     "x-original-host",
+    "forwarded",
+    // scheme
+    "x-forwarded-proto",
+    "x-forwarded-scheme",
+    "x-forwarded-protocol",
+    "x-forwarded-ssl",
+    "x-scheme",
+    "x-url-scheme",
+    "front-end-https",
+    "x-forwarded-https",
+    // port
+    "x-forwarded-port",
+    // prefix and path
+    "x-forwarded-prefix",
+    "x-forwarded-path",
+    "x-forwarded-uri",
+    "x-original-url",
+    "x-original-uri",
+    "x-rewrite-url",
+    "script-name",
+    "x-script-name",
+    // method
     "x-http-method-override",
     "x-http-method",
     "x-method-override",
+    "x-original-method",
 ];
 
-/// [`UNKEYED`] as header names, built at compile time (a static: a const
-/// array would be built and dropped at every use).
-static UNKEYED_NAMES: [HeaderName; 14] = [
-    HeaderName::from_static(UNKEYED[0]),
-    HeaderName::from_static(UNKEYED[1]),
-    HeaderName::from_static(UNKEYED[2]),
-    HeaderName::from_static(UNKEYED[3]),
-    HeaderName::from_static(UNKEYED[4]),
-    HeaderName::from_static(UNKEYED[5]),
-    HeaderName::from_static(UNKEYED[6]),
-    HeaderName::from_static(UNKEYED[7]),
-    HeaderName::from_static(UNKEYED[8]),
-    HeaderName::from_static(UNKEYED[9]),
-    HeaderName::from_static(UNKEYED[10]),
-    HeaderName::from_static(UNKEYED[11]),
-    HeaderName::from_static(UNKEYED[12]),
-    HeaderName::from_static(UNKEYED[13]),
-];
+/// Whether `name` is one of [`UNKEYED`] in any spelling (case, `-` or `_`).
+pub fn is_unkeyed(name: &str) -> bool {
+    // Most names start elsewhere: one byte settles them.
+    matches!(name.as_bytes().first(), Some(b'x' | b'f' | b's'))
+        && UNKEYED.iter().any(|u| same_name(u, name))
+}
+
+/// Header names compared case-blind, with `_` and `-` alike.
+pub fn same_name(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes().zip(b.bytes()).all(|(x, y)| {
+            let fold = |c: u8| {
+                if c == b'_' {
+                    b'-'
+                } else {
+                    c.to_ascii_lowercase()
+                }
+            };
+            fold(x) == fold(y)
+        })
+}
 
 /// A cacheable request, ready for the cache.
 #[derive(Debug)]
@@ -114,10 +138,19 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
     }
     // Most requests carry no unkeyed field and remove nothing.
     if scan.unkeyed {
-        for name in &UNKEYED_NAMES {
-            if !config.keyed_headers.contains(name) {
-                headers.remove(name);
-            }
+        let doomed: Vec<HeaderName> = headers
+            .keys()
+            .filter(|n| is_unkeyed(n.as_str()))
+            .filter(|n| {
+                !config
+                    .keyed_headers
+                    .iter()
+                    .any(|k| same_name(k.as_str(), n.as_str()))
+            })
+            .cloned()
+            .collect();
+        for name in doomed {
+            headers.remove(name);
         }
     }
     for name in &config.keyed_headers {
@@ -223,7 +256,9 @@ impl Conditional {
             }
             let Some(etag) = etag else { return false };
             let ours = opaque(etag);
-            return list.split(|&b| b == b',').any(|tag| opaque(tag) == ours);
+            // A list of entity-tags, split outside their quotes: an opaque
+            // tag may hold a comma (`"a,b"`).
+            return crate::cache_control::list_items(list).any(|tag| opaque(tag) == ours);
         }
         match (self.if_modified_since, last_modified) {
             (Some(since), Some(modified)) => modified <= since,
@@ -338,6 +373,15 @@ mod tests {
         let mut p = parts(&[("if-modified-since", "Sun, 06 Nov 1994 08:49:37 GMT")]);
         let got = prepare(&mut p, &config()).unwrap();
         let at = parse_http_date("Sun, 06 Nov 1994 08:49:37 GMT").unwrap();
+        let mut quoted = HeaderMap::new();
+        quoted.insert(IF_NONE_MATCH, HeaderValue::from_static("\"x\", W/\"a,b\""));
+        let tags = Conditional::take(&mut quoted);
+        assert!(
+            tags.not_modified(Some(b"\"a,b\""), None),
+            "a comma inside a tag"
+        );
+        assert!(!tags.not_modified(Some(b"\"a\""), None));
+        assert!(!tags.not_modified(Some(b"b\""), None));
         assert!(got.conditional.not_modified(None, Some(at)));
         assert!(
             !got.conditional

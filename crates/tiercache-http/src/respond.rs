@@ -25,6 +25,23 @@ impl Route {
                 collapsed,
                 hit_for_miss,
             }) => {
+                // The client's validators were kept from the origin (so it
+                // answers in full, for the cache); they are answered here,
+                // against what was passed, as against a stored entry.
+                if res.status() == StatusCode::OK && !ask.conditional.is_empty() {
+                    let etag = res.headers().get(http::header::ETAG).map(|v| v.as_bytes());
+                    let modified = res
+                        .headers()
+                        .get(http::header::LAST_MODIFIED)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(crate::freshness::parse_http_date);
+                    if ask.conditional.not_modified(etag, modified) {
+                        let head = headers::not_modified_fields(res.headers());
+                        res = Response::new(CacheBody::empty());
+                        *res.status_mut() = StatusCode::NOT_MODIFIED;
+                        *res.headers_mut() = head;
+                    }
+                }
                 if ask.head {
                     *res.body_mut() = CacheBody::empty();
                 }

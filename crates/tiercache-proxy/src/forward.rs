@@ -83,6 +83,9 @@ impl Forward {
             .path_and_query()
             .cloned()
             .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        // The upstream speaks HTTP/1.1, whatever the client spoke to the
+        // proxy (an h2c prior-knowledge client's version would be a 502).
+        parts.version = http::Version::HTTP_11;
         parts.uri = Uri::builder()
             .scheme(self.scheme.clone())
             .authority(self.authority.clone())

@@ -319,3 +319,27 @@ async fn metrics_are_scraped_from_the_admin_address_and_agree_with_stats() {
     let (_, headers, _) = fetch(get_req(addr, "/echo")).await;
     assert_eq!(headers["x-cache-hit-ratio"], "0.5000");
 }
+
+/// A client speaking HTTP/2 with prior knowledge (h2c) to the proxy gets its
+/// answer from the HTTP/1.1 upstream: miss, then hit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2c_client_is_proxied_to_an_http1_upstream() {
+    let (server, state) = upstream().await;
+    state.gate.open();
+    let proxy = proxy_for(&server).await;
+    let stream = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .expect("the proxy speaks h2c");
+    tokio::spawn(conn);
+    for expected in ["MISS", "HIT"] {
+        let req = Request::get(format!("http://{}/slow", proxy.addr()))
+            .version(http::Version::HTTP_2)
+            .body(Body::empty())
+            .unwrap();
+        let res = sender.send_request(req).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(res.headers()["x-cache"], expected);
+    }
+}

@@ -249,12 +249,24 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     headers.remove(http::header::UPGRADE);
 }
 
-/// The stored form of a response's head and body: hop-by-hop fields and
-/// `Age` (recomputed on every hit) left out, every other field byte-exact.
+/// Fields a cache must not store (RFC 9111 §3.1), besides the hop-by-hop
+/// ones: they belong to one proxy's exchange with one client.
+pub const NEVER_STORED: [&str; 3] = [
+    "proxy-authenticate",
+    "proxy-authentication-info",
+    "proxy-authorization",
+];
+
+/// The stored form of a response's head and body: hop-by-hop fields, the
+/// proxy-specific fields of RFC 9111 §3.1 and `Age` (recomputed on every
+/// hit) left out, every other field byte-exact.
 pub fn to_value(status: StatusCode, headers: &HeaderMap, body: Bytes) -> Value {
     let mut kept = headers.clone();
     strip_hop_by_hop(&mut kept);
     kept.remove(AGE);
+    for name in NEVER_STORED {
+        kept.remove(name);
+    }
     let headers = kept
         .iter()
         .map(|(n, v)| {
@@ -436,6 +448,17 @@ static NOT_MODIFIED_FIELDS: [HeaderName; 7] = [
     VARY,
     LAST_MODIFIED,
 ];
+
+/// The fields a 304 carries from the full response (RFC 9110 §15.4.5).
+pub(crate) fn not_modified_fields(full: &HeaderMap) -> HeaderMap {
+    let mut head = HeaderMap::with_capacity(NOT_MODIFIED_FIELDS.len());
+    for name in &NOT_MODIFIED_FIELDS {
+        for v in full.get_all(name) {
+            head.append(name.clone(), v.clone());
+        }
+    }
+    head
+}
 
 /// A response from a stored entry, with `age` as of `now`, and the cache's
 /// own fields labelled by `outcome` (or left out when `None`). `head` leaves

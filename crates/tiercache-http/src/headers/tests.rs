@@ -98,3 +98,17 @@ fn connection_listed_fields_are_stripped() {
     assert_eq!(h.len(), 1);
     assert!(h.contains_key("etag"));
 }
+
+#[test]
+fn proxy_specific_fields_are_never_stored() {
+    let mut h = HeaderMap::new();
+    h.insert(
+        "proxy-authentication-info",
+        HeaderValue::from_static("nextnonce=\"abc\""),
+    );
+    h.insert("proxy-authenticate", HeaderValue::from_static("Basic"));
+    h.insert("content-type", HeaderValue::from_static("text/plain"));
+    let stored = to_value(StatusCode::OK, &h, Bytes::from_static(b"x"));
+    let names: Vec<&[u8]> = stored.headers.iter().map(|(n, _)| n.as_ref()).collect();
+    assert_eq!(names, vec![&b"content-type"[..]]);
+}
