@@ -290,3 +290,25 @@ async fn head_never_poisons_get() {
         assert_eq!(h.calls(), 1, "{}", h.name);
     }
 }
+
+/// 32 requests with junk `Accept-Encoding` values do not fill a URL's
+/// variant slots: the header is reduced to the codings that matter before
+/// it keys anything, so real clients still get their variant.
+#[tokio::test]
+async fn junk_accept_encodings_cannot_lock_a_url_out() {
+    for h in Harness::both().await {
+        let target = "/ae?vary=accept-encoding&cc=max-age%3D60";
+        for i in 0..40 {
+            let junk = format!("x-junk-{i};q=0.{}", i % 9 + 1);
+            h.get_with(target, &[("accept-encoding", &junk)]).await;
+        }
+        assert_eq!(h.calls(), 1, "{}: every junk value is one variant", h.name);
+        for (i, real) in ["gzip, br", "br;q=1.0, GZIP", "gzip"].iter().enumerate() {
+            let r = h.get_with(target, &[("accept-encoding", real)]).await;
+            assert!(!r.h("cache-status").contains("vary-limit"), "{}", h.name);
+            // "gzip, br" and its reordering are one variant; "gzip" another.
+            let expected = if i == 1 { "HIT" } else { "MISS" };
+            assert_eq!(r.x_cache(), expected, "{} {real}", h.name);
+        }
+    }
+}

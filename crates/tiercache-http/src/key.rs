@@ -8,7 +8,7 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http::Uri;
-use http::header::{HOST, VARY};
+use http::header::{ACCEPT_ENCODING, HOST, VARY};
 use http::{HeaderMap, HeaderName, request};
 use tiercache_core::key::fingerprint;
 use tiercache_core::{CacheKey, Entry, KeyBuilder, KeyPattern};
@@ -191,14 +191,58 @@ pub fn variant_matches(entry: &Entry, request: &HeaderMap) -> bool {
     true
 }
 
-/// All values of `name`, joined by `", "` (RFC 9110 §5.3 field combination).
+/// All values of `name`, joined by `", "` (RFC 9110 §5.3 field
+/// combination); `Accept-Encoding` normalised first (see
+/// [`normalized_accept_encoding`]).
 fn joined(headers: &HeaderMap, name: &HeaderName) -> Vec<u8> {
+    if name == ACCEPT_ENCODING {
+        return normalized_accept_encoding(headers);
+    }
     let mut out = Vec::new();
     for (i, v) in headers.get_all(name).iter().enumerate() {
         if i > 0 {
             out.extend_from_slice(b", ");
         }
         out.extend_from_slice(v.as_bytes());
+    }
+    out
+}
+
+/// The content codings a cache can answer with, in a fixed order.
+const CODINGS: [&[u8]; 5] = [b"br", b"deflate", b"gzip", b"zstd", b"*"];
+
+/// `Accept-Encoding` reduced to what decides the answer (as Varnish does):
+/// the known codings the client accepts (q > 0), in a fixed order. Junk
+/// values, orderings, spacing, weights and case all collapse, so a client
+/// cannot mint a variant per request and lock a URL's variant slots.
+pub fn normalized_accept_encoding(headers: &HeaderMap) -> Vec<u8> {
+    let mut accepted = [false; CODINGS.len()];
+    for value in headers.get_all(ACCEPT_ENCODING) {
+        for item in value.as_bytes().split(|&b| b == b',') {
+            let mut parts = item.split(|&b| b == b';');
+            let coding = parts.next().unwrap_or_default().trim_ascii();
+            let refused = parts.any(|p| {
+                let p = p.trim_ascii();
+                p.len() >= 2
+                    && p[..2].eq_ignore_ascii_case(b"q=")
+                    && std::str::from_utf8(&p[2..])
+                        .ok()
+                        .and_then(|q| q.trim().parse::<f32>().ok())
+                        .is_some_and(|q| q <= 0.0)
+            });
+            if let Some(i) = CODINGS.iter().position(|c| c.eq_ignore_ascii_case(coding))
+                && !refused
+            {
+                accepted[i] = true;
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for (coding, _) in CODINGS.iter().zip(accepted).filter(|(_, on)| *on) {
+        if !out.is_empty() {
+            out.push(b',');
+        }
+        out.extend_from_slice(coding);
     }
     out
 }

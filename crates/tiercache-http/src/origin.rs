@@ -179,7 +179,9 @@ impl Load<'_> {
         if let Some(key) = &varied
             && !route
                 .variants
-                .admit(self.primary, key, route.config.max_variants)
+                .admit(self.primary, key, route.config.max_variants, |k| {
+                    route.engine.l1_contains(k)
+                })
         {
             return self.pass(parts, CacheBody::stream(body), Reason::VaryLimit);
         }

@@ -19,30 +19,59 @@ pub(crate) struct Variants {
 }
 
 impl Variants {
-    /// URLs whose variants are tracked; past that the least used are forgotten.
-    const TRACKED: u64 = 65_536;
+    /// Bytes of variant bookkeeping kept (its own bound, beside L1's):
+    /// past it the least used URLs' lists are forgotten (their variants
+    /// then expire by their ttl, and a new list starts empty).
+    pub(crate) const BUDGET: u64 = 16 * 1024 * 1024;
+    /// What one tracked key costs, beyond its bytes (measured roughly: the
+    /// key's `Bytes`, the vector slot, moka's node share).
+    const PER_KEY: u32 = 96;
 
     pub(crate) fn new() -> Self {
         Self {
             by_primary: moka::sync::Cache::builder()
-                .max_capacity(Self::TRACKED)
+                .max_capacity(Self::BUDGET)
+                // Weighed when stored: an empty list, then re-weighed on
+                // each admit (by re-inserting), so the budget holds.
+                .weigher(|_, set: &Arc<Mutex<Vec<CacheKey>>>| {
+                    let set = set.lock().unwrap_or_else(|e| e.into_inner());
+                    set.iter()
+                        .map(|k| k.full().len() as u32 + Self::PER_KEY)
+                        .sum::<u32>()
+                        .saturating_add(Self::PER_KEY * 2)
+                })
                 .time_to_idle(Duration::from_secs(3600))
                 .build(),
         }
     }
 
     /// Whether `variant` may be stored for `primary`: it is known already, or
-    /// fewer than `cap` are. Admitted variants are remembered.
-    pub(crate) fn admit(&self, primary: &CacheKey, variant: &CacheKey, cap: usize) -> bool {
-        let set = self.by_primary.get_with(primary.hash(), Default::default);
-        let mut set = set.lock().unwrap_or_else(|e| e.into_inner());
-        if set.contains(variant) {
-            return true;
+    /// fewer than `cap` of the variants are still alive (`alive` tells: a
+    /// variant whose entry expired or was evicted frees its slot).
+    /// Admitted variants are remembered.
+    pub(crate) fn admit(
+        &self,
+        primary: &CacheKey,
+        variant: &CacheKey,
+        cap: usize,
+        alive: impl Fn(&CacheKey) -> bool,
+    ) -> bool {
+        let list = self.by_primary.get_with(primary.hash(), Default::default);
+        {
+            let mut set = list.lock().unwrap_or_else(|e| e.into_inner());
+            if set.contains(variant) {
+                return true;
+            }
+            if set.len() >= cap {
+                set.retain(|k| alive(k));
+            }
+            if set.len() >= cap {
+                return false;
+            }
+            set.push(variant.clone());
         }
-        if set.len() >= cap {
-            return false;
-        }
-        set.push(variant.clone());
+        // Re-weighed with its new member.
+        self.by_primary.insert(primary.hash(), list);
         true
     }
 
@@ -64,10 +93,23 @@ mod tests {
         let variants = Variants::new();
         let page = CacheKey::new("/page");
         let v = |i: u32| page.with_part(&i.to_le_bytes());
-        assert!((0..3).all(|i| variants.admit(&page, &v(i), 3)));
-        assert!(!variants.admit(&page, &v(3), 3));
-        assert!(variants.admit(&page, &v(1), 3));
+        let alive = |_: &CacheKey| true;
+        assert!((0..3).all(|i| variants.admit(&page, &v(i), 3, alive)));
+        assert!(!variants.admit(&page, &v(3), 3, alive));
+        assert!(variants.admit(&page, &v(1), 3, alive));
         assert_eq!(variants.take(&page).len(), 3);
-        assert!(variants.admit(&page, &v(3), 3));
+        assert!(variants.admit(&page, &v(3), 3, alive));
+    }
+
+    #[test]
+    fn variants_whose_entries_are_gone_free_their_slots() {
+        let variants = Variants::new();
+        let page = CacheKey::new("/page");
+        let v = |i: u32| page.with_part(&i.to_le_bytes());
+        assert!((0..3).all(|i| variants.admit(&page, &v(i), 3, |_| true)));
+        // v(0) expired: its slot goes to the newcomer.
+        let gone = v(0);
+        assert!(variants.admit(&page, &v(3), 3, |k| *k != gone));
+        assert!(!variants.admit(&page, &v(4), 3, |_| true));
     }
 }
