@@ -416,3 +416,86 @@ async fn age_counts_from_the_origins_answer() {
     let status = status_of(&h);
     assert_eq!(status, "tiercache; hit; ttl=65; detail=l1");
 }
+
+/// An expired entry with a validator is kept for a while (never answered)
+/// and revalidated: the origin is asked with `If-None-Match`, and its 304
+/// renews the entry without a body. Without a stale window configured.
+#[tokio::test]
+async fn an_expired_entry_with_a_validator_is_revalidated_not_refetched() {
+    use axum::Router;
+    use axum::routing::get;
+    let clock = MockClock::new();
+    let engine = TieredCache::builder()
+        .clock(clock.clone())
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let layer = ResponseCacheLayer::new(engine);
+    let route = layer
+        .route(Policy::ttl(Duration::from_secs(10)).jitter(0.0))
+        .unwrap();
+    let asked = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let app = Router::new().route(
+        "/doc",
+        get({
+            let asked = asked.clone();
+            move |headers: HeaderMap| {
+                let asked = asked.clone();
+                async move {
+                    let inm = headers
+                        .get("if-none-match")
+                        .map(|v| v.to_str().unwrap().to_owned())
+                        .unwrap_or_default();
+                    asked.lock().unwrap().push(inm.clone());
+                    if inm == "\"v1\"" {
+                        return (
+                            StatusCode::NOT_MODIFIED,
+                            [("etag", "\"v1\"")],
+                            String::new(),
+                        );
+                    }
+                    (
+                        StatusCode::OK,
+                        [("etag", "\"v1\"")],
+                        "the document".to_owned(),
+                    )
+                }
+            }
+        })
+        .layer(route),
+    );
+    let get_doc = || {
+        axum::http::Request::get("/doc")
+            .header("host", "shop.test")
+            .body(axum::body::Body::empty())
+            .unwrap()
+    };
+    let body = |res: axum::response::Response| async move {
+        let status = res.status();
+        let bytes = http_body_util::BodyExt::collect(res.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        (status, String::from_utf8_lossy(&bytes).into_owned())
+    };
+    let first = app.clone().oneshot(get_doc()).await.unwrap();
+    assert_eq!(
+        body(first).await,
+        (StatusCode::OK, "the document".to_owned())
+    );
+    clock.advance(Duration::from_secs(30));
+    let again = app.clone().oneshot(get_doc()).await.unwrap();
+    assert_eq!(
+        body(again).await,
+        (StatusCode::OK, "the document".to_owned())
+    );
+    assert_eq!(
+        *asked.lock().unwrap(),
+        vec![String::new(), "\"v1\"".to_owned()],
+        "the second call is conditional"
+    );
+    // Renewed: fresh again, from the cache.
+    let third = app.clone().oneshot(get_doc()).await.unwrap();
+    assert_eq!(third.headers()["x-cache"], "HIT");
+    assert_eq!(asked.lock().unwrap().len(), 2);
+}

@@ -73,6 +73,9 @@ pub enum Freshness {
     Stale,
     /// Past stale-while-revalidate, inside stale-if-error: answer it only if the origin fails.
     StaleIfError,
+    /// Past every window, kept a while for its validators only: never
+    /// answered, but the origin is asked with them, and a 304 renews it.
+    Expired,
     /// Past its hard expiry: must not be served.
     Dead,
 }
@@ -89,7 +92,9 @@ pub struct Times {
     pub stale_until: SystemTime,
     /// End of the stale-if-error window (`fresh_until` when none).
     pub error_until: SystemTime,
-    /// Hard expiry, the latest of the above: past it the entry is dead in every tier.
+    /// Hard expiry, the latest of all: past it the entry is dead in every
+    /// tier. Past the windows above and before it, the entry is kept only
+    /// for its validators ([`Freshness::Expired`]).
     pub hard_until: SystemTime,
 }
 
@@ -227,6 +232,8 @@ impl Entry {
             Freshness::Stale
         } else if now < t.error_until {
             Freshness::StaleIfError
+        } else if now < t.hard_until {
+            Freshness::Expired
         } else {
             Freshness::Dead
         }

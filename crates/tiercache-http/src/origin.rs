@@ -194,7 +194,13 @@ impl Load<'_> {
         let tags = tags_for(route, &parts.headers, varied.as_ref().map(|_| self.primary));
         let value = headers::to_value(parts.status, &parts.headers, concat(body, total));
         // δ (the origin's time, for XFetch) is measured by the engine.
-        let mut fill = plan.fill(value).variant(variant).tags(tags);
+        let validator =
+            parts.headers.contains_key(ETAG) || parts.headers.contains_key(LAST_MODIFIED);
+        let mut fill = plan
+            .fill(value)
+            .variant(variant)
+            .tags(tags)
+            .validator(validator);
         // Stored as the URL's latest response under the primary key (whose
         // `Vary` names lead to the rest), and a variant under its own key.
         fill = fill.store_under(self.primary.clone());
@@ -413,8 +419,10 @@ fn renew(route: &Route, stale: &Entry, not_modified: &HeaderMap) -> Fill {
     };
     // Renewed where it was stored (its primary or its variant key).
     let tags = tags_for(route, &merged, None);
+    let validator = merged.contains_key(ETAG) || merged.contains_key(LAST_MODIFIED);
     fill.variant(stale.variant().clone())
         .tags(tags)
+        .validator(validator)
         .store_under(CacheKey::from_full(stale.key().clone()))
 }
 

@@ -144,7 +144,7 @@ pub fn decode(bytes: Bytes) -> Result<Entry, DecodeError> {
     let ordered = created_at <= fresh_until
         && fresh_until <= stale_until
         && fresh_until <= error_until
-        && hard_until == stale_until.max(error_until);
+        && hard_until >= stale_until.max(error_until);
     if !ordered {
         return Err(DecodeError::Field("times"));
     }

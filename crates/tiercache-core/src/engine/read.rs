@@ -71,7 +71,9 @@ impl TieredCache {
                 }
             }
             Freshness::Stale => Lookup::Stale { entry },
-            Freshness::StaleIfError => Lookup::Miss {
+            // Inside stale-if-error it may stand in for a failing origin;
+            // expired, it only lends its validators to the origin call.
+            Freshness::StaleIfError | Freshness::Expired => Lookup::Miss {
                 fallback: Some(entry),
             },
             Freshness::Dead => Lookup::Miss { fallback: None },

@@ -45,6 +45,7 @@ pub struct Fill {
     initial_age: Duration,
     tags: Vec<Bytes>,
     under: Vec<CacheKey>,
+    validator: bool,
 }
 
 impl Fill {
@@ -61,6 +62,7 @@ impl Fill {
             initial_age: Duration::ZERO,
             tags: Vec::new(),
             under: Vec::new(),
+            validator: false,
         }
     }
 
@@ -85,6 +87,15 @@ impl Fill {
     ) -> Self {
         self.stale_while_revalidate = while_revalidate;
         self.stale_if_error = if_error;
+        self
+    }
+
+    /// The value carries a validator (an HTTP `ETag` or `Last-Modified`):
+    /// once every window has passed it is kept for the policy's
+    /// [`revalidation window`](crate::Policy::revalidation_window), never
+    /// answered, so the origin can be asked with it (a 304 renews it).
+    pub fn validator(mut self, on: bool) -> Self {
+        self.validator = on;
         self
     }
 
@@ -257,15 +268,21 @@ impl TieredCache {
                 fill.stale_if_error.unwrap_or(route_sie).min(crate::MAX_TTL),
             )
         };
+        let keep = if fill.validator {
+            policy.revalidation_window()
+        } else {
+            Duration::ZERO
+        };
         let fresh_until = later(now, fresh);
+        let hard = swr.max(sie).max(keep);
         let times = Times {
             created_at: now.checked_sub(fill.initial_age).unwrap_or(now),
             fresh_until,
             stale_until: later(fresh_until, swr),
             error_until: later(fresh_until, sie),
-            hard_until: later(fresh_until, swr.max(sie)),
+            hard_until: later(fresh_until, hard),
         };
-        (times, fresh + swr.max(sie))
+        (times, fresh + hard)
     }
 
     /// Puts `entry` in L1 and (queued) in L2 under `key`, records it under

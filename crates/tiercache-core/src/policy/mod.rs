@@ -67,6 +67,7 @@ pub struct Policy {
     origin_soft_timeout: Option<Duration>,
     override_origin: bool,
     tags: Vec<bytes::Bytes>,
+    revalidation_window: Duration,
 }
 
 impl Policy {
@@ -82,6 +83,9 @@ impl Policy {
     pub const DEFAULT_XFETCH_BETA: f64 = 1.0;
     /// The largest XFetch β.
     pub const MAX_XFETCH_BETA: f64 = 10.0;
+    /// Default time an expired entry with a validator is kept for
+    /// revalidation: one minute.
+    pub const DEFAULT_REVALIDATION_WINDOW: Duration = Duration::from_secs(60);
 
     /// Starts a policy with fresh lifetime `ttl` (must be > 0) and the
     /// default jitter; finish it with [`PolicyBuilder::build`].
@@ -98,6 +102,7 @@ impl Policy {
             origin_soft_timeout: None,
             override_origin: false,
             tags: Vec::new(),
+            revalidation_window: Self::DEFAULT_REVALIDATION_WINDOW,
         })
     }
 
@@ -134,6 +139,11 @@ impl Policy {
     /// The origin soft timeout, if any.
     pub fn soft_timeout(&self) -> Option<Duration> {
         self.origin_soft_timeout
+    }
+
+    /// How long an expired entry with a validator is kept for revalidation.
+    pub fn revalidation_window(&self) -> Duration {
+        self.revalidation_window
     }
 
     /// Whether the route's ttl overrides an origin-declared lifetime.
@@ -252,6 +262,7 @@ impl Policy {
         for (field, window) in [
             ("stale_while_revalidate", self.stale_while_revalidate),
             ("stale_if_error", self.stale_if_error),
+            ("keep_for_revalidation", self.revalidation_window),
         ] {
             if window > MAX_TTL {
                 return Err(PolicyError::new(
@@ -388,6 +399,16 @@ impl PolicyBuilder {
     /// queueing behind one another (Varnish's hit-for-miss).
     pub fn hit_for_miss_ttl(mut self, ttl: Duration) -> Self {
         self.0.hit_for_miss_ttl = ttl;
+        self
+    }
+
+    /// How long an entry with a validator (`ETag`, `Last-Modified`) is kept
+    /// once every window has passed (default 60 s; 0 drops it at once):
+    /// never answered, but the next request asks the origin with its
+    /// validators, and a 304 renews it without a body. It counts in L1's
+    /// budget and in L2's `PX` like any entry.
+    pub fn keep_for_revalidation(mut self, window: Duration) -> Self {
+        self.0.revalidation_window = window;
         self
     }
 
