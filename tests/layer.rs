@@ -630,3 +630,45 @@ async fn validators_are_answered_on_passed_responses() {
     let (status, _, body) = send(&app, req).await;
     assert_eq!((status, body.as_str()), (StatusCode::OK, "body 2"));
 }
+
+/// One byte range is answered from the stored full response: the origin is
+/// asked for the whole (never the range), then 206s are cut from the entry;
+/// an unsatisfiable range is a 416; several ranges bypass.
+#[tokio::test]
+async fn single_ranges_are_cut_from_the_stored_response() {
+    let layer = cache();
+    let origin = Origin::default();
+    let app = app(&layer, origin.clone(), |_| {
+        Response::builder()
+            .header("etag", "\"e\"")
+            .body(Body::from("0123456789"))
+            .unwrap()
+    });
+    let ranged = |range: &str, if_range: Option<&str>| {
+        let mut b = Request::get("/r")
+            .header("host", "shop.test")
+            .header("range", range);
+        if let Some(c) = if_range {
+            b = b.header("if-range", c);
+        }
+        b.body(Body::empty()).unwrap()
+    };
+    let (status, headers, body) = send(&app, ranged("bytes=0-3", None)).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::PARTIAL_CONTENT, "0123")
+    );
+    assert_eq!(h(&headers, "content-range"), "bytes 0-3/10");
+    assert_eq!(h(&headers, "x-cache"), "MISS");
+    let (status, headers, body) = send(&app, ranged("bytes=-2", Some("\"e\""))).await;
+    assert_eq!((status, body.as_str()), (StatusCode::PARTIAL_CONTENT, "89"));
+    assert_eq!(h(&headers, "x-cache"), "HIT");
+    let (status, _, body) = send(&app, ranged("bytes=0-1", Some("\"other\""))).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "0123456789"));
+    let (status, headers, _) = send(&app, ranged("bytes=20-", None)).await;
+    assert_eq!(status, StatusCode::RANGE_NOT_SATISFIABLE);
+    assert_eq!(h(&headers, "content-range"), "bytes */10");
+    assert_eq!(origin.calls.get(), 1, "the origin sent the whole once");
+    let (_, headers, _) = send(&app, ranged("bytes=0-1, 3-4", None)).await;
+    assert_eq!(h(&headers, "x-cache"), "BYPASS");
+}

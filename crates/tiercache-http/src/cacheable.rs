@@ -146,6 +146,7 @@ pub(crate) struct Scan {
     pub(crate) authorization: bool,
     pub(crate) conditional: bool,
     pub(crate) unkeyed: bool,
+    pub(crate) range: bool,
 }
 
 impl Scan {
@@ -154,11 +155,9 @@ impl Scan {
         for name in headers.keys() {
             if name == CONTENT_LENGTH || name == TRANSFER_ENCODING {
                 scan.framing = true;
-            } else if name == RANGE
-                || name == IF_RANGE
-                || name == IF_MATCH
-                || name == IF_UNMODIFIED_SINCE
-            {
+            } else if name == RANGE || name == IF_RANGE {
+                scan.range = true;
+            } else if name == IF_MATCH || name == IF_UNMODIFIED_SINCE {
                 scan.precondition = true;
             } else if name == CACHE_CONTROL || name == PRAGMA {
                 scan.cache_control = true;
@@ -388,8 +387,11 @@ mod tests {
             (vec![("cache-control", "no-store")], Reason::RequestNoStore),
             (vec![("content-length", "3")], Reason::RequestBody),
             (vec![("transfer-encoding", "chunked")], Reason::RequestBody),
-            (vec![("range", "bytes=0-1")], Reason::Precondition),
             (vec![("if-match", "\"a\"")], Reason::Precondition),
+            (
+                vec![("if-unmodified-since", "Sun, 06 Nov 1994 08:49:37 GMT")],
+                Reason::Precondition,
+            ),
             (vec![("host", "a"), ("host", "b")], Reason::Host),
         ];
         for (headers, reason) in refused {

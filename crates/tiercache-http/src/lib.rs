@@ -48,6 +48,7 @@ pub mod key;
 mod layer;
 pub mod metrics;
 mod origin;
+pub mod range;
 pub mod request;
 mod respond;
 mod route;

@@ -94,6 +94,8 @@ pub(crate) struct Prepared {
     pub(crate) credentialed: bool,
     /// The client asked for a fresh copy and the layer honours that.
     pub(crate) reload: bool,
+    /// One byte range, cut from the stored full response.
+    pub(crate) range: Option<crate::range::RangeAsk>,
 }
 
 /// Checks `parts` and rewrites its head for the origin; the error is why the
@@ -166,12 +168,20 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
         Conditional::default()
     };
     let reload = config.honor_client_no_cache && scan.cache_control && asks_reload(headers);
+    // Range is defined for GET only: a HEAD's is ignored.
+    let range = if scan.range {
+        let taken = crate::range::RangeAsk::take(headers).map_err(|()| Reason::Precondition)?;
+        taken.filter(|_| parts.method == Method::GET)
+    } else {
+        None
+    };
     Ok(Prepared {
         key: key.finish(),
         head: parts.method == Method::HEAD,
         conditional,
         credentialed,
         reload,
+        range,
     })
 }
 

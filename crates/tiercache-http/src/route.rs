@@ -34,6 +34,8 @@ pub(crate) struct Ask {
     pub(crate) head: bool,
     pub(crate) conditional: Conditional,
     pub(crate) credentialed: bool,
+    /// One byte range to cut from the answer (GET only).
+    pub(crate) range: Option<crate::range::RangeAsk>,
 }
 
 impl Route {
@@ -65,7 +67,11 @@ impl Route {
             .then(|| (outcome, self.engine.hit_ratio()));
         let view = headers::view(entry, &self.config.targets);
         let not_modified = view.not_modified(&ask.conditional);
-        headers::from_entry(entry, &view, now, ask.head, not_modified, label)
+        let res = headers::from_entry(entry, &view, now, ask.head, not_modified, label);
+        match &ask.range {
+            Some(range) if !not_modified => range.answer(res, &entry.value().body),
+            _ => res,
+        }
     }
 
     /// Whether `entry` may answer a request with these headers: its `Vary`

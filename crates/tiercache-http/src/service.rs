@@ -120,6 +120,7 @@ where
             head: prepared.head,
             conditional: prepared.conditional,
             credentialed: prepared.credentialed,
+            range: prepared.range,
         };
         let view = RequestView {
             route: &route,

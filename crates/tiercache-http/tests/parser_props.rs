@@ -14,6 +14,7 @@ use proptest::prelude::*;
 use tiercache_http::cache_control::{directive_value, directives, has_directive, targeted};
 use tiercache_http::freshness::{OriginFreshness, format_http_date, parse_http_date};
 use tiercache_http::key::{normalized_accept_encoding, request_key};
+use tiercache_http::range::{ByteRange, parse_range};
 
 fn token() -> impl Strategy<Value = String> {
     proptest::string::string_regex("[a-z][a-z0-9-]{0,10}").unwrap()
@@ -127,6 +128,27 @@ proptest! {
             request_key(&req.into_parts().0)
         };
         prop_assert_eq!(a == b, key(&a) == key(&b));
+    }
+}
+
+proptest! {
+    #[test]
+    fn ranges_parse_exactly_the_grammar(a in 0u64..1_000_000, b in 0u64..1_000_000, junk in "[ -~]{0,16}") {
+        prop_assert_eq!(parse_range(&format!("bytes={a}-{b}")), (a <= b).then_some(ByteRange::FromTo(a, b)));
+        prop_assert_eq!(parse_range(&format!("bytes={a}-")), Some(ByteRange::From(a)));
+        prop_assert_eq!(parse_range(&format!("bytes=-{b}")), (b > 0).then_some(ByteRange::Last(b)));
+        // Several ranges, other units, signs and junk are never one range.
+        prop_assert_eq!(parse_range(&format!("bytes={a}-{b},{a}-")), None);
+        prop_assert_eq!(parse_range(&format!("items={a}-{b}")), None);
+        prop_assert_eq!(parse_range(&format!("bytes=+{a}-{b}")), None);
+        if let Some(r) = parse_range(&junk) {
+            let text = match r {
+                ByteRange::FromTo(x, y) => format!("{x}-{y}"),
+                ByteRange::From(x) => format!("{x}-"),
+                ByteRange::Last(n) => format!("-{n}"),
+            };
+            prop_assert!(junk.trim().starts_with("bytes="), "{junk} -> {text}");
+        }
     }
 }
 

@@ -1,0 +1,204 @@
+//! Single byte ranges (RFC 9110 §14), answered from a stored full response.
+//!
+//! A GET with one `Range: bytes=…` is cached like any GET: the origin is
+//! asked for the whole representation (within `max_body`), which is stored,
+//! and the range is cut from it: `206` with `Content-Range`, or `416` when
+//! it cannot be satisfied. `If-Range` is honoured (a strong `ETag` match, or
+//! an exact `Last-Modified`; otherwise the whole `200`). Several ranges in
+//! one request bypass the cache.
+
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use http::header::{CONTENT_LENGTH, CONTENT_RANGE, ETAG, IF_RANGE, LAST_MODIFIED, RANGE};
+use http::{HeaderMap, HeaderValue, Response, StatusCode};
+
+use crate::body::CacheBody;
+use crate::freshness::parse_http_date;
+
+/// One byte range asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ByteRange {
+    /// `first-last` (`last` may be past the end).
+    FromTo(u64, u64),
+    /// `first-`: from `first` to the end.
+    From(u64),
+    /// `-n`: the last `n` bytes.
+    Last(u64),
+}
+
+/// What a request's `Range` asks of the cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RangeAsk {
+    range: ByteRange,
+    /// The `If-Range` validator, if any.
+    if_range: Option<Vec<u8>>,
+}
+
+/// Parses a `Range` field value: `Some` for exactly one valid byte range,
+/// `None` for anything else (several ranges, another unit, a malformed one).
+///
+/// ```
+/// use tiercache_http::range::{ByteRange, parse_range};
+///
+/// assert_eq!(parse_range("bytes=0-99"), Some(ByteRange::FromTo(0, 99)));
+/// assert_eq!(parse_range("bytes=100-"), Some(ByteRange::From(100)));
+/// assert_eq!(parse_range("bytes=-5"), Some(ByteRange::Last(5)));
+/// assert_eq!(parse_range("bytes=0-1,5-6"), None);
+/// assert_eq!(parse_range("bytes=9-3"), None);
+/// assert_eq!(parse_range("items=0-1"), None);
+/// ```
+pub fn parse_range(value: &str) -> Option<ByteRange> {
+    let spec = value.trim().strip_prefix("bytes=")?.trim();
+    if spec.contains(',') {
+        return None;
+    }
+    let (first, last) = spec.split_once('-')?;
+    let number = |s: &str| {
+        let s = s.trim();
+        (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| s.parse::<u64>().ok())
+            .flatten()
+    };
+    match (first.trim().is_empty(), last.trim().is_empty()) {
+        (true, false) => number(last).filter(|n| *n > 0).map(ByteRange::Last),
+        (false, true) => number(first).map(ByteRange::From),
+        (false, false) => {
+            let (a, b) = (number(first)?, number(last)?);
+            (a <= b).then_some(ByteRange::FromTo(a, b))
+        }
+        (true, true) => None,
+    }
+}
+
+impl RangeAsk {
+    /// Takes `Range` and `If-Range` off a request (the origin is asked for
+    /// the whole representation). `Err(())` for a `Range` the cache does not
+    /// answer (several ranges, another unit): the request bypasses.
+    pub(crate) fn take(headers: &mut HeaderMap) -> Result<Option<Self>, ()> {
+        let Some(value) = headers.get(RANGE) else {
+            headers.remove(IF_RANGE);
+            return Ok(None);
+        };
+        let range = value.to_str().ok().and_then(parse_range).ok_or(())?;
+        let if_range = headers.get(IF_RANGE).map(|v| v.as_bytes().to_vec());
+        headers.remove(RANGE);
+        headers.remove(IF_RANGE);
+        Ok(Some(Self { range, if_range }))
+    }
+
+    /// Whether `If-Range` lets the range apply to a response with these
+    /// validators (a strong `ETag` equal, or `Last-Modified` the same date).
+    fn applies(&self, etag: Option<&HeaderValue>, last_modified: Option<&HeaderValue>) -> bool {
+        let Some(cond) = &self.if_range else {
+            return true;
+        };
+        let cond = cond.trim_ascii();
+        if cond.starts_with(b"\"") || cond.starts_with(b"W/") {
+            return !cond.starts_with(b"W/")
+                && etag.is_some_and(|e| !e.as_bytes().starts_with(b"W/") && e.as_bytes() == cond);
+        }
+        let date = std::str::from_utf8(cond).ok().and_then(parse_http_date);
+        let modified: Option<SystemTime> = last_modified
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_http_date);
+        date.is_some() && date == modified
+    }
+
+    /// Cuts the range from a full `200` answer whose body is `body`: a `206`,
+    /// a `416`, or the `200` unchanged (`If-Range` did not match).
+    pub(crate) fn answer<B>(
+        &self,
+        res: Response<CacheBody<B>>,
+        body: &Bytes,
+    ) -> Response<CacheBody<B>> {
+        if res.status() != StatusCode::OK
+            || !self.applies(res.headers().get(ETAG), res.headers().get(LAST_MODIFIED))
+        {
+            return res;
+        }
+        let len = body.len() as u64;
+        let span = match self.range {
+            ByteRange::FromTo(a, b) if a < len => Some((a, b.min(len - 1))),
+            ByteRange::From(a) if a < len => Some((a, len - 1)),
+            ByteRange::Last(n) if len > 0 => Some((len - n.min(len), len - 1)),
+            _ => None,
+        };
+        let (mut parts, _) = res.into_parts();
+        let (status, content_range, piece) = match span {
+            Some((a, b)) => (
+                StatusCode::PARTIAL_CONTENT,
+                format!("bytes {a}-{b}/{len}"),
+                body.slice(a as usize..=b as usize),
+            ),
+            None => (
+                StatusCode::RANGE_NOT_SATISFIABLE,
+                format!("bytes */{len}"),
+                Bytes::new(),
+            ),
+        };
+        parts.status = status;
+        if let Ok(v) = HeaderValue::try_from(content_range) {
+            parts.headers.insert(CONTENT_RANGE, v);
+        }
+        parts
+            .headers
+            .insert(CONTENT_LENGTH, HeaderValue::from(piece.len()));
+        Response::from_parts(parts, CacheBody::full(piece))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn full(etag: &str) -> Response<CacheBody<()>> {
+        let mut res = Response::new(CacheBody::full(Bytes::from_static(b"0123456789")));
+        res.headers_mut()
+            .insert(ETAG, HeaderValue::from_str(etag).unwrap());
+        res
+    }
+
+    fn ask(range: &str, if_range: Option<&str>) -> RangeAsk {
+        let mut h = HeaderMap::new();
+        h.insert(RANGE, HeaderValue::from_str(range).unwrap());
+        if let Some(c) = if_range {
+            h.insert(IF_RANGE, HeaderValue::from_str(c).unwrap());
+        }
+        RangeAsk::take(&mut h).unwrap().unwrap()
+    }
+
+    #[test]
+    fn ranges_are_cut_and_refused() {
+        let body = Bytes::from_static(b"0123456789");
+        let res = ask("bytes=2-4", None).answer(full("\"a\""), &body);
+        assert_eq!(res.status(), StatusCode::PARTIAL_CONTENT);
+        assert_eq!(res.headers()[CONTENT_RANGE], "bytes 2-4/10");
+        assert_eq!(res.headers()[CONTENT_LENGTH], "3");
+        let res = ask("bytes=-3", None).answer(full("\"a\""), &body);
+        assert_eq!(res.headers()[CONTENT_RANGE], "bytes 7-9/10");
+        let res = ask("bytes=5-100", None).answer(full("\"a\""), &body);
+        assert_eq!(res.headers()[CONTENT_RANGE], "bytes 5-9/10");
+        let res = ask("bytes=10-", None).answer(full("\"a\""), &body);
+        assert_eq!(res.status(), StatusCode::RANGE_NOT_SATISFIABLE);
+        assert_eq!(res.headers()[CONTENT_RANGE], "bytes */10");
+    }
+
+    #[test]
+    fn if_range_needs_a_strong_match() {
+        let body = Bytes::from_static(b"0123456789");
+        let partial = ask("bytes=0-1", Some("\"a\"")).answer(full("\"a\""), &body);
+        assert_eq!(partial.status(), StatusCode::PARTIAL_CONTENT);
+        let whole = ask("bytes=0-1", Some("\"b\"")).answer(full("\"a\""), &body);
+        assert_eq!(whole.status(), StatusCode::OK);
+        let weak = ask("bytes=0-1", Some("W/\"a\"")).answer(full("W/\"a\""), &body);
+        assert_eq!(weak.status(), StatusCode::OK);
+    }
+
+    #[test]
+    fn several_ranges_bypass() {
+        let mut h = HeaderMap::new();
+        h.insert(RANGE, HeaderValue::from_static("bytes=0-1, 4-5"));
+        assert!(RangeAsk::take(&mut h).is_err());
+    }
+}
