@@ -83,6 +83,7 @@ pub(crate) async fn reflect(
         ("lm", "last-modified"),
         ("age", "age"),
         ("location", "location"),
+        ("pai", "proxy-authentication-info"),
     ] {
         if let Some(v) = q.get(param) {
             set(name, v);

@@ -8,9 +8,10 @@
 //! asserts on what the victim's response says and on the origin's counter.
 
 //! One test binary, a module per concern: `harness` (the origin and the
-//! apps under test), `storage`, `invalidation`, `poisoning`, `abuse`.
+//! apps under test), `storage`, `conformance`, `invalidation`, `poisoning`, `abuse`.
 
 mod abuse;
+mod conformance;
 mod harness;
 mod invalidation;
 mod poisoning;
