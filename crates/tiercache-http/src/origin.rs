@@ -449,19 +449,16 @@ pub const SURROGATE_KEY: HeaderName = HeaderName::from_static("surrogate-key");
 /// Most tags one response is recorded under (each costs a write to L2).
 const MAX_TAGS: usize = 32;
 
+/// The body as one owned, exact-size allocation. Never a slice of what the
+/// connection read: a body that arrived in one piece is a slice of hyper's
+/// per-connection read buffer, and storing it would keep that whole buffer
+/// alive as long as the entry (measured: ~10.7 KiB held per 1 KiB entry).
 fn concat(frames: VecDeque<Frame<Bytes>>, total: usize) -> Bytes {
-    let mut data = frames.into_iter().filter_map(|f| f.into_data().ok());
-    match (data.next(), data.next()) {
-        (None, _) => Bytes::new(),
-        (Some(only), None) => only,
-        (Some(first), Some(second)) => {
-            let mut buf = BytesMut::with_capacity(total);
-            buf.extend_from_slice(&first);
-            buf.extend_from_slice(&second);
-            data.for_each(|d| buf.extend_from_slice(&d));
-            buf.freeze()
-        }
+    let mut buf = BytesMut::with_capacity(total);
+    for data in frames.into_iter().filter_map(|f| f.into_data().ok()) {
+        buf.extend_from_slice(&data);
     }
+    buf.freeze()
 }
 
 /// A HEAD is loaded as a GET so the entry it fills has the body.

@@ -44,6 +44,20 @@ pub(crate) struct Release {
 pub(crate) async fn release_once(inner: &Inner, release: &Release) -> bool {
     let client = &inner.client;
     let bound = inner.command_timeout;
+    // A shared answer is left first, for a moment, where a waiter that
+    // finds the lock gone (it subscribed too late) reads it: so no waiter
+    // can see the lock gone and the answer not there yet.
+    if release.message.len() > 1 {
+        let px = Expiration::PX(SHARED_ANSWER_TTL.as_millis() as i64);
+        let set = client.set::<(), _, _>(
+            release.shared.clone(),
+            release.message.clone(),
+            Some(px),
+            None,
+            false,
+        );
+        let _ = tokio::time::timeout(bound, set).await;
+    }
     let unlock = tokio::time::timeout(
         bound,
         client.eval::<i64, _, _, _>(
@@ -56,19 +70,6 @@ pub(crate) async fn release_once(inner: &Inner, release: &Release) -> bool {
         Ok(Ok(n)) => Some(n > 0),
         _ => None,
     };
-    // A shared answer is also left for a moment where a waiter that
-    // subscribed too late (and so found the lock gone) reads it.
-    if release.message.len() > 1 {
-        let px = Expiration::PX(SHARED_ANSWER_TTL.as_millis() as i64);
-        let set = client.set::<(), _, _>(
-            release.shared.clone(),
-            release.message.clone(),
-            Some(px),
-            None,
-            false,
-        );
-        let _ = tokio::time::timeout(bound, set).await;
-    }
     if release.announce || deleted == Some(true) {
         let publish =
             client.spublish::<i64, _, _>(release.channel.clone(), release.message.clone());

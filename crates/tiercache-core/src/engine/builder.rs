@@ -106,6 +106,7 @@ impl TieredCacheBuilder {
             None => SmallRng::from_os_rng(),
         };
         let tags_incomplete = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let tag_keys = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let inner = Arc::new(Inner {
             l1: L1::new(self.l1_capacity, self.clock.clone(), counters.clone()),
             l2: self.l2,
@@ -121,14 +122,18 @@ impl TieredCacheBuilder {
                 .max_capacity(100_000)
                 .eviction_listener({
                     let incomplete = tags_incomplete.clone();
-                    move |_, _, cause| {
+                    let tag_keys = tag_keys.clone();
+                    move |_, index: Arc<Mutex<super::TagKeys>>, cause| {
                         if cause == moka::notification::RemovalCause::Size {
                             incomplete.store(true, std::sync::atomic::Ordering::Relaxed);
+                            let n = index.lock().unwrap_or_else(|e| e.into_inner()).len();
+                            tag_keys.fetch_sub(n, std::sync::atomic::Ordering::Relaxed);
                         }
                     }
                 })
                 .build(),
             tags_incomplete,
+            tag_keys,
             journal: Journal::default(),
             outbox: Arc::default(),
         });

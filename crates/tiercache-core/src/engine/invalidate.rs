@@ -157,6 +157,7 @@ impl InvalidationSink for Inner {
         self.journal.record(Scope::All, || {
             self.l1.clear();
             self.tags.invalidate_all();
+            self.tag_keys.store(0, Relaxed);
         });
     }
 }
@@ -171,13 +172,16 @@ impl Inner {
         let (keys, overflowed) = match &index {
             Some(index) => {
                 let mut index = index.lock().unwrap_or_else(|e| e.into_inner());
-                (index.keys.drain().collect(), index.overflowed)
+                let keys: Vec<KeyHash> = index.keys.drain().collect();
+                self.tag_keys.fetch_sub(keys.len(), Relaxed);
+                (keys, index.overflowed)
             }
             None => (Vec::new(), false),
         };
         if incomplete || overflowed {
             self.l1.clear();
             self.tags.invalidate_all();
+            self.tag_keys.store(0, Relaxed);
         } else {
             self.drop_hashes(&keys);
         }

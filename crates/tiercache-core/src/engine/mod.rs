@@ -74,6 +74,8 @@ pub(crate) struct Inner {
     /// The tag index lost a tag to its bound: the next tag invalidation
     /// cannot know every live key under it, and drops all of L1 instead.
     tags_incomplete: Arc<std::sync::atomic::AtomicBool>,
+    /// Keys recorded across all tags (bounded by `MAX_TAG_KEYS`).
+    tag_keys: Arc<std::sync::atomic::AtomicUsize>,
     /// Recent invalidations, so a fill they overtook is not stored.
     journal: Journal,
     /// Invalidations on their way to the shared tier, and their tombstones.
@@ -89,12 +91,23 @@ pub(crate) struct TagKeys {
 }
 
 impl TagKeys {
-    fn record(&mut self, key: KeyHash, cap: usize) {
-        if self.keys.len() < cap || self.keys.contains(&key) {
-            self.keys.insert(key);
+    /// Records `key` unless the tag holds `cap` keys or `room` is false (the
+    /// index as a whole is full); then the tag is marked overflowed. Whether
+    /// a new key was recorded.
+    fn record(&mut self, key: KeyHash, cap: usize, room: bool) -> bool {
+        if self.keys.contains(&key) {
+            return false;
+        }
+        if self.keys.len() < cap && room {
+            self.keys.insert(key)
         } else {
             self.overflowed = true;
+            false
         }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.keys.len()
     }
 }
 

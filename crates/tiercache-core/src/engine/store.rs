@@ -2,6 +2,7 @@
 //! and (queued) in L2, recorded under its tags; unless an invalidation
 //! overtook it.
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -295,10 +296,15 @@ impl TieredCache {
         }
         for tag in tags {
             let index = self.inner.tags.get_with(tag.clone(), Default::default);
-            index
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .record(key.hash(), Self::MAX_KEYS_PER_TAG);
+            let room = self.inner.tag_keys.load(Relaxed) < Self::MAX_TAG_KEYS;
+            let added = index.lock().unwrap_or_else(|e| e.into_inner()).record(
+                key.hash(),
+                Self::MAX_KEYS_PER_TAG,
+                room,
+            );
+            if added {
+                self.inner.tag_keys.fetch_add(1, Relaxed);
+            }
         }
         self.inner.l1.insert(key.hash(), entry);
     }
@@ -306,4 +312,7 @@ impl TieredCache {
     /// Keys remembered per tag in this process (the shared tier keeps its
     /// own index); past it the tag is marked overflowed (see `TagKeys`).
     const MAX_KEYS_PER_TAG: usize = if cfg!(test) { 64 } else { 100_000 };
+    /// Keys remembered across all tags: the index's own bound (~64 B a key,
+    /// so ~64 MiB at most); past it new keys mark their tag overflowed.
+    const MAX_TAG_KEYS: usize = 1_000_000;
 }

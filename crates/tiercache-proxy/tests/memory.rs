@@ -1,0 +1,130 @@
+//! The L1 budget is a promise: a `tiercache-proxy` process flooded with
+//! unique URLs grows its resident memory by no more than 1.15× its
+//! `--l1-capacity` (issue 17). Real process, real sockets, bounded in time.
+
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::Path;
+use axum::http::{Request, StatusCode};
+use axum::routing::get;
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tiercache_testkit::Server;
+use tiercache_testkit::valkey::free_port;
+
+const BUDGET_MIB: u64 = 16;
+
+/// The process's resident set, in bytes (`VmRSS` in `/proc/PID/status`).
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("VmRSS")
+        * 1024
+}
+
+struct Proxy {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn start_proxy(upstream: &Server) -> Proxy {
+    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let child = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"))
+        .args(["--upstream", &upstream.url()])
+        .args(["--listen", &addr.to_string()])
+        .args(["--ttl", "10m"])
+        .args(["--l1-capacity", &format!("{BUDGET_MIB}MiB")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start tiercache-proxy");
+    let proxy = Proxy { child, addr };
+    for _ in 0..1000 {
+        if TcpStream::connect(addr).is_ok() {
+            return proxy;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("tiercache-proxy did not listen");
+}
+
+/// Sends GETs for `/b/{from..to}` over `clients` connections.
+async fn flood(addr: SocketAddr, from: usize, to: usize, clients: usize) {
+    let next = Arc::new(AtomicUsize::new(from));
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            let next = next.clone();
+            tokio::spawn(async move {
+                let client = Client::builder(TokioExecutor::new()).build_http::<Body>();
+                loop {
+                    let i = next.fetch_add(1, SeqCst);
+                    if i >= to {
+                        return;
+                    }
+                    let req = Request::get(format!("http://{addr}/b/{i}"))
+                        .body(Body::empty())
+                        .unwrap();
+                    let res = client.request(req).await.expect("the proxy answers");
+                    assert_eq!(res.status(), StatusCode::OK);
+                    res.into_body().collect().await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_unique_urls_keeps_the_proxy_within_its_budget() {
+    for body_bytes in [60usize, 1024, 64 * 1024] {
+        let body = Arc::new(vec![b'x'; body_bytes]);
+        let upstream = Server::start(Router::new().route(
+            "/b/{i}",
+            get(move |Path(_): Path<u64>| {
+                let body = body.clone();
+                async move { (*body).clone() }
+            }),
+        ))
+        .await;
+        let proxy = start_proxy(&upstream).await;
+        let pid = proxy.child.id();
+        // Warm up the runtime, the connections and the allocator's arenas,
+        // with far less than the budget.
+        flood(proxy.addr, 0, 100, 16).await;
+        let before = rss(pid);
+        // Three times the budget's worth of unique entries (an entry weighs
+        // its body and ~4 KiB of head and bookkeeping).
+        let urls = (3 * BUDGET_MIB as usize * 1024 * 1024) / (body_bytes + 4096);
+        flood(proxy.addr, 100, 100 + urls, 16).await;
+        let grown = rss(pid).saturating_sub(before);
+        let budget = BUDGET_MIB * 1024 * 1024;
+        let ratio = grown as f64 / budget as f64;
+        eprintln!(
+            "{body_bytes} B bodies, {urls} URLs: RSS grew {:.1} MiB for a {BUDGET_MIB} MiB budget ({ratio:.2}x)",
+            grown as f64 / 1048576.0
+        );
+        assert!(
+            ratio <= 1.15,
+            "{body_bytes} B bodies: RSS grew {ratio:.2}x the L1 budget"
+        );
+    }
+}
