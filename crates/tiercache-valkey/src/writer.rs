@@ -34,85 +34,107 @@ pub(crate) enum Command {
     Unlock(Release),
 }
 
-/// Drains the write queue in order; ends when the tier is dropped.
+/// Most fills sent in one pipeline.
+const BATCH: usize = 64;
+
+/// Drains the write queue in order; ends when the tier is dropped. Fills
+/// waiting back to back go out as one pipeline (one round trip for up to
+/// [`BATCH`] of them, their tag updates included); a release or a flush
+/// waits for the fills queued before it.
 pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<Write>) {
-    while let Some(write) = rx.recv().await {
+    let mut next = None;
+    loop {
+        let write = match next.take() {
+            Some(write) => write,
+            None => match rx.recv().await {
+                Some(write) => write,
+                None => return,
+            },
+        };
         let Some(inner) = tier.upgrade() else {
             return;
         };
-        let command = match write {
+        let set = match write {
             Write::Flush(done) => {
                 let _ = done.send(());
                 continue;
             }
-            Write::Command(command) => command,
-        };
-        let command = match command {
             // Never skipped by the breaker: small, idempotent, and a lock
             // left behind stalls every instance that waits on it.
-            Command::Unlock(release) => {
+            Write::Command(Command::Unlock(release)) => {
                 crate::lock::release(&inner, release).await;
                 continue;
             }
-            set => set,
+            Write::Command(set) => set,
         };
+        let mut batch = vec![set];
+        while batch.len() < BATCH {
+            match rx.try_recv() {
+                Ok(Write::Command(set @ Command::Set { .. })) => batch.push(set),
+                Ok(other) => {
+                    next = Some(other);
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
         if !inner.breaker.allow() {
-            inner.skipped.fetch_add(1, Relaxed);
+            inner.skipped.fetch_add(batch.len() as u64, Relaxed);
             continue;
         }
-        let done = tokio::time::timeout(inner.command_timeout, apply(&inner, command)).await;
-        match done {
+        let n = batch.len() as u64;
+        let bound = inner.command_timeout * 2;
+        match tokio::time::timeout(bound, apply_batch(&inner, batch)).await {
             Ok(Ok(())) => inner.breaker.success(),
             _ => {
-                inner.write_errors.fetch_add(1, Relaxed);
+                inner.write_errors.fetch_add(n, Relaxed);
                 inner.breaker.failure();
             }
         }
     }
 }
 
-async fn apply(inner: &Inner, command: Command) -> Result<(), fred::error::Error> {
-    let client = &inner.client;
-    match command {
-        Command::Set {
+/// Sends fills in one pipeline: each `SET … PX`, then its tag sets.
+async fn apply_batch(inner: &Inner, batch: Vec<Command>) -> Result<(), fred::error::Error> {
+    let pipe = inner.client.pipeline();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis() as i64;
+    for command in batch {
+        let Command::Set {
             key,
             value,
             px,
             tags,
             member,
-        } => {
-            client
-                .set::<(), _, _>(key, value, Some(Expiration::PX(px)), None, false)
+        } = command
+        else {
+            continue;
+        };
+        let _: () = pipe
+            .set(key, value, Some(Expiration::PX(px)), None, false)
+            .await?;
+        // Each tag's sorted set: the member scored by its expiry, expired
+        // members trimmed, the set living as long as its longest member.
+        for set in tags {
+            let _: () = pipe
+                .zadd(
+                    &set,
+                    None,
+                    None,
+                    false,
+                    false,
+                    ((now + px) as f64, member.as_str()),
+                )
                 .await?;
-            // Each tag's sorted set: the member scored by its expiry, expired
-            // members trimmed, the set living as long as its longest member.
-            let expires = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_millis() as i64;
-            for set in tags {
-                client
-                    .zadd::<i64, _, _>(
-                        &set,
-                        None,
-                        None,
-                        false,
-                        false,
-                        ((expires + px) as f64, member.as_str()),
-                    )
-                    .await?;
-                client
-                    .zremrangebyscore::<i64, _, _, _>(&set, f64::NEG_INFINITY, expires as f64)
-                    .await?;
-                client
-                    .pexpire::<i64, _>(&set, px, Some(ExpireOptions::NX))
-                    .await?;
-                client
-                    .pexpire::<i64, _>(&set, px, Some(ExpireOptions::GT))
-                    .await?;
-            }
-            Ok(())
+            let _: () = pipe
+                .zremrangebyscore(&set, f64::NEG_INFINITY, now as f64)
+                .await?;
+            let _: () = pipe.pexpire(&set, px, Some(ExpireOptions::NX)).await?;
+            let _: () = pipe.pexpire(&set, px, Some(ExpireOptions::GT)).await?;
         }
-        Command::Unlock(_) => Ok(()),
     }
+    let _: Vec<fred::prelude::Value> = pipe.all().await?;
+    Ok(())
 }
