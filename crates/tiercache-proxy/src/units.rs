@@ -1,33 +1,6 @@
 //! Durations (`250ms`, `10s`, `5m`, `1h`) and sizes (`512`, `64KiB`, `8MiB`, `1GiB`) on the command line.
 
-use std::time::Duration;
-
-/// Parses `<number><unit>` with unit `ms`, `s`, `m` or `h` (a fraction is allowed: `1.5s`).
-///
-/// ```
-/// use std::time::Duration;
-/// assert_eq!(tiercache_proxy::units::parse_duration("250ms"), Ok(Duration::from_millis(250)));
-/// assert_eq!(tiercache_proxy::units::parse_duration("5m"), Ok(Duration::from_secs(300)));
-/// assert!(tiercache_proxy::units::parse_duration("10").is_err());
-/// ```
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .ok_or_else(|| format!("`{text}` has no unit: write it as 250ms, 10s, 5m or 1h"))?;
-    let (number, unit) = text.split_at(split);
-    let number: f64 = number
-        .parse()
-        .map_err(|_| format!("`{text}` is not a duration: write it as 250ms, 10s, 5m or 1h"))?;
-    let seconds = match unit {
-        "ms" => number / 1000.0,
-        "s" => number,
-        "m" => number * 60.0,
-        "h" => number * 3600.0,
-        _ => return Err(format!("`{text}` has unit `{unit}`; use ms, s, m or h")),
-    };
-    Duration::try_from_secs_f64(seconds).map_err(|_| format!("`{text}` is out of range"))
-}
+pub use tiercache_core::parse_duration;
 
 /// Parses a byte count: a bare number, or with `KiB`, `MiB`, `GiB`.
 ///
@@ -60,6 +33,7 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn durations() {

@@ -479,5 +479,9 @@ impl fmt::Display for PolicyError {
 
 impl std::error::Error for PolicyError {}
 
+mod serde;
+
+pub use self::serde::parse_duration;
+
 #[cfg(test)]
 mod tests;
