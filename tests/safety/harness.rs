@@ -158,7 +158,10 @@ pub(crate) enum Via {
     /// In process, through the layer on an axum app.
     Layer { app: Router, engine: TieredCache },
     /// Over real sockets, through the proxy in front of the origin server.
-    Proxy { proxy: Proxy, _origin: Arc<Server> },
+    Proxy {
+        proxy: Box<Proxy>,
+        _origin: Arc<Server>,
+    },
 }
 
 /// What one harness is built with.
@@ -264,7 +267,7 @@ impl Harness {
         Self {
             name: "proxy",
             via: Via::Proxy {
-                proxy,
+                proxy: Box::new(proxy),
                 _origin: server,
             },
             origin,

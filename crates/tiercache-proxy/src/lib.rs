@@ -35,10 +35,13 @@
 //!
 //! This crate has no features.
 
+pub mod config_file;
 pub mod forward;
+pub mod routes;
 pub mod units;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -97,6 +100,19 @@ pub struct ProxyConfig {
     /// Longest wait on another request's origin load (here or on another
     /// instance), and the life of a fleet-wide fill lock whose owner died.
     pub lock_timeout: Duration,
+    /// How long a key whose response may not be shared skips the single flight.
+    pub hit_for_miss_ttl: Option<Duration>,
+    /// How long an expired entry with a validator is kept for revalidation.
+    pub keep_for_revalidation: Option<Duration>,
+    /// Use the ttl even when the origin declares a lifetime.
+    pub override_origin: bool,
+    /// Tags every response is recorded under.
+    pub tags: Vec<String>,
+    /// Most `Vary` variants kept per URL.
+    pub max_variants: Option<usize>,
+    /// Per-path rules, first match wins (the settings above are their
+    /// defaults, and apply where none matches).
+    pub routes: Vec<routes::Route>,
 }
 
 impl ProxyConfig {
@@ -124,6 +140,12 @@ impl ProxyConfig {
             max_error_ttl: ResponseCacheLayer::DEFAULT_MAX_ERROR_TTL,
             honor_client_no_cache: false,
             lock_timeout: Policy::DEFAULT_LOCK_TIMEOUT,
+            hit_for_miss_ttl: None,
+            keep_for_revalidation: None,
+            override_origin: false,
+            tags: Vec::new(),
+            max_variants: None,
+            routes: Vec::new(),
         }
     }
 
@@ -171,7 +193,45 @@ impl ProxyConfig {
         if let Some(t) = self.origin_soft_timeout {
             policy = policy.origin_soft_timeout(t);
         }
-        policy.build()
+        if let Some(t) = self.hit_for_miss_ttl {
+            policy = policy.hit_for_miss_ttl(t);
+        }
+        if let Some(w) = self.keep_for_revalidation {
+            policy = policy.keep_for_revalidation(w);
+        }
+        for tag in &self.tags {
+            policy = policy.tag(tag.clone());
+        }
+        policy.override_origin(self.override_origin).build()
+    }
+
+    /// These settings with `settings` laid over them (a route's).
+    pub fn with(&self, settings: &routes::Settings) -> ProxyConfig {
+        let mut c = self.clone();
+        let s = settings.clone();
+        if s.ttl.is_some() {
+            c.ttl = s.ttl;
+        }
+        c.jitter = s.jitter.unwrap_or(c.jitter);
+        c.stale_while_revalidate = s.stale_while_revalidate.unwrap_or(c.stale_while_revalidate);
+        c.stale_if_error = s.stale_if_error.unwrap_or(c.stale_if_error);
+        c.negative_ttl = s.negative_ttl.or(c.negative_ttl);
+        c.origin_soft_timeout = s.origin_soft_timeout.or(c.origin_soft_timeout);
+        c.xfetch_beta = s.xfetch_beta.unwrap_or(c.xfetch_beta);
+        c.lock_timeout = s.lock_timeout.unwrap_or(c.lock_timeout);
+        c.hit_for_miss_ttl = s.hit_for_miss_ttl.or(c.hit_for_miss_ttl);
+        c.keep_for_revalidation = s.keep_for_revalidation.or(c.keep_for_revalidation);
+        c.override_origin = s.override_origin.unwrap_or(c.override_origin);
+        c.tags = s.tags.unwrap_or(c.tags);
+        c.ignore_cookies = s.ignore_cookies.unwrap_or(c.ignore_cookies);
+        c.key_cookies = s.key_cookies.unwrap_or(c.key_cookies);
+        c.key_headers = s.key_headers.unwrap_or(c.key_headers);
+        c.targets = s.targeted_fields.unwrap_or(c.targets);
+        c.max_body = s.max_body.unwrap_or(c.max_body);
+        c.max_error_ttl = s.max_error_ttl.unwrap_or(c.max_error_ttl);
+        c.honor_client_no_cache = s.honor_client_no_cache.unwrap_or(c.honor_client_no_cache);
+        c.max_variants = s.max_variants.or(c.max_variants);
+        c
     }
 
     /// Uses Valkey at `url` as the shared L2.
@@ -194,14 +254,22 @@ pub struct Proxy {
     admin: Option<SocketAddr>,
     engine: TieredCache,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    table: Arc<std::sync::RwLock<Arc<routes::Table>>>,
+    forward: Forward,
+    recorder: Arc<metrics_exporter_prometheus::PrometheusRecorder>,
+}
+
+impl std::fmt::Debug for routes::Table {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Table")
+            .field("routes", &self.routes.len())
+            .finish()
+    }
 }
 
 impl Proxy {
     /// Binds the listen (and admin) addresses and starts serving.
     pub async fn start(config: ProxyConfig) -> Result<Self, ProxyError> {
-        let policy = config
-            .policy()
-            .map_err(|e| ProxyError::Config(e.to_string()))?;
         let mut builder = TieredCache::builder().l1_capacity(config.l1_capacity);
         if let Some(url) = &config.valkey {
             let config =
@@ -218,11 +286,13 @@ impl Proxy {
         // handles from it (several proxies in one process stay apart).
         let recorder = metrics_recorder();
         let prometheus = recorder.handle();
-        let layer = metrics::with_local_recorder(&recorder, || {
-            http_layer(&config, engine.clone(), policy)
-        })?;
         let forward = Forward::new(&config.upstream).map_err(ProxyError::Config)?;
-        let app = Router::new().fallback_service(tower::Layer::layer(&layer, forward));
+        let (table, layer) =
+            metrics::with_local_recorder(&recorder, || route_table(&config, &engine, &forward))?;
+        let table = Arc::new(std::sync::RwLock::new(Arc::new(table)));
+        let app = Router::new().fallback_service(routes::Dispatch {
+            table: table.clone(),
+        });
 
         let (listener, addr) = bind(config.listen).await?;
         let mut tasks = vec![tokio::spawn(async move {
@@ -251,7 +321,27 @@ impl Proxy {
             admin,
             engine,
             tasks,
+            table,
+            forward,
+            recorder: Arc::new(recorder),
         })
+    }
+
+    /// Replaces the routes with `config`'s (a reload: L1, L2 and the open
+    /// connections are kept; the listen, admin and Valkey settings are not
+    /// re-read). On an error the routes in force stay.
+    pub fn reload(&self, config: &ProxyConfig) -> Result<(), ProxyError> {
+        self.reloader().reload(config)
+    }
+
+    /// A handle that reloads the routes from another task (on `SIGHUP`).
+    pub fn reloader(&self) -> Reloader {
+        Reloader {
+            table: self.table.clone(),
+            engine: self.engine.clone(),
+            forward: self.forward.clone(),
+            recorder: self.recorder.clone(),
+        }
     }
 
     /// The proxy's bound address.
@@ -285,11 +375,78 @@ impl Drop for Proxy {
     }
 }
 
+/// Reloads a running proxy's routes; see [`Proxy::reloader`].
+#[derive(Clone)]
+pub struct Reloader {
+    table: Arc<std::sync::RwLock<Arc<routes::Table>>>,
+    engine: TieredCache,
+    forward: Forward,
+    recorder: Arc<metrics_exporter_prometheus::PrometheusRecorder>,
+}
+
+impl std::fmt::Debug for Reloader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Reloader")
+    }
+}
+
+impl Reloader {
+    /// Replaces the routes with `config`'s; on an error the routes in force stay.
+    pub fn reload(&self, config: &ProxyConfig) -> Result<(), ProxyError> {
+        let (table, _) = metrics::with_local_recorder(&*self.recorder, || {
+            route_table(config, &self.engine, &self.forward)
+        })?;
+        *self.table.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
+        Ok(())
+    }
+}
+
+/// The routes `config` describes, each a service over `forward`, and the
+/// defaults' layer (the admin endpoints invalidate through it).
+fn route_table(
+    config: &ProxyConfig,
+    engine: &TieredCache,
+    forward: &Forward,
+) -> Result<(routes::Table, ResponseCacheLayer), ProxyError> {
+    let cached = |name: &str,
+                  config: &ProxyConfig|
+     -> Result<(routes::RouteService, ResponseCacheLayer), ProxyError> {
+        let policy = config
+            .policy()
+            .map_err(|e| ProxyError::Config(format!("{name}: {e}")))?;
+        let layer = http_layer(config, engine.clone(), policy, name)?;
+        let service = tower::Layer::layer(&layer, forward.clone());
+        Ok((routes::RouteService::new(service), layer))
+    };
+    let (default, layer) = cached("proxy", config)?;
+    let mut table = routes::Table {
+        routes: Vec::new(),
+        default,
+    };
+    for route in &config.routes {
+        let service = if route.cache {
+            cached(route.path.as_str(), &config.with(&route.settings))?.0
+        } else {
+            // Untouched: the upstream's answer as is, no cache fields.
+            let pass = tower::ServiceExt::map_response(
+                forward.clone(),
+                |res: http::Response<forward::UpstreamBody>| {
+                    res.map(tiercache_http::CacheBody::stream)
+                },
+            );
+            routes::RouteService::new(pass)
+        };
+        table.routes.push((route.path.clone(), service));
+    }
+    Ok((table, layer))
+}
+
 /// The cache layer the settings describe; a bad header name is named in the error.
 fn http_layer(
     config: &ProxyConfig,
     engine: TieredCache,
     policy: Policy,
+    name: &str,
 ) -> Result<ResponseCacheLayer, ProxyError> {
     let header = |flag: &str, name: &str| {
         http::HeaderName::from_bytes(name.as_bytes())
@@ -299,10 +456,13 @@ fn http_layer(
         .max_body(usize::try_from(config.max_body).unwrap_or(usize::MAX))
         .max_error_ttl(config.max_error_ttl)
         .honor_client_no_cache(config.honor_client_no_cache)
-        .route_named("proxy", policy)
+        .route_named(name, policy)
         .map_err(|e| ProxyError::Config(e.to_string()))?;
     if config.ttl.is_none() {
         layer = layer.explicit_freshness_only();
+    }
+    if let Some(n) = config.max_variants {
+        layer = layer.max_variants(n);
     }
     match (config.ignore_cookies, config.key_cookies.is_empty()) {
         (true, false) => {

@@ -4,21 +4,30 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
 use tiercache_proxy::units::{parse_duration, parse_size};
-use tiercache_proxy::{Proxy, ProxyConfig};
+use tiercache_proxy::{Proxy, ProxyConfig, config_file};
 
 /// A caching reverse proxy (tiercache) in front of one HTTP origin.
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Args {
-    /// The origin: http://HOST:PORT.
+    /// The origin: http://HOST:PORT (or `upstream` in the config file).
     #[arg(long)]
-    upstream: http::Uri,
+    upstream: Option<http::Uri>,
+    /// A TOML config file: the same settings, `[defaults]` and per-path
+    /// `[[route]]` rules; flags given on the command line override it.
+    /// `SIGHUP` reloads its routes.
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
+    /// Validate the config file (and flags) and exit.
+    #[arg(long)]
+    check_config: bool,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-    /// Fresh lifetime of responses without explicit freshness (ms, s, m, h).
+    /// Fresh lifetime of responses without explicit freshness (ms, s, m, h, d).
     /// Without it only responses whose origin declares freshness are stored.
     #[arg(long, value_parser = parse_duration)]
     ttl: Option<Duration>,
@@ -77,32 +86,115 @@ struct Args {
     admin: Option<SocketAddr>,
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
-    let args = Args::parse();
-    let mut config = ProxyConfig::new(args.upstream)
-        .listen(args.listen)
-        .jitter(args.jitter)
-        .max_body(args.max_body);
-    config.ttl = args.ttl;
-    config.l1_capacity = args.l1_capacity;
-    config.ignore_cookies = args.ignore_cookies;
-    config.key_cookies = args.key_cookies;
-    config.key_headers = args.key_headers;
-    config.targets = args.targets;
-    config.max_error_ttl = args.max_error_ttl;
-    config.honor_client_no_cache = args.honor_client_no_cache;
-    config.stale_while_revalidate = args.stale_while_revalidate;
-    config.stale_if_error = args.stale_if_error;
-    config.negative_ttl = args.negative_ttl;
-    config.origin_soft_timeout = args.origin_soft_timeout;
-    config.xfetch_beta = args.xfetch_beta;
-    config.lock_timeout = args.lock_timeout;
-    if let Some(url) = args.valkey {
-        config = config.valkey(url);
+/// The settings: the config file's, with the flags given on the command
+/// line laid over them (a flag left at its default does not override).
+fn settings(args: &Args, matches: &ArgMatches) -> Result<ProxyConfig, String> {
+    let given = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
+    let (mut config, has_upstream) = match &args.config {
+        Some(path) => {
+            let file = config_file::load(path).map_err(|e| e.to_string())?;
+            (file.config, file.has_upstream)
+        }
+        None => (
+            ProxyConfig::new(http::Uri::from_static("http://127.0.0.1:80")),
+            false,
+        ),
+    };
+    match (&args.upstream, has_upstream) {
+        (Some(upstream), _) => config.upstream = upstream.clone(),
+        (None, true) => {}
+        (None, false) => {
+            return Err(
+                "give the origin with --upstream http://HOST:PORT (or `upstream` in --config)"
+                    .into(),
+            );
+        }
+    }
+    let file = args.config.is_some();
+    // Without a file, every flag applies (its default included).
+    let set = |id: &str| !file || given(id);
+    if set("listen") {
+        config.listen = args.listen;
+    }
+    if set("ttl") && (args.ttl.is_some() || !file) {
+        config.ttl = args.ttl;
+    }
+    if set("jitter") {
+        config.jitter = args.jitter;
+    }
+    if set("max_body") {
+        config.max_body = args.max_body;
+    }
+    if set("l1_capacity") {
+        config.l1_capacity = args.l1_capacity;
+    }
+    if set("ignore_cookies") {
+        config.ignore_cookies = args.ignore_cookies;
+    }
+    if set("key_cookies") {
+        config.key_cookies = args.key_cookies.clone();
+    }
+    if set("key_headers") {
+        config.key_headers = args.key_headers.clone();
+    }
+    if set("targets") {
+        config.targets = args.targets.clone();
+    }
+    if set("max_error_ttl") {
+        config.max_error_ttl = args.max_error_ttl;
+    }
+    if set("honor_client_no_cache") {
+        config.honor_client_no_cache = args.honor_client_no_cache;
+    }
+    if set("stale_while_revalidate") {
+        config.stale_while_revalidate = args.stale_while_revalidate;
+    }
+    if set("stale_if_error") {
+        config.stale_if_error = args.stale_if_error;
+    }
+    if set("negative_ttl") && (args.negative_ttl.is_some() || !file) {
+        config.negative_ttl = args.negative_ttl;
+    }
+    if set("origin_soft_timeout") && (args.origin_soft_timeout.is_some() || !file) {
+        config.origin_soft_timeout = args.origin_soft_timeout;
+    }
+    if set("xfetch_beta") {
+        config.xfetch_beta = args.xfetch_beta;
+    }
+    if set("lock_timeout") {
+        config.lock_timeout = args.lock_timeout;
+    }
+    if let Some(url) = &args.valkey {
+        config.valkey = Some(url.clone());
     }
     if let Some(admin) = args.admin {
-        config = config.admin(admin);
+        config.admin = Some(admin);
+    }
+    config.policy().map_err(|e| e.to_string())?;
+    Ok(config)
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let matches = Args::command().get_matches();
+    let args = match Args::from_arg_matches(&matches) {
+        Ok(args) => args,
+        Err(e) => e.exit(),
+    };
+    let config = match settings(&args, &matches) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("tiercache-proxy: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if args.check_config {
+        eprintln!(
+            "tiercache-proxy: the configuration is valid ({} route{})",
+            config.routes.len(),
+            if config.routes.len() == 1 { "" } else { "s" }
+        );
+        return ExitCode::SUCCESS;
     }
     match Proxy::start(config).await {
         Ok(proxy) => {
@@ -114,6 +206,9 @@ async fn main() -> ExitCode {
                     .map(|a| format!(", admin on http://{a}"))
                     .unwrap_or_default()
             );
+            if args.config.is_some() {
+                reload_on_sighup(args, matches, proxy.reloader());
+            }
             proxy.wait().await;
             ExitCode::SUCCESS
         }
@@ -122,4 +217,26 @@ async fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// On `SIGHUP`, reads the config file again and replaces the routes (L1,
+/// L2 and the connections stay); a bad file keeps the routes in force.
+fn reload_on_sighup(args: Args, matches: ArgMatches, reloader: tiercache_proxy::Reloader) {
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+            return;
+        };
+        while hangups.recv().await.is_some() {
+            match settings(&args, &matches).and_then(|c| {
+                reloader.reload(&c).map_err(|e| e.to_string())?;
+                Ok(c.routes.len())
+            }) {
+                Ok(n) => eprintln!("tiercache-proxy: reloaded, {n} routes"),
+                Err(e) => {
+                    eprintln!("tiercache-proxy: reload refused, the routes in force stay: {e}")
+                }
+            }
+        }
+    });
 }

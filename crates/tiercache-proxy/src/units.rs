@@ -40,7 +40,12 @@ mod tests {
         assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
         assert!(parse_duration("s").is_err());
-        assert!(parse_duration("3d").unwrap_err().contains("ms, s, m or h"));
+        assert_eq!(parse_duration("3d"), Ok(Duration::from_secs(3 * 86_400)));
+        assert!(
+            parse_duration("3w")
+                .unwrap_err()
+                .contains("ms, s, m, h or d")
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@ use serde::{Deserialize, Deserializer};
 
 use super::{Policy, PolicyBuilder};
 
-/// Parses `<number><unit>` with unit `ms`, `s`, `m` or `h` (a fraction is allowed: `1.5s`).
+/// Parses `<number><unit>` with unit `ms`, `s`, `m`, `h` or `d` (a fraction is allowed: `1.5s`).
 ///
 /// ```
 /// use std::time::Duration;
@@ -21,17 +21,18 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let split = text
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .ok_or_else(|| format!("`{text}` has no unit: write it as 250ms, 10s, 5m or 1h"))?;
+        .ok_or_else(|| format!("`{text}` has no unit: write it as 250ms, 10s, 5m, 1h or 1d"))?;
     let (number, unit) = text.split_at(split);
     let number: f64 = number
         .parse()
-        .map_err(|_| format!("`{text}` is not a duration: write it as 250ms, 10s, 5m or 1h"))?;
+        .map_err(|_| format!("`{text}` is not a duration: write it as 250ms, 10s, 5m, 1h or 1d"))?;
     let seconds = match unit {
         "ms" => number / 1000.0,
         "s" => number,
         "m" => number * 60.0,
         "h" => number * 3600.0,
-        _ => return Err(format!("`{text}` has unit `{unit}`; use ms, s, m or h")),
+        "d" => number * 86_400.0,
+        _ => return Err(format!("`{text}` has unit `{unit}`; use ms, s, m, h or d")),
     };
     Duration::try_from_secs_f64(seconds).map_err(|_| format!("`{text}` is out of range"))
 }

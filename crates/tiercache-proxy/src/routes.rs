@@ -1,0 +1,171 @@
+//! Per-path rules: the first route whose glob matches a request's path
+//! decides how it is cached (its own policy and safety options), or that it
+//! passes through untouched; the defaults apply where none matches.
+
+use std::convert::Infallible;
+use std::sync::{Arc, RwLock};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use http::{Request, Response};
+use tiercache_http::CacheBody;
+use tower::Service;
+use tower::util::BoxCloneSyncService;
+
+use crate::forward::UpstreamBody;
+
+/// A path glob: `*` matches any run of characters (`/` included), `?` one
+/// character; everything else matches itself.
+///
+/// ```
+/// use tiercache_proxy::routes::Glob;
+///
+/// assert!(Glob::new("/static/*").matches("/static/css/site.css"));
+/// assert!(!Glob::new("/static/*").matches("/api/static/x"));
+/// assert!(Glob::new("/item/?").matches("/item/7"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Glob(String);
+
+impl Glob {
+    /// A glob from its text.
+    pub fn new(pattern: impl Into<String>) -> Self {
+        Self(pattern.into())
+    }
+
+    /// The glob as written.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether `path` matches the whole glob.
+    pub fn matches(&self, path: &str) -> bool {
+        fn go(p: &[u8], s: &[u8]) -> bool {
+            match p.split_first() {
+                None => s.is_empty(),
+                Some((b'*', rest)) => (0..=s.len()).any(|i| go(rest, &s[i..])),
+                Some((b'?', rest)) => !s.is_empty() && go(rest, &s[1..]),
+                Some((c, rest)) => s.first() == Some(c) && go(rest, &s[1..]),
+            }
+        }
+        go(self.0.as_bytes(), path.as_bytes())
+    }
+}
+
+/// The settings a route (or the file's `[defaults]`) may set; each left
+/// `None` keeps what applies around it.
+#[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
+pub struct Settings {
+    /// Fresh lifetime of responses without explicit freshness.
+    pub ttl: Option<Duration>,
+    /// Symmetric jitter fraction.
+    pub jitter: Option<f64>,
+    /// Stale-while-revalidate window.
+    pub stale_while_revalidate: Option<Duration>,
+    /// Stale-if-error window.
+    pub stale_if_error: Option<Duration>,
+    /// Lifetime of 404/410 without explicit freshness.
+    pub negative_ttl: Option<Duration>,
+    /// Answer a stale entry once the origin has taken this long.
+    pub origin_soft_timeout: Option<Duration>,
+    /// XFetch β.
+    pub xfetch_beta: Option<f64>,
+    /// Longest wait on another request's load.
+    pub lock_timeout: Option<Duration>,
+    /// How long an uncacheable key skips the single flight.
+    pub hit_for_miss_ttl: Option<Duration>,
+    /// How long an expired entry with a validator is kept for revalidation.
+    pub keep_for_revalidation: Option<Duration>,
+    /// Use the route's ttl even over the origin's.
+    pub override_origin: Option<bool>,
+    /// Tags every response of the route is recorded under.
+    pub tags: Option<Vec<String>>,
+    /// Drop request cookies instead of bypassing.
+    pub ignore_cookies: Option<bool>,
+    /// Key on these cookies instead of bypassing.
+    pub key_cookies: Option<Vec<String>>,
+    /// Request headers keyed on and sent on.
+    pub key_headers: Option<Vec<String>>,
+    /// Targeted cache-control fields obeyed (RFC 9213).
+    pub targeted_fields: Option<Vec<String>>,
+    /// Largest body stored.
+    pub max_body: Option<u64>,
+    /// Longest a 4xx/5xx with explicit freshness is stored.
+    pub max_error_ttl: Option<Duration>,
+    /// Let a client's `no-cache` force a trip to the origin.
+    pub honor_client_no_cache: Option<bool>,
+    /// Most `Vary` variants kept per URL.
+    pub max_variants: Option<usize>,
+}
+
+/// One `[[route]]`: a path glob, whether it is cached, and its settings.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Route {
+    /// Which paths it covers.
+    pub path: Glob,
+    /// `false`: requests pass through untouched (no cache, no cache fields).
+    pub cache: bool,
+    /// What it sets over the defaults.
+    pub settings: Settings,
+}
+
+impl Route {
+    /// A cached route over `path` with `settings`.
+    pub fn new(path: &str, settings: Settings) -> Self {
+        Self {
+            path: Glob::new(path),
+            cache: true,
+            settings,
+        }
+    }
+
+    /// A route over `path` that passes through untouched.
+    pub fn pass(path: &str) -> Self {
+        Self {
+            path: Glob::new(path),
+            cache: false,
+            settings: Settings::default(),
+        }
+    }
+}
+
+/// One route's service: the cache over the upstream, or the upstream alone.
+pub(crate) type RouteService =
+    BoxCloneSyncService<Request<Body>, Response<CacheBody<UpstreamBody>>, Infallible>;
+
+/// The routes in force, swapped whole on a reload.
+#[derive(Clone)]
+pub(crate) struct Table {
+    pub(crate) routes: Vec<(Glob, RouteService)>,
+    pub(crate) default: RouteService,
+}
+
+/// Sends each request to the first route whose glob matches its path.
+#[derive(Clone)]
+pub(crate) struct Dispatch {
+    pub(crate) table: Arc<RwLock<Arc<Table>>>,
+}
+
+impl Service<Request<Body>> for Dispatch {
+    type Response = Response<CacheBody<UpstreamBody>>;
+    type Error = Infallible;
+    type Future = <RouteService as Service<Request<Body>>>::Future;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let table = self.table.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let path = req.uri().path();
+        let mut service = table
+            .routes
+            .iter()
+            .find(|(glob, _)| glob.matches(path))
+            .map_or_else(|| table.default.clone(), |(_, s)| s.clone());
+        service.call(req)
+    }
+}

@@ -1,0 +1,258 @@
+//! `tiercache-proxy --config tiercache.toml` (issue 18): per-path routes,
+//! refusals that name the file, line and field, `--check-config`, and
+//! `SIGHUP` reloads that keep L1.
+
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, Request, StatusCode};
+use axum::routing::get;
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tiercache_proxy::{Proxy, config_file};
+use tiercache_testkit::valkey::free_port;
+use tiercache_testkit::{Counter, Server, bounded};
+
+async fn upstream() -> (Server, Counter) {
+    let calls = Counter::new();
+    let app = Router::new()
+        .route(
+            "/{*path}",
+            get(|State(c): State<Counter>| async move { format!("call {}", c.bump()) }),
+        )
+        .with_state(calls.clone());
+    (Server::start(app).await, calls)
+}
+
+async fn fetch(addr: SocketAddr, path: &str) -> (StatusCode, HeaderMap, String) {
+    let client = Client::builder(TokioExecutor::new()).build_http::<Body>();
+    let req = Request::get(format!("http://{addr}{path}"))
+        .body(Body::empty())
+        .unwrap();
+    let res = client.request(req).await.expect("the proxy answers");
+    let (parts, body) = res.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    (
+        parts.status,
+        parts.headers,
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+fn h<'a>(headers: &'a HeaderMap, name: &str) -> &'a str {
+    headers.get(name).map(|v| v.to_str().unwrap()).unwrap_or("")
+}
+
+fn file(upstream: &Server, listen: SocketAddr, routes: &str) -> String {
+    format!(
+        "upstream = \"{}\"\nlisten = \"{listen}\"\n\n[defaults]\nttl = \"10s\"\njitter = 0.0\n\n{routes}",
+        upstream.url()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_decide_per_path_first_match_wins() {
+    let (server, calls) = upstream().await;
+    let listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    let text = file(
+        &server,
+        listen,
+        "[[route]]\npath = \"/static/*\"\nttl = \"1h\"\n\n[[route]]\npath = \"/api/cart/*\"\ncache = false\n\n[[route]]\npath = \"/api/*\"\nttl = \"2m\"\n",
+    );
+    let config = config_file::parse(&text, "tiercache.toml").unwrap().config;
+    let proxy = Proxy::start(config).await.unwrap();
+    let addr = proxy.addr();
+    // A cached route with its own ttl.
+    fetch(addr, "/static/site.css").await;
+    let (_, headers, _) = fetch(addr, "/static/site.css").await;
+    assert!(
+        h(&headers, "cache-status").contains("ttl=3599")
+            || h(&headers, "cache-status").contains("ttl=3600"),
+        "{headers:?}"
+    );
+    // Passed through untouched: no cache, no cache fields; and it wins over
+    // the broader route after it.
+    for _ in 0..2 {
+        let (_, headers, _) = fetch(addr, "/api/cart/items").await;
+        assert_eq!(h(&headers, "x-cache"), "");
+        assert_eq!(h(&headers, "cache-status"), "");
+    }
+    let before = calls.get();
+    fetch(addr, "/api/cart/items").await;
+    assert_eq!(
+        calls.get(),
+        before + 1,
+        "a pass-through route is never cached"
+    );
+    fetch(addr, "/api/users").await;
+    let (_, headers, _) = fetch(addr, "/api/users").await;
+    let ttl: u64 = h(&headers, "cache-status")
+        .split("ttl=")
+        .nth(1)
+        .and_then(|t| t.split(';').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap();
+    assert!((115..=120).contains(&ttl), "{headers:?}");
+    // No route: the defaults.
+    fetch(addr, "/page").await;
+    let (_, headers, _) = fetch(addr, "/page").await;
+    assert_eq!(h(&headers, "x-cache"), "HIT");
+    assert!(
+        h(&headers, "cache-status").contains("ttl=9")
+            || h(&headers, "cache-status").contains("ttl=10")
+    );
+}
+
+#[test]
+fn a_bad_file_is_refused_naming_the_file_the_line_and_the_field() {
+    let cases = [
+        (
+            "[defaults]\nttl = \"10s\"\n\n[[route]]\npath = \"/a/*\"\njitter = 0.7\n",
+            &[
+                "tiercache.toml, line 6",
+                "path = \"/a/*\"",
+                "`jitter` is 0.7, but must be 0.0..=0.5",
+            ][..],
+        ),
+        (
+            "[defaults]\nttl = \"10s\"\njiter = 0.1\n",
+            &["tiercache.toml", "line 3", "unknown field `jiter`"][..],
+        ),
+        (
+            "[defaults]\nttl = \"10x\"\n",
+            &["tiercache.toml", "line 2", "unit `x`"][..],
+        ),
+        (
+            "[[route]]\nttl = \"1h\"\n",
+            &["tiercache.toml, line 1", "needs `path`"][..],
+        ),
+    ];
+    for (text, expected) in cases {
+        let err = config_file::parse(text, "tiercache.toml")
+            .unwrap_err()
+            .to_string();
+        for part in expected {
+            assert!(err.contains(part), "{part:?} not in: {err}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn check_config_validates_and_exits() {
+    let dir = tiercache_testkit::valkey::target_dir().join("config-test");
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join(format!("good-{}.toml", std::process::id()));
+    let bad = dir.join(format!("bad-{}.toml", std::process::id()));
+    std::fs::write(
+        &good,
+        "upstream = \"http://127.0.0.1:9\"\n[defaults]\nttl = \"10s\"\n",
+    )
+    .unwrap();
+    std::fs::write(
+        &bad,
+        "upstream = \"http://127.0.0.1:9\"\n[defaults]\nttl = \"10s\"\njitter = 0.7\n",
+    )
+    .unwrap();
+    let run = |path: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"))
+            .arg("--config")
+            .arg(path)
+            .arg("--check-config")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let ok = run(&good);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    let refused = run(&bad);
+    assert_eq!(refused.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        text.contains("line 4") && text.contains("`jitter` is 0.7"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_routes_and_keeps_l1() {
+    let (server, _calls) = upstream().await;
+    let listen = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let dir = tiercache_testkit::valkey::target_dir().join("config-test");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("reload-{}.toml", std::process::id()));
+    std::fs::write(
+        &path,
+        file(&server, listen, "[[route]]\npath = \"/x\"\ncache = false\n"),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"))
+        .arg("--config")
+        .arg(&path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    bounded("the proxy listens", async {
+        while std::net::TcpStream::connect(listen).is_err() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    fetch(listen, "/y").await;
+    assert_eq!(h(&fetch(listen, "/y").await.1, "x-cache"), "HIT");
+    assert_eq!(h(&fetch(listen, "/x").await.1, "x-cache"), "");
+
+    // /x becomes cached; a bad file first is refused and changes nothing.
+    std::fs::write(&path, "[defaults]\njitter = 0.9\n").unwrap();
+    let hup = |pid: u32| {
+        assert!(
+            Command::new("kill")
+                .args(["-HUP", &pid.to_string()])
+                .status()
+                .unwrap()
+                .success()
+        );
+    };
+    hup(child.id());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        h(&fetch(listen, "/x").await.1, "x-cache"),
+        "",
+        "a bad reload changed the routes"
+    );
+    std::fs::write(&path, file(&server, listen, "")).unwrap();
+    hup(child.id());
+    bounded("the reload takes", async {
+        while h(&fetch(listen, "/x").await.1, "x-cache").is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(
+        h(&fetch(listen, "/y").await.1, "x-cache"),
+        "HIT",
+        "L1 survived the reload"
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// The example file in the repository is valid.
+#[test]
+fn the_example_file_is_valid() {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tiercache.example.toml");
+    let file = config_file::load(&path).unwrap();
+    assert_eq!(file.config.routes.len(), 3);
+    assert!(file.has_upstream);
+}
