@@ -672,3 +672,49 @@ async fn single_ranges_are_cut_from_the_stored_response() {
     let (_, headers, _) = send(&app, ranged("bytes=0-1, 3-4", None)).await;
     assert_eq!(h(&headers, "x-cache"), "BYPASS");
 }
+
+/// The layer wraps any tower HTTP service: here a plain hyper service (no
+/// axum), whose requests carry hyper's own `Incoming` body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_layer_wraps_a_plain_hyper_service() {
+    use hyper::body::Incoming;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use tower::Layer;
+
+    let calls = Counter::new();
+    let service = tower::service_fn({
+        let calls = calls.clone();
+        move |_req: Request<Incoming>| {
+            let n = calls.bump();
+            async move {
+                Ok::<_, std::convert::Infallible>(Response::new(http_body_util::Full::new(
+                    bytes::Bytes::from(format!("call {n}")),
+                )))
+            }
+        }
+    });
+    let cached = cache().route(policy()).unwrap().layer(service);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            let svc = hyper_util::service::TowerToHyperService::new(cached.clone());
+            tokio::spawn(
+                hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc),
+            );
+        }
+    });
+    let client =
+        hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build_http::<Body>();
+    for expected in ["MISS", "HIT"] {
+        let req = Request::get(format!("http://{addr}/r"))
+            .body(Body::empty())
+            .unwrap();
+        let res = client.request(req).await.unwrap();
+        assert_eq!(res.headers()["x-cache"], expected);
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(body, "call 1");
+    }
+}

@@ -298,3 +298,38 @@ async fn a_routes_early_refreshes_are_counted_under_its_label() {
         "{text}"
     );
 }
+
+/// A route whose requests mostly carry a cookie bypasses the cache (the
+/// safe default) and says why, once: a warning naming the way out.
+#[tokio::test]
+async fn cookies_causing_most_bypasses_are_warned_about_once() {
+    let capture = Capture::default();
+    let _guard = tracing::subscriber::set_default(capture.clone());
+    let engine = TieredCache::builder().sweep_interval(None).build().unwrap();
+    let layer = ResponseCacheLayer::new(engine);
+    let route = layer
+        .route_named("pages", Policy::ttl(Duration::from_secs(60)))
+        .unwrap();
+    // `with_state` turns the handler into a route once, as `axum::serve` does
+    // (without it axum applies the layer again on every request).
+    let app = Router::new()
+        .route("/r", get(|| async { "body" }).layer(route))
+        .with_state(());
+    for _ in 0..60 {
+        let req = Request::get("/r")
+            .header("host", "shop.test")
+            .header("cookie", "_ga=GA1.1.123")
+            .body(Body::empty())
+            .unwrap();
+        app.clone().oneshot(req).await.unwrap();
+    }
+    let fields = capture.fields.lock().unwrap().clone();
+    let warnings: Vec<_> = fields
+        .iter()
+        .filter(|(span, name, value)| {
+            *span == 0 && name == "message" && value.contains("ignore_cookies")
+        })
+        .collect();
+    assert_eq!(warnings.len(), 1, "{fields:?}");
+    assert!(fields.iter().any(|(_, n, v)| n == "route" && v == "pages"));
+}

@@ -15,8 +15,9 @@ use crate::variants::Variants;
 ///
 /// Build one from the engine, then derive a layer per route with
 /// [`route`](Self::route); every derived layer shares the engine (one L1, one
-/// single-flight map, one set of stats). A layer with no policy leaves the
-/// service untouched.
+/// single-flight map, one set of stats). The base layer itself has no
+/// policy: applied as a layer it panics when the app is built, rather than
+/// silently cache nothing.
 ///
 /// ```no_run
 /// use std::time::Duration;

@@ -43,6 +43,7 @@ use crate::cacheable::Reason;
 /// One route's handles.
 #[derive(Debug)]
 pub(crate) struct RouteMetrics {
+    name: String,
     hit_l1: Counter,
     hit_l2: Counter,
     miss: Counter,
@@ -66,6 +67,7 @@ impl RouteMetrics {
                 .collect()
         };
         Self {
+            name: route.clone(),
             hit_l1: requests("hit", "l1"),
             hit_l2: requests("hit", "l2"),
             miss: requests("miss", "origin"),
@@ -77,6 +79,11 @@ impl RouteMetrics {
             lock_timeouts: counter!("tiercache_route_lock_timeouts_total", "route" => route.clone()),
             early_refreshes: counter!("tiercache_route_early_refreshes_total", "route" => route),
         }
+    }
+
+    /// The route's label.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
     }
 
     pub(crate) fn hit_l1(&self) {

@@ -25,6 +25,32 @@ pub(crate) struct Route {
     pub(crate) policy: Arc<Policy>,
     pub(crate) config: Arc<HttpConfig>,
     pub(crate) metrics: Arc<RouteMetrics>,
+    /// GET and HEAD requests seen, and those a `Cookie` made bypass: when
+    /// cookies cause most bypasses, a warning says so, once.
+    pub(crate) cookies: CookieWatch,
+}
+
+/// Watches a route for the newcomer's trap: one analytics cookie on every
+/// request, a hit ratio of zero, and nothing saying why.
+#[derive(Debug, Default)]
+pub(crate) struct CookieWatch {
+    seen: std::sync::atomic::AtomicU64,
+    bypassed: std::sync::atomic::AtomicU64,
+    warned: std::sync::atomic::AtomicBool,
+}
+
+impl CookieWatch {
+    pub(crate) fn seen(&self) {
+        self.seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Counts a cookie bypass; true the first time they are most of at
+    /// least 20 requests (then the caller warns).
+    fn bypassed(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let bypassed = self.bypassed.fetch_add(1, Relaxed) + 1;
+        bypassed >= 20 && bypassed * 2 > self.seen.load(Relaxed) && !self.warned.swap(true, Relaxed)
+    }
 }
 
 /// What the client asked beyond the resource: a HEAD, its own validators,
@@ -42,6 +68,15 @@ impl Route {
     pub(crate) fn bypass(&self, reason: Reason) {
         self.engine.record_bypass(reason.as_str());
         self.metrics.bypass(reason);
+        if reason == Reason::Cookie && self.cookies.bypassed() {
+            tracing::warn!(
+                route = self.metrics.name(),
+                "tiercache: most requests on this route carry a Cookie and bypass the cache \
+                 (the safe default). If its responses do not depend on cookies, use \
+                 `.ignore_cookies()` (proxy: --ignore-cookies), or key on the ones that \
+                 matter with `.key_cookies([..])` (--key-cookie NAME)"
+            );
+        }
     }
 
     pub(crate) fn label(&self, headers: &mut HeaderMap, outcome: &Outcome) {

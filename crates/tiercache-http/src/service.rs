@@ -47,6 +47,7 @@ impl<S> ResponseCache<S> {
                 policy,
                 config: layer.config,
                 metrics,
+                cookies: Default::default(),
             })
         });
         Self { inner, route }
@@ -95,6 +96,7 @@ where
             let future = self.inner.call(Request::from_parts(parts, body));
             return ResponseFuture::boxed(Box::pin(write_through(route, future, keys, target)));
         }
+        route.cookies.seen();
         // A GET with a body ("fat GET"), found by its framing headers or,
         // in process, by the body itself: the body is not keyed.
         let fat = body.size_hint().lower() > 0;
@@ -191,10 +193,30 @@ where
     }
 }
 
+/// Applying the base layer (`ResponseCacheLayer::new(engine)`, no policy)
+/// fails loudly when the app is built: it would cache nothing. A route's
+/// layer (`cache.route(policy)?`) is what wraps a service.
+///
+/// ```should_panic
+/// use axum::{Router, routing::get};
+/// use tiercache_core::TieredCache;
+/// use tiercache_http::ResponseCacheLayer;
+///
+/// # #[tokio::main] async fn main() {
+/// let cache = ResponseCacheLayer::new(TieredCache::builder().build().unwrap());
+/// // Panics: "ResponseCacheLayer::new(engine) has no policy …"
+/// let _app: Router = Router::new().route("/", get(|| async { "x" }).layer(cache));
+/// # }
+/// ```
 impl<S> Layer<S> for ResponseCacheLayer {
     type Service = ResponseCache<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        assert!(
+            self.route.is_some(),
+            "tiercache: ResponseCacheLayer::new(engine) has no policy, so as a layer it would \
+             cache nothing; apply a route's layer instead: `.layer(cache.route(Policy::ttl(..))?)`"
+        );
         ResponseCache::new(inner, self.clone())
     }
 }
