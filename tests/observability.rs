@@ -204,13 +204,13 @@ fn recorded(
 ) -> (
     ResponseCacheLayer,
     ResponseCacheLayer,
-    metrics_exporter_prometheus::PrometheusRecorder,
+    metrics_exporter_prometheus::PrometheusHandle,
 ) {
     let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
-    let layer = ResponseCacheLayer::new(engine);
-    // Handles are taken when the route is built, from the recorder then in force.
-    let route = metrics::with_local_recorder(&recorder, || layer.route_named("r", policy)).unwrap();
-    (layer, route, recorder)
+    let handle = recorder.handle();
+    let layer = ResponseCacheLayer::new(engine).metrics_recorder(std::sync::Arc::new(recorder));
+    let route = layer.route_named("r", policy).unwrap();
+    (layer, route, handle)
 }
 
 #[tokio::test(start_paused = true)]
@@ -244,7 +244,7 @@ async fn a_routes_lock_timeouts_are_counted_under_its_label() {
     gate.open();
     leader.await.unwrap().unwrap();
 
-    let text = recorder.handle().render();
+    let text = recorder.render();
     assert_eq!(layer.engine().stats().lock_timeouts, 1);
     assert_eq!(
         route_sample(&text, "tiercache_route_lock_timeouts_total"),
@@ -290,7 +290,7 @@ async fn a_routes_early_refreshes_are_counted_under_its_label() {
     let res = app.clone().oneshot(get_r()).await.unwrap();
     assert_eq!(res.headers()["x-cache"], "HIT");
 
-    let text = recorder.handle().render();
+    let text = recorder.render();
     assert_eq!(layer.engine().stats().early_refreshes, 1);
     assert_eq!(
         route_sample(&text, "tiercache_route_early_refreshes_total"),
@@ -332,4 +332,71 @@ async fn cookies_causing_most_bypasses_are_warned_about_once() {
         .collect();
     assert_eq!(warnings.len(), 1, "{fields:?}");
     assert!(fields.iter().any(|(_, n, v)| n == "route" && v == "pages"));
+}
+
+/// A bypassed request is counted where the metrics doc says:
+/// `tiercache_requests_total{outcome="bypass"}`, besides its reason. Reason
+/// series appear on first use, not as a wall of zeros on the first scrape.
+#[tokio::test]
+async fn bypasses_are_requests_with_outcome_bypass() {
+    let engine = TieredCache::builder().sweep_interval(None).build().unwrap();
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    let (_layer, route, recorder) = recorded(engine, policy);
+    let app = Router::new()
+        .route("/r", get(|| async { "body" }).layer(route))
+        .with_state(());
+    let first = recorder.render();
+    assert!(
+        !first.contains("tiercache_bypass_total"),
+        "no reason series before its first bypass:\n{first}"
+    );
+    let req = Request::get("/r")
+        .header("host", "shop.test")
+        .header("cookie", "_ga=GA1.1.123")
+        .body(Body::empty())
+        .unwrap();
+    app.clone().oneshot(req).await.unwrap();
+    let text = recorder.render();
+    let bypass = text
+        .lines()
+        .filter(|l| l.starts_with("tiercache_requests_total{"))
+        .filter(|l| l.contains("route=\"r\"") && l.contains("outcome=\"bypass\""))
+        .filter_map(|l| l.rsplit_once(' '))
+        .map(|(_, v)| v.parse::<f64>().unwrap())
+        .sum::<f64>();
+    assert_eq!(bypass, 1.0, "{text}");
+    assert_eq!(route_sample(&text, "tiercache_bypass_total"), 1.0, "{text}");
+    let reasons = text
+        .lines()
+        .filter(|l| l.starts_with("tiercache_bypass_total{"))
+        .count();
+    assert_eq!(reasons, 1, "only the reason used has a series:\n{text}");
+}
+
+/// The recorder need not exist when the layer is built: a route's series are
+/// registered on first use, in the recorder in force then.
+#[tokio::test]
+async fn a_recorder_installed_after_the_layer_is_built_gets_the_metrics() {
+    let engine = TieredCache::builder().sweep_interval(None).build().unwrap();
+    let layer = ResponseCacheLayer::new(engine);
+    let route = layer
+        .route_named("r", Policy::ttl(Duration::from_secs(60)))
+        .unwrap();
+    let app = Router::new()
+        .route("/r", get(|| async { "body" }).layer(route))
+        .with_state(());
+    // Installed late; thread-local, and this runtime runs on this thread.
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let _guard = metrics::set_default_local_recorder(&recorder);
+    app.clone().oneshot(get_r()).await.unwrap();
+    app.clone().oneshot(get_r()).await.unwrap();
+    layer.publish_metrics();
+    let text = handle.render();
+    assert_eq!(
+        route_sample(&text, "tiercache_requests_total"),
+        2.0,
+        "{text}"
+    );
+    assert!(text.contains("tiercache_l1_entries 1"), "{text}");
 }

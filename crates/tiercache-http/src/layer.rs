@@ -8,7 +8,7 @@ use http::HeaderName;
 use tiercache_core::{IntoPolicy, Policy, PolicyError, Queued, TieredCache};
 
 use crate::config::{Cookies, HttpConfig};
-use crate::metrics::{EngineMetrics, RouteMetrics};
+use crate::metrics::{EngineMetrics, RouteMetrics, Sink};
 use crate::variants::Variants;
 
 /// Caches the responses of the service it wraps.
@@ -42,6 +42,8 @@ pub struct ResponseCacheLayer {
     pub(crate) route: Option<(Arc<Policy>, Arc<RouteMetrics>)>,
     pub(crate) config: Arc<HttpConfig>,
     pub(crate) engine_metrics: Arc<EngineMetrics>,
+    /// Where routes derived from here register their metrics.
+    sink: Sink,
 }
 
 impl ResponseCacheLayer {
@@ -59,7 +61,8 @@ impl ResponseCacheLayer {
             variants: Variants::new(),
             route: None,
             config: Arc::new(HttpConfig::default()),
-            engine_metrics: Arc::new(EngineMetrics::new()),
+            engine_metrics: Arc::new(EngineMetrics::default()),
+            sink: Sink::default(),
         }
     }
 
@@ -75,15 +78,21 @@ impl ResponseCacheLayer {
     pub fn route_named(&self, name: &str, policy: impl IntoPolicy) -> Result<Self, PolicyError> {
         let policy = policy.into_policy()?;
         Ok(Self {
-            route: Some((Arc::new(policy), Arc::new(RouteMetrics::new(name)))),
+            route: Some((
+                Arc::new(policy),
+                Arc::new(RouteMetrics::new(name, self.sink.clone())),
+            )),
             ..self.clone()
         })
     }
 
     /// Sets the engine's metrics (hit ratio, L1 bytes, expired, evicted, L2
-    /// errors and breaker, …) from its counters, through the recorder in
-    /// force when this layer was built. Call it before each scrape; the
-    /// per-route request metrics are live and need no call.
+    /// errors and breaker, …) from its counters. Call it before each scrape;
+    /// the per-route request metrics are live and need no call.
+    ///
+    /// Like every metric here they go to the recorder given with
+    /// [`metrics_recorder`](Self::metrics_recorder), or to the one in force
+    /// when this is called.
     pub fn publish_metrics(&self) {
         let stats = self.engine.stats();
         self.engine_metrics.publish(
@@ -91,6 +100,32 @@ impl ResponseCacheLayer {
             self.engine.l1_weighted_size(),
             self.engine.l1_entry_count(),
         );
+    }
+
+    /// Records this layer's metrics, and those of the routes derived from it
+    /// afterwards, into `recorder` rather than the recorder in force when
+    /// each series is first used (the global one, usually). For a registry
+    /// of your own, or several caches in one process kept apart.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use std::time::Duration;
+    /// # use tiercache_core::{Policy, TieredCache};
+    /// # use tiercache_http::ResponseCacheLayer;
+    /// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    /// let scrape = recorder.handle();
+    /// let cache = ResponseCacheLayer::new(TieredCache::builder().build()?)
+    ///     .metrics_recorder(Arc::new(recorder));
+    /// let products = cache.route_named("products", Policy::ttl(Duration::from_secs(30)))?;
+    /// // …serve; then `scrape.render()` is the Prometheus text.
+    /// # let _ = (products, scrape);
+    /// # Ok(()) }
+    /// ```
+    pub fn metrics_recorder(mut self, recorder: Arc<dyn metrics::Recorder + Send + Sync>) -> Self {
+        self.sink = Sink::own(recorder);
+        self.engine_metrics = Arc::new(EngineMetrics::new(self.sink.clone()));
+        self
     }
 
     /// Largest body buffered and stored; a larger one (by `Content-Length`, or

@@ -26,58 +26,113 @@
 //! `tiercache_fleet_locks_acquired_total`, `tiercache_fleet_lock_waits_total`,
 //! `tiercache_l1_bytes`, `tiercache_l1_entries`, `tiercache_hit_ratio` (gauges).
 //!
-//! Handles are taken when the layer and its routes are built, from the
-//! recorder in force then: install the recorder (or enter a local one)
-//! first. Without one, every metric is a no-op.
+//! Each series is registered on its first use, so a scrape shows what
+//! happened (a route's first bypass adds its `reason` series), not a wall of
+//! zeros. It goes to the recorder given with
+//! [`ResponseCacheLayer::metrics_recorder`] or, without one, to the recorder in
+//! force at that first use (the global one, installed at any time before
+//! traffic). Without any recorder every metric is a no-op. The exporter
+//! versions this crate is built and tested with: `metrics` 0.24 and
+//! `metrics-exporter-prometheus` 0.18.
 //!
 //! [`ResponseCacheLayer::route_named`]: crate::ResponseCacheLayer::route_named
 //! [`ResponseCacheLayer::publish_metrics`]: crate::ResponseCacheLayer::publish_metrics
+//! [`ResponseCacheLayer::metrics_recorder`]: crate::ResponseCacheLayer::metrics_recorder
 
+use std::fmt;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
+use metrics::{Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder};
 use tiercache_core::{Source, Stats};
 
 use crate::cacheable::Reason;
 
-/// One route's handles.
+/// Where handles are registered: a recorder of the layer's own, or the one
+/// in force at registration.
+#[derive(Clone, Default)]
+pub(crate) struct Sink(Option<Arc<dyn Recorder + Send + Sync>>);
+
+impl fmt::Debug for Sink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Sink(own)"
+        } else {
+            "Sink(ambient)"
+        })
+    }
+}
+
+/// What the `metrics` macros would attach: this module, at `INFO`.
+static METADATA: Metadata<'static> =
+    Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
+
+impl Sink {
+    pub(crate) fn own(recorder: Arc<dyn Recorder + Send + Sync>) -> Self {
+        Self(Some(recorder))
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&dyn Recorder) -> T) -> T {
+        match &self.0 {
+            Some(recorder) => f(&**recorder),
+            None => metrics::with_recorder(f),
+        }
+    }
+
+    fn counter(&self, name: &'static str, labels: Vec<Label>) -> Counter {
+        let key = Key::from_parts(name, labels);
+        self.with(|r| r.register_counter(&key, &METADATA))
+    }
+
+    fn histogram(&self, name: &'static str, labels: Vec<Label>) -> Histogram {
+        let key = Key::from_parts(name, labels);
+        self.with(|r| r.register_histogram(&key, &METADATA))
+    }
+
+    fn gauge(&self, name: &'static str) -> Gauge {
+        let key = Key::from_name(name);
+        self.with(|r| r.register_gauge(&key, &METADATA))
+    }
+}
+
+/// A handle registered on its first use.
+type Lazy<T> = OnceLock<T>;
+
+/// One route's handles, each registered on first use.
 #[derive(Debug)]
 pub(crate) struct RouteMetrics {
     name: String,
-    hit_l1: Counter,
-    hit_l2: Counter,
-    miss: Counter,
-    stale: Counter,
-    bypass: Vec<Counter>,
-    not_stored: Vec<Counter>,
-    origin: Histogram,
-    lock_wait: Histogram,
-    lock_timeouts: Counter,
-    early_refreshes: Counter,
+    sink: Sink,
+    hit_l1: Lazy<Counter>,
+    hit_l2: Lazy<Counter>,
+    miss: Lazy<Counter>,
+    stale: Lazy<Counter>,
+    bypassed: Lazy<Counter>,
+    bypass: Vec<Lazy<Counter>>,
+    not_stored: Vec<Lazy<Counter>>,
+    origin: Lazy<Histogram>,
+    lock_wait: Lazy<Histogram>,
+    lock_timeouts: Lazy<Counter>,
+    early_refreshes: Lazy<Counter>,
 }
 
 impl RouteMetrics {
-    pub(crate) fn new(route: &str) -> Self {
-        let route = route.to_owned();
-        let requests = |outcome: &'static str, tier: &'static str| counter!("tiercache_requests_total", "route" => route.clone(), "outcome" => outcome, "tier" => tier);
-        let by_reason = |name: &'static str| -> Vec<Counter> {
-            Reason::ALL
-                .iter()
-                .map(|r| counter!(name, "route" => route.clone(), "reason" => r.as_str()))
-                .collect()
-        };
+    pub(crate) fn new(route: &str, sink: Sink) -> Self {
+        let per_reason = || Reason::ALL.iter().map(|_| Lazy::new()).collect();
         Self {
-            name: route.clone(),
-            hit_l1: requests("hit", "l1"),
-            hit_l2: requests("hit", "l2"),
-            miss: requests("miss", "origin"),
-            stale: requests("stale", "l1"),
-            bypass: by_reason("tiercache_bypass_total"),
-            not_stored: by_reason("tiercache_not_stored_total"),
-            origin: histogram!("tiercache_origin_duration_seconds", "route" => route.clone()),
-            lock_wait: histogram!("tiercache_lock_wait_seconds", "route" => route.clone()),
-            lock_timeouts: counter!("tiercache_route_lock_timeouts_total", "route" => route.clone()),
-            early_refreshes: counter!("tiercache_route_early_refreshes_total", "route" => route),
+            name: route.to_owned(),
+            sink,
+            hit_l1: Lazy::new(),
+            hit_l2: Lazy::new(),
+            miss: Lazy::new(),
+            stale: Lazy::new(),
+            bypassed: Lazy::new(),
+            bypass: per_reason(),
+            not_stored: per_reason(),
+            origin: Lazy::new(),
+            lock_wait: Lazy::new(),
+            lock_timeouts: Lazy::new(),
+            early_refreshes: Lazy::new(),
         }
     }
 
@@ -86,106 +141,142 @@ impl RouteMetrics {
         &self.name
     }
 
+    fn route_label(&self) -> Label {
+        Label::new("route", self.name.clone())
+    }
+
+    /// `tiercache_requests_total{route, outcome, tier}`, once.
+    fn requests(&self, cell: &Lazy<Counter>, outcome: &'static str, tier: &'static str) {
+        cell.get_or_init(|| {
+            let labels = vec![
+                self.route_label(),
+                Label::new("outcome", outcome),
+                Label::new("tier", tier),
+            ];
+            self.sink.counter("tiercache_requests_total", labels)
+        })
+        .increment(1);
+    }
+
+    /// `name{route}`, once.
+    fn route_counter<'a>(&self, cell: &'a Lazy<Counter>, name: &'static str) -> &'a Counter {
+        cell.get_or_init(|| self.sink.counter(name, vec![self.route_label()]))
+    }
+
+    fn route_histogram<'a>(&self, cell: &'a Lazy<Histogram>, name: &'static str) -> &'a Histogram {
+        cell.get_or_init(|| self.sink.histogram(name, vec![self.route_label()]))
+    }
+
+    fn by_reason(&self, cells: &[Lazy<Counter>], name: &'static str, reason: Reason) {
+        cells[reason as usize]
+            .get_or_init(|| {
+                let labels = vec![self.route_label(), Label::new("reason", reason.as_str())];
+                self.sink.counter(name, labels)
+            })
+            .increment(1);
+    }
+
     pub(crate) fn hit_l1(&self) {
-        self.hit_l1.increment(1);
+        self.requests(&self.hit_l1, "hit", "l1");
     }
 
     pub(crate) fn served(&self, source: Source) {
         match source {
-            Source::L1 => &self.hit_l1,
-            Source::L2 => &self.hit_l2,
-            Source::Origin => &self.miss,
+            Source::L1 => self.requests(&self.hit_l1, "hit", "l1"),
+            Source::L2 => self.requests(&self.hit_l2, "hit", "l2"),
+            Source::Origin => self.requests(&self.miss, "miss", "origin"),
         }
-        .increment(1);
     }
 
     pub(crate) fn stale(&self) {
-        self.stale.increment(1);
+        self.requests(&self.stale, "stale", "l1");
     }
 
+    /// A request the cache stood aside for: counted as a request with
+    /// `outcome="bypass"` (it went to the origin) and under its reason.
     pub(crate) fn bypass(&self, reason: Reason) {
-        self.bypass[reason as usize].increment(1);
+        self.requests(&self.bypassed, "bypass", "origin");
+        self.by_reason(&self.bypass, "tiercache_bypass_total", reason);
     }
 
     pub(crate) fn not_stored(&self, reason: Reason) {
-        self.not_stored[reason as usize].increment(1);
+        self.by_reason(&self.not_stored, "tiercache_not_stored_total", reason);
     }
 
     pub(crate) fn origin(&self, took: Duration) {
-        self.origin.record(took.as_secs_f64());
+        self.route_histogram(&self.origin, "tiercache_origin_duration_seconds")
+            .record(took.as_secs_f64());
     }
 
     pub(crate) fn lock_wait(&self, took: Duration) {
-        self.lock_wait.record(took.as_secs_f64());
+        self.route_histogram(&self.lock_wait, "tiercache_lock_wait_seconds")
+            .record(took.as_secs_f64());
     }
 
     pub(crate) fn lock_timeout(&self) {
-        self.lock_timeouts.increment(1);
+        self.route_counter(&self.lock_timeouts, "tiercache_route_lock_timeouts_total")
+            .increment(1);
     }
 
     pub(crate) fn early_refresh(&self) {
-        self.early_refreshes.increment(1);
+        self.route_counter(
+            &self.early_refreshes,
+            "tiercache_route_early_refreshes_total",
+        )
+        .increment(1);
     }
 }
 
 /// Reads one counter out of a snapshot.
 type Read = fn(&Stats) -> u64;
 
-/// The engine's handles, set from a [`Stats`] snapshot.
-#[derive(Debug)]
+/// The engine's counters and gauges, set from a [`Stats`] snapshot; handles
+/// are looked up at each publish, so a recorder installed late still gets them.
+#[derive(Debug, Default)]
 pub(crate) struct EngineMetrics {
-    totals: Vec<(Read, Counter)>,
-    breaker_open: Gauge,
-    l1_bytes: Gauge,
-    l1_entries: Gauge,
-    hit_ratio: Gauge,
+    sink: Sink,
 }
 
+/// The engine's counters, by name.
+const TOTALS: &[(&str, Read)] = &[
+    ("tiercache_origin_loads_total", |s| s.origin_loads),
+    ("tiercache_coalesced_total", |s| s.coalesced),
+    ("tiercache_lock_timeouts_total", |s| s.lock_timeouts),
+    ("tiercache_early_refreshes_total", |s| s.early_refreshes),
+    ("tiercache_stale_served_total", |s| s.stale_served),
+    ("tiercache_l2_errors_total", |s| s.l2_errors),
+    ("tiercache_l2_timeouts_total", |s| s.l2_timeouts),
+    ("tiercache_l2_write_drops_total", |s| s.l2.write_drops),
+    ("tiercache_l2_corrupt_total", |s| s.l2.corrupt),
+    ("tiercache_l2_breaker_trips_total", |s| s.l2.breaker_trips),
+    ("tiercache_expired_total", |s| s.expired),
+    ("tiercache_evicted_total", |s| s.evicted),
+    ("tiercache_sweeps_total", |s| s.sweeps),
+    ("tiercache_invalidations_received_total", |s| {
+        s.l2.invalidations_received
+    }),
+    ("tiercache_resyncs_total", |s| s.l2.resyncs),
+    ("tiercache_fleet_locks_acquired_total", |s| {
+        s.l2.locks_acquired
+    }),
+    ("tiercache_fleet_lock_waits_total", |s| s.l2.lock_waits),
+];
+
 impl EngineMetrics {
-    pub(crate) fn new() -> Self {
-        let totals: Vec<(&'static str, Read)> = vec![
-            ("tiercache_origin_loads_total", |s| s.origin_loads),
-            ("tiercache_coalesced_total", |s| s.coalesced),
-            ("tiercache_lock_timeouts_total", |s| s.lock_timeouts),
-            ("tiercache_early_refreshes_total", |s| s.early_refreshes),
-            ("tiercache_stale_served_total", |s| s.stale_served),
-            ("tiercache_l2_errors_total", |s| s.l2_errors),
-            ("tiercache_l2_timeouts_total", |s| s.l2_timeouts),
-            ("tiercache_l2_write_drops_total", |s| s.l2.write_drops),
-            ("tiercache_l2_corrupt_total", |s| s.l2.corrupt),
-            ("tiercache_l2_breaker_trips_total", |s| s.l2.breaker_trips),
-            ("tiercache_expired_total", |s| s.expired),
-            ("tiercache_evicted_total", |s| s.evicted),
-            ("tiercache_sweeps_total", |s| s.sweeps),
-            ("tiercache_invalidations_received_total", |s| {
-                s.l2.invalidations_received
-            }),
-            ("tiercache_resyncs_total", |s| s.l2.resyncs),
-            ("tiercache_fleet_locks_acquired_total", |s| {
-                s.l2.locks_acquired
-            }),
-            ("tiercache_fleet_lock_waits_total", |s| s.l2.lock_waits),
-        ];
-        Self {
-            totals: totals
-                .into_iter()
-                .map(|(name, read)| (read, counter!(name)))
-                .collect(),
-            breaker_open: gauge!("tiercache_l2_breaker_open"),
-            l1_bytes: gauge!("tiercache_l1_bytes"),
-            l1_entries: gauge!("tiercache_l1_entries"),
-            hit_ratio: gauge!("tiercache_hit_ratio"),
-        }
+    pub(crate) fn new(sink: Sink) -> Self {
+        Self { sink }
     }
 
     pub(crate) fn publish(&self, stats: &Stats, l1_bytes: u64, l1_entries: u64) {
-        for (read, counter) in &self.totals {
-            counter.absolute(read(stats));
+        for (name, read) in TOTALS {
+            self.sink.counter(name, Vec::new()).absolute(read(stats));
         }
-        self.breaker_open
-            .set(if stats.l2.breaker_open { 1.0 } else { 0.0 });
-        self.l1_bytes.set(l1_bytes as f64);
-        self.l1_entries.set(l1_entries as f64);
-        self.hit_ratio.set(stats.hit_ratio);
+        let open = if stats.l2.breaker_open { 1.0 } else { 0.0 };
+        self.sink.gauge("tiercache_l2_breaker_open").set(open);
+        self.sink.gauge("tiercache_l1_bytes").set(l1_bytes as f64);
+        self.sink
+            .gauge("tiercache_l1_entries")
+            .set(l1_entries as f64);
+        self.sink.gauge("tiercache_hit_ratio").set(stats.hit_ratio);
     }
 }

@@ -248,7 +248,6 @@ impl ProxyConfig {
 }
 
 /// A running proxy; stops when dropped.
-#[derive(Debug)]
 pub struct Proxy {
     addr: SocketAddr,
     admin: Option<SocketAddr>,
@@ -256,7 +255,18 @@ pub struct Proxy {
     tasks: Vec<tokio::task::JoinHandle<()>>,
     table: Arc<std::sync::RwLock<Arc<routes::Table>>>,
     forward: Forward,
-    recorder: Arc<metrics_exporter_prometheus::PrometheusRecorder>,
+    recorder: SharedRecorder,
+}
+
+impl std::fmt::Debug for Proxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Proxy")
+            .field("addr", &self.addr)
+            .field("admin", &self.admin)
+            .field("engine", &self.engine)
+            .field("table", &self.table)
+            .finish_non_exhaustive()
+    }
 }
 
 impl std::fmt::Debug for routes::Table {
@@ -287,8 +297,8 @@ impl Proxy {
         let recorder = metrics_recorder();
         let prometheus = recorder.handle();
         let forward = Forward::new(&config.upstream).map_err(ProxyError::Config)?;
-        let (table, layer) =
-            metrics::with_local_recorder(&recorder, || route_table(&config, &engine, &forward))?;
+        let recorder: SharedRecorder = Arc::new(recorder);
+        let (table, layer) = route_table(&config, &engine, &forward, &recorder)?;
         let table = Arc::new(std::sync::RwLock::new(Arc::new(table)));
         let app = Router::new().fallback_service(routes::Dispatch {
             table: table.clone(),
@@ -323,7 +333,7 @@ impl Proxy {
             tasks,
             table,
             forward,
-            recorder: Arc::new(recorder),
+            recorder,
         })
     }
 
@@ -381,7 +391,7 @@ pub struct Reloader {
     table: Arc<std::sync::RwLock<Arc<routes::Table>>>,
     engine: TieredCache,
     forward: Forward,
-    recorder: Arc<metrics_exporter_prometheus::PrometheusRecorder>,
+    recorder: SharedRecorder,
 }
 
 impl std::fmt::Debug for Reloader {
@@ -393,9 +403,7 @@ impl std::fmt::Debug for Reloader {
 impl Reloader {
     /// Replaces the routes with `config`'s; on an error the routes in force stay.
     pub fn reload(&self, config: &ProxyConfig) -> Result<(), ProxyError> {
-        let (table, _) = metrics::with_local_recorder(&*self.recorder, || {
-            route_table(config, &self.engine, &self.forward)
-        })?;
+        let (table, _) = route_table(config, &self.engine, &self.forward, &self.recorder)?;
         *self.table.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
         Ok(())
     }
@@ -407,6 +415,7 @@ fn route_table(
     config: &ProxyConfig,
     engine: &TieredCache,
     forward: &Forward,
+    recorder: &SharedRecorder,
 ) -> Result<(routes::Table, ResponseCacheLayer), ProxyError> {
     let cached = |name: &str,
                   config: &ProxyConfig|
@@ -414,7 +423,7 @@ fn route_table(
         let policy = config
             .policy()
             .map_err(|e| ProxyError::Config(format!("{name}: {e}")))?;
-        let layer = http_layer(config, engine.clone(), policy, name)?;
+        let layer = http_layer(config, engine.clone(), policy, name, recorder)?;
         let service = tower::Layer::layer(&layer, forward.clone());
         Ok((routes::RouteService::new(service), layer))
     };
@@ -447,12 +456,14 @@ fn http_layer(
     engine: TieredCache,
     policy: Policy,
     name: &str,
+    recorder: &SharedRecorder,
 ) -> Result<ResponseCacheLayer, ProxyError> {
     let header = |flag: &str, name: &str| {
         http::HeaderName::from_bytes(name.as_bytes())
             .map_err(|_| ProxyError::Config(format!("{flag} `{name}`: not a header name")))
     };
     let mut layer = ResponseCacheLayer::new(engine)
+        .metrics_recorder(recorder.clone())
         .max_body(usize::try_from(config.max_body).unwrap_or(usize::MAX))
         .max_error_ttl(config.max_error_ttl)
         .honor_client_no_cache(config.honor_client_no_cache)
@@ -558,6 +569,10 @@ fn admin_router(admin: Admin) -> Router {
         .route("/invalidate", axum::routing::post(invalidate))
         .with_state(admin)
 }
+
+/// This proxy's own metrics registry (several proxies in one process stay
+/// apart), shared by its routes and the reloads.
+type SharedRecorder = Arc<dyn metrics::Recorder + Send + Sync>;
 
 /// A Prometheus recorder whose `*_seconds` histograms have buckets from
 /// 0.5 ms to 10 s.
