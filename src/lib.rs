@@ -22,4 +22,5 @@ pub use tiercache_core::{
     Origin, Policy, PolicyBuilder, PolicyError, Select, Source, Stats, SystemClock, TieredCache,
     TieredCacheBuilder, Value,
 };
-pub use tiercache_http::{ResponseCache, ResponseCacheLayer};
+pub use tiercache_http::paths::Invalidate;
+pub use tiercache_http::{PathLayer, ResponseCache, ResponseCacheLayer};

@@ -17,6 +17,9 @@ pub(crate) struct HttpConfig {
     pub(crate) heuristic: bool,
     pub(crate) honor_client_no_cache: bool,
     pub(crate) max_variants: usize,
+    /// The authority every request is keyed on (and sent on with), in
+    /// place of its own `Host`.
+    pub(crate) canonical_authority: Option<http::uri::Authority>,
 }
 
 impl Default for HttpConfig {
@@ -31,6 +34,7 @@ impl Default for HttpConfig {
             heuristic: true,
             honor_client_no_cache: false,
             max_variants: crate::ResponseCacheLayer::DEFAULT_MAX_VARIANTS,
+            canonical_authority: None,
         }
     }
 }

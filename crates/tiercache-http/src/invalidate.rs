@@ -26,6 +26,14 @@ pub(crate) struct Target {
     path: String,
 }
 
+impl Target {
+    /// `path` on the target's origin, as an absolute URI.
+    pub(crate) fn uri_of(&self, path: &str) -> Option<http::Uri> {
+        let authority = std::str::from_utf8(&self.authority).ok()?;
+        format!("{}://{authority}{path}", self.scheme).parse().ok()
+    }
+}
+
 /// The keys of the request's target: the anonymous entry, and the one this
 /// request's own credentials or keyed cookies and headers would read.
 pub(crate) fn invalidation_keys(

@@ -1,6 +1,7 @@
 //! [`ResponseCacheLayer`]: the HTTP builder, one per route policy, all sharing one engine.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use http::HeaderName;
@@ -9,6 +10,8 @@ use tiercache_core::{IntoPolicy, Policy, PolicyError, Queued, TieredCache};
 
 use crate::config::{Cookies, HttpConfig};
 use crate::metrics::{EngineMetrics, RouteMetrics, Sink};
+use crate::paths::PathLayer;
+use crate::route::Route;
 use crate::variants::Variants;
 
 /// Caches the responses of the service it wraps.
@@ -18,6 +21,26 @@ use crate::variants::Variants;
 /// single-flight map, one set of stats). The base layer itself has no
 /// policy: applied as a layer it panics when the app is built, rather than
 /// silently cache nothing.
+///
+/// Settings have two scopes, and each setter says which by where it is
+/// called: on the base, before the first [`route`](Self::route), it is the
+/// default of every route derived afterwards; on a route's layer
+/// (`cache.route(policy)?.max_body(..)`), it is that route's alone. A base
+/// setter called after routes were derived from that value panics (it
+/// could not reach them); a clone of the base is a new base.
+///
+/// ```should_panic
+/// # use std::time::Duration;
+/// # use tiercache_core::{Policy, TieredCache};
+/// # use tiercache_http::ResponseCacheLayer;
+/// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let cache = ResponseCacheLayer::new(TieredCache::builder().build()?);
+/// let products = cache.route(Policy::ttl(Duration::from_secs(30)))?;
+/// // Panics: `products` copied the settings already; this would not reach it.
+/// let cache = cache.max_body(64 * 1024);
+/// # let _ = (products, cache);
+/// # Ok(()) }
+/// ```
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -34,7 +57,7 @@ use crate::variants::Variants;
 /// );
 /// # Ok(()) }
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct ResponseCacheLayer {
     pub(crate) engine: TieredCache,
     pub(crate) variants: Variants,
@@ -44,6 +67,24 @@ pub struct ResponseCacheLayer {
     pub(crate) engine_metrics: Arc<EngineMetrics>,
     /// Where routes derived from here register their metrics.
     sink: Sink,
+    /// Set once a route (or a [`PathLayer`]) was derived from this value:
+    /// a base setter after that would not reach them, so it panics. Not
+    /// shared by clones: a clone is a new base.
+    derived: AtomicBool,
+}
+
+impl Clone for ResponseCacheLayer {
+    fn clone(&self) -> Self {
+        Self {
+            engine: self.engine.clone(),
+            variants: self.variants.clone(),
+            route: self.route.clone(),
+            config: self.config.clone(),
+            engine_metrics: self.engine_metrics.clone(),
+            sink: self.sink.clone(),
+            derived: AtomicBool::new(false),
+        }
+    }
 }
 
 impl ResponseCacheLayer {
@@ -63,6 +104,7 @@ impl ResponseCacheLayer {
             config: Arc::new(HttpConfig::default()),
             engine_metrics: Arc::new(EngineMetrics::default()),
             sink: Sink::default(),
+            derived: AtomicBool::new(false),
         }
     }
 
@@ -77,6 +119,7 @@ impl ResponseCacheLayer {
     /// metrics (see [`crate::metrics`]); routes may share a name.
     pub fn route_named(&self, name: &str, policy: impl IntoPolicy) -> Result<Self, PolicyError> {
         let policy = policy.into_policy()?;
+        self.derived.store(true, Ordering::Relaxed);
         Ok(Self {
             route: Some((
                 Arc::new(policy),
@@ -84,6 +127,38 @@ impl ResponseCacheLayer {
             )),
             ..self.clone()
         })
+    }
+
+    /// One layer for a whole `Router`, with a policy per path glob, paths
+    /// left out, and writes that invalidate wherever they are routed; see
+    /// [`PathLayer`]. Its rules take this layer's settings.
+    pub fn paths(&self) -> PathLayer {
+        self.derived.store(true, Ordering::Relaxed);
+        PathLayer::new(self.clone())
+    }
+
+    /// The shared state of a route's services; none without a policy.
+    pub(crate) fn into_route(self) -> Option<Arc<Route>> {
+        let (policy, metrics) = self.route?;
+        Some(Arc::new(Route {
+            engine: self.engine,
+            variants: self.variants,
+            policy,
+            config: self.config,
+            metrics,
+            cookies: Default::default(),
+        }))
+    }
+
+    /// Refuses a base setter once routes were derived from this value.
+    fn settable(&self, setter: &str) {
+        assert!(
+            self.route.is_some() || !self.derived.load(Ordering::Relaxed),
+            "tiercache: ResponseCacheLayer::{setter} was called on the base layer after \
+             route()/paths() derived layers from it; they copied its settings then, so this \
+             would not reach them. Call {setter} before the first route(), or on the route: \
+             `cache.route(policy)?.{setter}(..)`"
+        );
     }
 
     /// Sets the engine's metrics (hit ratio, L1 bytes, expired, evicted, L2
@@ -123,14 +198,19 @@ impl ResponseCacheLayer {
     /// # Ok(()) }
     /// ```
     pub fn metrics_recorder(mut self, recorder: Arc<dyn metrics::Recorder + Send + Sync>) -> Self {
+        self.settable("metrics_recorder");
         self.sink = Sink::own(recorder);
         self.engine_metrics = Arc::new(EngineMetrics::new(self.sink.clone()));
+        if let Some((_, metrics)) = &mut self.route {
+            *metrics = Arc::new(RouteMetrics::new(metrics.name(), self.sink.clone()));
+        }
         self
     }
 
     /// Largest body buffered and stored; a larger one (by `Content-Length`, or
     /// found while reading) streams through to the client untouched, unstored.
     pub fn max_body(mut self, bytes: usize) -> Self {
+        self.settable("max_body");
         Arc::make_mut(&mut self.config).max_body = bytes;
         self
     }
@@ -138,6 +218,7 @@ impl ResponseCacheLayer {
     /// Whether to add `x-cache`, `x-cache-tier`, `x-cache-hit-ratio` and
     /// `cache-status` to responses (default on). `age` is always set on hits.
     pub fn emit_headers(mut self, on: bool) -> Self {
+        self.settable("emit_headers");
         Arc::make_mut(&mut self.config).emit_headers = on;
         self
     }
@@ -146,6 +227,7 @@ impl ResponseCacheLayer {
     /// the origin never sees them and the key ignores them. For routes whose
     /// responses do not depend on cookies (assets, public pages).
     pub fn ignore_cookies(mut self) -> Self {
+        self.settable("ignore_cookies");
         Arc::make_mut(&mut self.config).cookies = Cookies::Ignore;
         self
     }
@@ -168,6 +250,7 @@ impl ResponseCacheLayer {
         I: IntoIterator<Item = N>,
         N: Into<String>,
     {
+        self.settable("key_cookies");
         Arc::make_mut(&mut self.config).cookies =
             Cookies::Key(names.into_iter().map(Into::into).collect());
         self
@@ -178,6 +261,7 @@ impl ResponseCacheLayer {
     /// removed) this is how a route that needs, say, `X-Forwarded-Proto` from
     /// its load balancer gets it safely.
     pub fn key_header(mut self, name: HeaderName) -> Self {
+        self.settable("key_header");
         let config = Arc::make_mut(&mut self.config);
         if !config.keyed_headers.contains(&name) {
             config.keyed_headers.push(name);
@@ -190,6 +274,7 @@ impl ResponseCacheLayer {
     /// The first one present stands in for `Cache-Control` when deciding
     /// whether and how long to store; none by default.
     pub fn targeted_fields(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.settable("targeted_fields");
         Arc::make_mut(&mut self.config).targets = names.into_iter().collect();
         self
     }
@@ -198,6 +283,7 @@ impl ResponseCacheLayer {
     /// errors without explicit freshness are never stored (404/410 excepted:
     /// they get the policy's negative ttl).
     pub fn max_error_ttl(mut self, ttl: Duration) -> Self {
+        self.settable("max_error_ttl");
         Arc::make_mut(&mut self.config).max_error_ttl = ttl;
         self
     }
@@ -206,6 +292,7 @@ impl ResponseCacheLayer {
     /// `s-maxage`, `Expires`): a standards-following shared cache with no
     /// heuristic lifetimes. The policy's ttl then applies to nothing.
     pub fn explicit_freshness_only(mut self) -> Self {
+        self.settable("explicit_freshness_only");
         Arc::make_mut(&mut self.config).heuristic = false;
         self
     }
@@ -214,6 +301,7 @@ impl ResponseCacheLayer {
     /// `Pragma: no-cache` makes the cache go to the origin (default off: a
     /// client must not be able to push load onto the origin).
     pub fn honor_client_no_cache(mut self, on: bool) -> Self {
+        self.settable("honor_client_no_cache");
         Arc::make_mut(&mut self.config).honor_client_no_cache = on;
         self
     }
@@ -221,7 +309,40 @@ impl ResponseCacheLayer {
     /// Most `Vary` variants kept per URL (default 32); past it, new variants
     /// are served by the origin, not stored.
     pub fn max_variants(mut self, n: usize) -> Self {
+        self.settable("max_variants");
         Arc::make_mut(&mut self.config).max_variants = n.max(1);
+        self
+    }
+
+    /// Keys every request on `authority` (`shop.example`, or with a port)
+    /// instead of its own `Host`, and sends it to the origin with that
+    /// `Host`: for an app that answers on several names or ports, and for a
+    /// fleet whose instances are reached on different ports, which would
+    /// otherwise keep separate entries (the key holds the authority, port
+    /// included). Invalidations are keyed on it too.
+    ///
+    /// # Panics
+    /// When `authority` is not a valid URI authority.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tiercache_core::{Policy, TieredCache};
+    /// # use tiercache_http::ResponseCacheLayer;
+    /// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let cache = ResponseCacheLayer::new(TieredCache::builder().build()?)
+    ///     .canonical_authority("shop.example");
+    /// let products = cache.route(Policy::ttl(Duration::from_secs(30)))?;
+    /// # let _ = products;
+    /// # Ok(()) }
+    /// ```
+    pub fn canonical_authority(mut self, authority: &str) -> Self {
+        self.settable("canonical_authority");
+        let parsed = authority
+            .parse::<http::uri::Authority>()
+            .unwrap_or_else(|e| {
+                panic!("tiercache: canonical_authority({authority:?}) is not a URI authority: {e}")
+            });
+        Arc::make_mut(&mut self.config).canonical_authority = Some(parsed);
         self
     }
 
@@ -248,6 +369,11 @@ impl ResponseCacheLayer {
                 .invalidate_prefix(crate::key::url_pattern(uri))
                 .await;
         };
+        let authority = self
+            .config
+            .canonical_authority
+            .as_ref()
+            .unwrap_or(authority);
         let key = crate::key::uri_key(
             scheme,
             authority.as_str().as_bytes(),

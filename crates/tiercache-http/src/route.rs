@@ -30,6 +30,27 @@ pub(crate) struct Route {
     pub(crate) cookies: CookieWatch,
 }
 
+impl Route {
+    /// Puts the canonical authority, when one is set, in the request's
+    /// `Host` (and its URI, when absolute): the key, the invalidations and
+    /// the origin all see it, so what the origin writes fits every client.
+    pub(crate) fn canonicalize(&self, parts: &mut http::request::Parts) {
+        let Some(authority) = &self.config.canonical_authority else {
+            return;
+        };
+        let value = http::HeaderValue::from_str(authority.as_str())
+            .expect("an authority is a valid header value");
+        parts.headers.insert(http::header::HOST, value);
+        if parts.uri.authority().is_some() {
+            let mut uri = parts.uri.clone().into_parts();
+            uri.authority = Some(authority.clone());
+            if let Ok(uri) = http::Uri::from_parts(uri) {
+                parts.uri = uri;
+            }
+        }
+    }
+}
+
 /// Watches a route for the newcomer's trap: one analytics cookie on every
 /// request, a hit ratio of zero, and nothing saying why.
 #[derive(Debug, Default)]

@@ -20,6 +20,7 @@ use crate::headers::Outcome;
 use crate::invalidate::{invalidation_keys, is_safe};
 use crate::layer::ResponseCacheLayer;
 use crate::origin::HttpOrigin;
+use crate::paths::Invalidate;
 use crate::request::prepare;
 use crate::route::{Ask, RequestView, Route};
 use crate::write::write_through;
@@ -40,17 +41,17 @@ pub struct ResponseCache<S> {
 impl<S> ResponseCache<S> {
     /// Wraps `inner` with `layer`'s engine, policy and settings.
     pub fn new(inner: S, layer: ResponseCacheLayer) -> Self {
-        let route = layer.route.map(|(policy, metrics)| {
-            Arc::new(Route {
-                engine: layer.engine,
-                variants: layer.variants,
-                policy,
-                config: layer.config,
-                metrics,
-                cookies: Default::default(),
-            })
-        });
-        Self { inner, route }
+        Self {
+            inner,
+            route: layer.into_route(),
+        }
+    }
+
+    pub(crate) fn with_route(inner: S, route: Arc<Route>) -> Self {
+        Self {
+            inner,
+            route: Some(route),
+        }
     }
 
     /// The wrapped service.
@@ -85,16 +86,38 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        self.call_routed(req, Vec::new())
+    }
+}
+
+impl<S> ResponseCache<S> {
+    /// [`Service::call`], with what a successful write invalidates beyond
+    /// the URLs it names (`also`, from a [`PathLayer`](crate::paths::PathLayer)).
+    pub(crate) fn call_routed<ReqB, ResB>(
+        &mut self,
+        req: Request<ReqB>,
+        also: Vec<Invalidate>,
+    ) -> ResponseFuture<S::Future, ResB, S::Error>
+    where
+        S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ReqB: Body + Send + 'static,
+        ResB: Body<Data = Bytes> + Send + 'static,
+        ResB::Error: Into<BoxError>,
+    {
         let Some(route) = &self.route else {
             return ResponseFuture::inner(self.inner.call(req), None);
         };
         let route = route.clone();
         let (mut parts, body) = req.into_parts();
+        route.canonicalize(&mut parts);
         if !is_safe(&parts.method) {
             route.bypass(Reason::Method);
             let (keys, target) = invalidation_keys(&parts, &route.config);
             let future = self.inner.call(Request::from_parts(parts, body));
-            return ResponseFuture::boxed(Box::pin(write_through(route, future, keys, target)));
+            let write = write_through(route, future, keys, target, also);
+            return ResponseFuture::boxed(Box::pin(write));
         }
         route.cookies.seen();
         // A GET with a body ("fat GET"), found by its framing headers or,

@@ -9,13 +9,15 @@ use crate::body::CacheBody;
 use crate::cacheable::Reason;
 use crate::headers::{Outcome, X_CACHE_INVALIDATION};
 use crate::invalidate::{Target, location_keys};
-use crate::key::family_tag;
+use crate::key::{family_tag, path_prefix_pattern};
+use crate::paths::Invalidate;
 use crate::route::Route;
 use tiercache_core::CacheKey;
 
 /// Awaits the origin's answer to an unsafe request; when it succeeds (2xx,
 /// 3xx) the target URI and any same-origin `Location` / `Content-Location`
-/// are invalidated in L1 and L2 before the response is returned. Loads of
+/// are invalidated in L1 and L2 before the response is returned, with
+/// whatever `also` names. Loads of
 /// those URLs already in flight are not stored (the engine's journal).
 ///
 /// What the response waits for: this instance's L1, always; the shared
@@ -28,6 +30,7 @@ pub(crate) async fn write_through<F, ResB, E>(
     future: F,
     mut keys: Vec<CacheKey>,
     request: Target,
+    also: Vec<Invalidate>,
 ) -> Result<Response<CacheBody<ResB>>, E>
 where
     F: std::future::Future<Output = Result<Response<ResB>, E>>,
@@ -49,6 +52,21 @@ where
                 .invalidate_tag_and_keys(tag, &known)
                 .await
                 .is_err();
+        }
+        for what in also {
+            let done = match what {
+                Invalidate::Tag(tag) => route.engine.invalidate_tag(tag).await,
+                Invalidate::PathPrefix(prefix) => match request.uri_of(&prefix) {
+                    Some(uri) => {
+                        route
+                            .engine
+                            .invalidate_prefix(path_prefix_pattern(&uri))
+                            .await
+                    }
+                    None => Ok(()),
+                },
+            };
+            queued |= done.is_err();
         }
         invalidated = Some(if queued { "queued" } else { "done" });
     }

@@ -15,43 +15,7 @@ use tower::util::BoxCloneSyncService;
 
 use crate::forward::UpstreamBody;
 
-/// A path glob: `*` matches any run of characters (`/` included), `?` one
-/// character; everything else matches itself.
-///
-/// ```
-/// use tiercache_proxy::routes::Glob;
-///
-/// assert!(Glob::new("/static/*").matches("/static/css/site.css"));
-/// assert!(!Glob::new("/static/*").matches("/api/static/x"));
-/// assert!(Glob::new("/item/?").matches("/item/7"));
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Glob(String);
-
-impl Glob {
-    /// A glob from its text.
-    pub fn new(pattern: impl Into<String>) -> Self {
-        Self(pattern.into())
-    }
-
-    /// The glob as written.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-
-    /// Whether `path` matches the whole glob.
-    pub fn matches(&self, path: &str) -> bool {
-        fn go(p: &[u8], s: &[u8]) -> bool {
-            match p.split_first() {
-                None => s.is_empty(),
-                Some((b'*', rest)) => (0..=s.len()).any(|i| go(rest, &s[i..])),
-                Some((b'?', rest)) => !s.is_empty() && go(rest, &s[1..]),
-                Some((c, rest)) => s.first() == Some(c) && go(rest, &s[1..]),
-            }
-        }
-        go(self.0.as_bytes(), path.as_bytes())
-    }
-}
+pub use tiercache_http::paths::Glob;
 
 /// The settings a route (or the file's `[defaults]`) may set; each left
 /// `None` keeps what applies around it.
