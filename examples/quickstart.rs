@@ -6,6 +6,7 @@
 //! curl -si http://127.0.0.1:3000/products/7   # x-cache: HIT, x-cache-tier: l1
 //! curl -s  http://127.0.0.1:3000/stats
 //! curl -s  http://127.0.0.1:3000/metrics      # Prometheus text
+//! open http://127.0.0.1:3000/dashboard          # the live dashboard
 //! ```
 //!
 //! Listens on `$ADDR` (default `127.0.0.1:3000`). L1 only, unless `$VALKEY_URL`
@@ -35,10 +36,9 @@ async fn stats(State(app): State<App>) -> Json<tiercache::Stats> {
     Json(app.cache.engine().stats())
 }
 
-/// Prometheus text: the engine's counters are published at each scrape;
-/// the per-route request metrics are live.
+/// Prometheus text: the per-route request metrics are live, and the layer
+/// publishes the engine's every second on its own.
 async fn metrics(State(app): State<App>) -> String {
-    app.cache.publish_metrics();
     app.prometheus.render()
 }
 
@@ -51,7 +51,6 @@ struct App {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
-    // Before the layer is built: it takes its metric handles from the recorder.
     let prometheus = PrometheusBuilder::new().install_recorder()?;
     let mut builder = TieredCache::builder();
     if let Ok(url) = std::env::var("VALKEY_URL") {
@@ -71,6 +70,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .route("/stats", get(stats))
         .route("/metrics", get(metrics))
+        .nest("/dashboard", tiercache::dashboard::router(cache.engine()))
         .with_state(App { cache, prometheus });
 
     let listener = tokio::net::TcpListener::bind(&addr).await?;

@@ -400,3 +400,33 @@ async fn a_recorder_installed_after_the_layer_is_built_gets_the_metrics() {
     );
     assert!(text.contains("tiercache_l1_entries 1"), "{text}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_engine_metrics_are_current_at_a_scrape_without_publish_metrics() {
+    let engine = TieredCache::builder().sweep_interval(None).build().unwrap();
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let layer = ResponseCacheLayer::new(engine).metrics_recorder(Arc::new(recorder));
+    let route = layer
+        .route_named("r", Policy::ttl(Duration::from_secs(60)))
+        .unwrap();
+    let app = Router::new()
+        .route("/r", get(|| async { "body" }).layer(route))
+        .with_state(());
+    app.clone().oneshot(get_r()).await.unwrap();
+    app.clone().oneshot(get_r()).await.unwrap();
+    // No publish_metrics(): the layer's own task publishes within a second
+    // (the paused clock moves on while every task waits).
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let text = handle.render();
+    assert!(text.contains("tiercache_l1_entries 1"), "{text}");
+    assert!(text.contains("tiercache_origin_loads_total 1"), "{text}");
+    assert!(text.contains("tiercache_hit_ratio 0.5"), "{text}");
+    app.clone().oneshot(get_r()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let text = handle.render();
+    assert!(
+        text.contains("tiercache_hit_ratio 0.66"),
+        "the next second's scrape sees the third request:\n{text}"
+    );
+}

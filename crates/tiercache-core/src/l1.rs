@@ -200,6 +200,45 @@ impl L1 {
         matches!(result, CompResult::Removed(_))
     }
 
+    /// The byte budget.
+    pub(crate) fn capacity(&self) -> u64 {
+        self.cache.policy().max_capacity().unwrap_or(0)
+    }
+
+    /// How many entries go stale in each of the next `seconds` seconds after
+    /// `now`, from at most `limit` of them (moka's iteration order is its
+    /// hash order: a fair sample), scaled up to every entry when sampled.
+    pub(crate) fn horizon(&self, now: SystemTime, seconds: usize, limit: usize) -> crate::Horizon {
+        let mut buckets = vec![0u64; seconds];
+        let (mut examined, mut stale) = (0u64, 0u64);
+        for (_, entry) in self.cache.iter().take(limit) {
+            examined += 1;
+            match entry.times().fresh_until.duration_since(now) {
+                Ok(left) => {
+                    if let Some(slot) = buckets.get_mut(left.as_secs() as usize) {
+                        *slot += 1;
+                    }
+                }
+                Err(_) => stale += 1,
+            }
+        }
+        let entries = self.cache.entry_count().max(examined);
+        let scaled = (examined as usize) == limit && entries > examined;
+        if scaled {
+            let factor = entries as f64 / examined as f64;
+            let scale = |n: &mut u64| *n = (*n as f64 * factor).round() as u64;
+            buckets.iter_mut().for_each(scale);
+            scale(&mut stale);
+        }
+        crate::Horizon {
+            buckets,
+            already_stale: stale,
+            examined,
+            entries,
+            scaled,
+        }
+    }
+
     pub(crate) fn entry_count(&self) -> u64 {
         self.cache.entry_count()
     }

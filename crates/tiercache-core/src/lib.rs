@@ -66,7 +66,7 @@ pub use policy::{
     IntoPolicy, Jitter, MAX_JITTER, MAX_LOCK_TIMEOUT, MAX_TTL, Policy, PolicyBuilder, PolicyError,
     parse_duration,
 };
-pub use stats::{InvalidationStats, LatencyStats, Stats};
+pub use stats::{Horizon, InvalidationStats, LatencyStats, Stats};
 #[cfg(any(test, feature = "test-util"))]
 pub use tier::MemoryTier;
 pub use tier::{BoxFuture, Tier, TierError, TierHit, TierReport};

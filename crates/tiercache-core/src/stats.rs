@@ -77,6 +77,27 @@ pub struct LatencyStats {
     pub mean_ms: f64,
     /// Slowest load.
     pub max_ms: f64,
+    /// Loads by time: `buckets[i]` counts those that took at most
+    /// [`BOUNDS_MS[i]`](Self::BOUNDS_MS) (and more than the bound before);
+    /// the last bucket, the slower ones.
+    pub buckets: [u64; LatencyStats::BUCKETS],
+}
+
+impl LatencyStats {
+    /// Buckets in [`buckets`](Self::buckets): one per bound, and one open.
+    pub const BUCKETS: usize = 13;
+    /// Upper bounds of the histogram's buckets, in milliseconds.
+    pub const BOUNDS_MS: [f64; Self::BUCKETS - 1] = [
+        1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0,
+    ];
+
+    fn bucket(nanos: u64) -> usize {
+        let ms = nanos as f64 / 1e6;
+        Self::BOUNDS_MS
+            .iter()
+            .position(|&bound| ms <= bound)
+            .unwrap_or(Self::BUCKETS - 1)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -101,6 +122,7 @@ pub(crate) struct Counters {
     origin_nanos_total: AtomicU64,
     origin_nanos_last: AtomicU64,
     origin_nanos_max: AtomicU64,
+    origin_buckets: [AtomicU64; LatencyStats::BUCKETS],
     bypassed: Mutex<BTreeMap<&'static str, u64>>,
 }
 
@@ -119,6 +141,7 @@ impl Counters {
         self.origin_nanos_total.fetch_add(nanos, Relaxed);
         self.origin_nanos_last.store(nanos, Relaxed);
         self.origin_nanos_max.fetch_max(nanos, Relaxed);
+        bump(&self.origin_buckets[LatencyStats::bucket(nanos)]);
     }
 
     pub(crate) fn hit_ratio(&self) -> f64 {
@@ -168,6 +191,7 @@ impl Counters {
                     ms(self.origin_nanos_total.load(Relaxed)) / count as f64
                 },
                 max_ms: ms(self.origin_nanos_max.load(Relaxed)),
+                buckets: std::array::from_fn(|i| self.origin_buckets[i].load(Relaxed)),
             },
             invalidations: InvalidationStats {
                 landed: self.invalidations_landed.load(Relaxed),
@@ -178,4 +202,27 @@ impl Counters {
             },
         }
     }
+}
+
+/// L1's expiry horizon: entries going stale in each of the coming seconds
+/// (see [`TieredCache::expiry_horizon`](crate::TieredCache::expiry_horizon)).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Horizon {
+    /// `buckets[i]`: entries whose fresh lifetime ends between `i` and
+    /// `i + 1` seconds from now.
+    pub buckets: Vec<u64>,
+    /// Entries already stale (served stale, revalidated, or awaiting the sweep).
+    pub already_stale: u64,
+    /// Entries read to count.
+    pub examined: u64,
+    /// Entries in L1.
+    pub entries: u64,
+    /// Whether the counts were scaled up from a sample.
+    pub scaled: bool,
+}
+
+impl Horizon {
+    /// Most entries read for one horizon (~10 ms of a core).
+    pub const SAMPLE: usize = 100_000;
 }

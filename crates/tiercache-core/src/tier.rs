@@ -97,6 +97,8 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct TierReport {
+    /// Writes waiting in the write queue now.
+    pub write_queue: u64,
     /// Writes dropped because the write queue was full.
     pub write_drops: u64,
     /// Writes that failed or timed out.

@@ -140,7 +140,9 @@ impl ResponseCacheLayer {
     /// The shared state of a route's services; none without a policy.
     pub(crate) fn into_route(self) -> Option<Arc<Route>> {
         let (policy, metrics) = self.route?;
+        self.engine_metrics.keep_current(&self.engine);
         Some(Arc::new(Route {
+            engine_metrics: self.engine_metrics,
             engine: self.engine,
             variants: self.variants,
             policy,
@@ -162,19 +164,16 @@ impl ResponseCacheLayer {
     }
 
     /// Sets the engine's metrics (hit ratio, L1 bytes, expired, evicted, L2
-    /// errors and breaker, …) from its counters. Call it before each scrape;
-    /// the per-route request metrics are live and need no call.
+    /// errors and breaker, …) from its counters, now. There is no need to
+    /// call it before a scrape: once the layer wraps a service inside a Tokio
+    /// runtime, a task of its own does this every second while the layer or
+    /// its services live (the per-route request metrics are live anyway).
     ///
     /// Like every metric here they go to the recorder given with
     /// [`metrics_recorder`](Self::metrics_recorder), or to the one in force
     /// when this is called.
     pub fn publish_metrics(&self) {
-        let stats = self.engine.stats();
-        self.engine_metrics.publish(
-            &stats,
-            self.engine.l1_weighted_size(),
-            self.engine.l1_entry_count(),
-        );
+        self.engine_metrics.publish_from(&self.engine);
     }
 
     /// Records this layer's metrics, and those of the routes derived from it

@@ -13,8 +13,10 @@
 //! | `tiercache_route_lock_timeouts_total` | counter | `route`: waits that gave up after the policy's `lock_timeout` |
 //! | `tiercache_route_early_refreshes_total` | counter | `route`: XFetch refreshes started before expiry |
 //!
-//! For the engine, set from its counters by [`ResponseCacheLayer::publish_metrics`]
-//! (call it before each scrape; the per-route metrics need no call):
+//! For the engine, set from its counters by a task the layer starts (inside a
+//! Tokio runtime, when it wraps its first service) that publishes them every
+//! second while any of its layers or services lives, so a scrape needs no
+//! call; [`ResponseCacheLayer::publish_metrics`] publishes them at once:
 //! `tiercache_origin_loads_total`, `tiercache_coalesced_total`,
 //! `tiercache_lock_timeouts_total`, `tiercache_early_refreshes_total`,
 //! `tiercache_stale_served_total`, `tiercache_l2_errors_total`,
@@ -44,7 +46,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use metrics::{Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder};
-use tiercache_core::{Source, Stats};
+use tiercache_core::{Source, Stats, TieredCache};
 
 use crate::cacheable::Reason;
 
@@ -235,7 +237,12 @@ type Read = fn(&Stats) -> u64;
 #[derive(Debug, Default)]
 pub(crate) struct EngineMetrics {
     sink: Sink,
+    /// Whether the task that keeps them current was started (or tried).
+    publishing: std::sync::atomic::AtomicBool,
 }
+
+/// How often the engine's metrics are published on their own.
+pub(crate) const PUBLISH_EVERY: Duration = Duration::from_secs(1);
 
 /// The engine's counters, by name.
 const TOTALS: &[(&str, Read)] = &[
@@ -264,7 +271,49 @@ const TOTALS: &[(&str, Read)] = &[
 
 impl EngineMetrics {
     pub(crate) fn new(sink: Sink) -> Self {
-        Self { sink }
+        Self {
+            sink,
+            publishing: Default::default(),
+        }
+    }
+
+    /// Keeps the engine's metrics current without `publish_metrics()`: a
+    /// task publishes them every [`PUBLISH_EVERY`] while any layer or
+    /// service built from these metrics lives. Started once, from inside a
+    /// Tokio runtime (at `layer()`, or else at the first request).
+    pub(crate) fn keep_current(self: &Arc<Self>, engine: &TieredCache) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.publishing.load(Relaxed) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.publishing.swap(true, Relaxed) {
+            return;
+        }
+        let metrics = Arc::downgrade(self);
+        let engine = engine.clone();
+        runtime.spawn(async move {
+            let mut every = tokio::time::interval(PUBLISH_EVERY);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                let Some(metrics) = metrics.upgrade() else {
+                    return;
+                };
+                metrics.publish_from(&engine);
+            }
+        });
+    }
+
+    /// Publishes the engine's current counters and gauges.
+    pub(crate) fn publish_from(&self, engine: &TieredCache) {
+        self.publish(
+            &engine.stats(),
+            engine.l1_weighted_size(),
+            engine.l1_entry_count(),
+        );
     }
 
     pub(crate) fn publish(&self, stats: &Stats, l1_bytes: u64, l1_entries: u64) {

@@ -13,7 +13,7 @@ use crate::cacheable::Reason;
 use crate::config::HttpConfig;
 use crate::headers::{self, Outcome};
 use crate::key::{request_variant, variant_key, variant_matches};
-use crate::metrics::RouteMetrics;
+use crate::metrics::{EngineMetrics, RouteMetrics};
 use crate::request::Conditional;
 use crate::variants::Variants;
 
@@ -25,6 +25,8 @@ pub(crate) struct Route {
     pub(crate) policy: Arc<Policy>,
     pub(crate) config: Arc<HttpConfig>,
     pub(crate) metrics: Arc<RouteMetrics>,
+    /// The engine's metrics, kept current by a task of theirs.
+    pub(crate) engine_metrics: Arc<EngineMetrics>,
     /// GET and HEAD requests seen, and those a `Cookie` made bypass: when
     /// cookies cause most bypasses, a warning says so, once.
     pub(crate) cookies: CookieWatch,

@@ -110,6 +110,9 @@ impl<S> ResponseCache<S> {
             return ResponseFuture::inner(self.inner.call(req), None);
         };
         let route = route.clone();
+        // Normally started at `layer()`; this covers a layer built outside
+        // any runtime (one relaxed load per request once started).
+        route.engine_metrics.keep_current(&route.engine);
         let (mut parts, body) = req.into_parts();
         route.canonicalize(&mut parts);
         if !is_safe(&parts.method) {

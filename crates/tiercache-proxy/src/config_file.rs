@@ -107,6 +107,7 @@ struct Table {
     max_error_ttl: Option<Duration>,
     honor_client_no_cache: Option<bool>,
     max_variants: Option<usize>,
+    canonical_authority: Option<String>,
 }
 
 impl Table {
@@ -132,6 +133,7 @@ impl Table {
             max_error_ttl: self.max_error_ttl,
             honor_client_no_cache: self.honor_client_no_cache,
             max_variants: self.max_variants,
+            canonical_authority: self.canonical_authority.clone(),
         }
     }
 }

@@ -16,7 +16,8 @@
 //! `Expires`), never guessing a lifetime; with `--ttl` other storable
 //! responses get that ttl, as on an annotated route. Successful unsafe
 //! requests (POST, PUT, PATCH, DELETE) invalidate their target. The admin
-//! address serves `GET /stats`, `GET /metrics` (Prometheus text; see
+//! address serves the live dashboard at `/` (see `tiercache_dashboard`),
+//! `GET /stats`, `GET /metrics` (Prometheus text; see
 //! `tiercache_http::metrics`) and `POST /invalidate?key=URL|tag=TAG|prefix=PATH`.
 //! With `--valkey`, several proxies on one Valkey (standalone, or a cluster
 //! through a `redis-cluster://` URL) behave as one cache: one origin load
@@ -110,6 +111,9 @@ pub struct ProxyConfig {
     pub tags: Vec<String>,
     /// Most `Vary` variants kept per URL.
     pub max_variants: Option<usize>,
+    /// The authority (`host[:port]`) every request is keyed on and sent
+    /// with, in place of its own `Host`.
+    pub canonical_authority: Option<String>,
     /// Per-path rules, first match wins (the settings above are their
     /// defaults, and apply where none matches).
     pub routes: Vec<routes::Route>,
@@ -145,6 +149,7 @@ impl ProxyConfig {
             override_origin: false,
             tags: Vec::new(),
             max_variants: None,
+            canonical_authority: None,
             routes: Vec::new(),
         }
     }
@@ -231,6 +236,7 @@ impl ProxyConfig {
         c.max_error_ttl = s.max_error_ttl.unwrap_or(c.max_error_ttl);
         c.honor_client_no_cache = s.honor_client_no_cache.unwrap_or(c.honor_client_no_cache);
         c.max_variants = s.max_variants.or(c.max_variants);
+        c.canonical_authority = s.canonical_authority.or(c.canonical_authority);
         c
     }
 
@@ -462,7 +468,16 @@ fn http_layer(
         http::HeaderName::from_bytes(name.as_bytes())
             .map_err(|_| ProxyError::Config(format!("{flag} `{name}`: not a header name")))
     };
-    let mut layer = ResponseCacheLayer::new(engine)
+    let mut base = ResponseCacheLayer::new(engine);
+    if let Some(authority) = &config.canonical_authority {
+        authority.parse::<http::uri::Authority>().map_err(|e| {
+            ProxyError::Config(format!(
+                "canonical authority `{authority}`: not a host[:port] ({e})"
+            ))
+        })?;
+        base = base.canonical_authority(authority);
+    }
+    let mut layer = base
         .metrics_recorder(recorder.clone())
         .max_body(usize::try_from(config.max_body).unwrap_or(usize::MAX))
         .max_error_ttl(config.max_error_ttl)
@@ -549,6 +564,7 @@ struct Admin {
 }
 
 fn admin_router(admin: Admin) -> Router {
+    let dashboard = tiercache_dashboard::router(admin.layer.engine());
     Router::new()
         .route(
             "/stats",
@@ -568,6 +584,8 @@ fn admin_router(admin: Admin) -> Router {
         )
         .route("/invalidate", axum::routing::post(invalidate))
         .with_state(admin)
+        // `/` (the page), `/api/stats`, `/api/horizon`.
+        .merge(dashboard)
 }
 
 /// This proxy's own metrics registry (several proxies in one process stay

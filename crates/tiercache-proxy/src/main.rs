@@ -76,6 +76,10 @@ struct Args {
     /// Let a client's Cache-Control: no-cache / max-age=0 force a trip to the origin.
     #[arg(long)]
     honor_client_no_cache: bool,
+    /// Key every request on this host[:port] (and send it as Host), for a
+    /// site reached by several names or ports, or a fleet on different ports.
+    #[arg(long, value_name = "HOST[:PORT]")]
+    canonical_authority: Option<String>,
     /// How long a request waits on another's origin load for the same key
     /// (in this process, or another instance's on the shared Valkey), and
     /// how long a fleet-wide fill lock lives if its owner dies.
@@ -145,6 +149,9 @@ fn settings(args: &Args, matches: &ArgMatches) -> Result<ProxyConfig, String> {
     }
     if set("honor_client_no_cache") {
         config.honor_client_no_cache = args.honor_client_no_cache;
+    }
+    if set("canonical_authority") {
+        config.canonical_authority = args.canonical_authority.clone();
     }
     if set("stale_while_revalidate") {
         config.stale_while_revalidate = args.stale_while_revalidate;

@@ -62,6 +62,8 @@ pub struct Settings {
     pub honor_client_no_cache: Option<bool>,
     /// Most `Vary` variants kept per URL.
     pub max_variants: Option<usize>,
+    /// The authority requests are keyed on and sent with.
+    pub canonical_authority: Option<String>,
 }
 
 /// One `[[route]]`: a path glob, whether it is cached, and its settings.

@@ -256,3 +256,36 @@ fn the_example_file_is_valid() {
     assert_eq!(file.config.routes.len(), 3);
     assert!(file.has_upstream);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_canonical_authority_keys_every_host_alike() {
+    let (server, calls) = upstream().await;
+    let listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    let text = format!(
+        "{}canonical_authority = \"shop.example\"\n",
+        file(&server, listen, "")
+    );
+    // In [defaults]: the file's routes (none here) inherit it.
+    let config = config_file::parse(&text, "tiercache.toml").unwrap().config;
+    let proxy = Proxy::start(config).await.unwrap();
+    let client = Client::builder(TokioExecutor::new()).build_http::<Body>();
+    let mut seen = Vec::new();
+    for host in ["shop.test:8080", "10.0.0.7:8081", "shop.example"] {
+        let req = Request::get(format!("http://{}/p", proxy.addr()))
+            .header("host", host)
+            .body(Body::empty())
+            .unwrap();
+        let res = client.request(req).await.unwrap();
+        seen.push(h(res.headers(), "x-cache").to_owned());
+    }
+    assert_eq!(seen, ["MISS", "HIT", "HIT"]);
+    assert_eq!(calls.get(), 1);
+
+    let bad = format!(
+        "{}canonical_authority = \"not a host/\"\n",
+        file(&server, listen, "")
+    );
+    let config = config_file::parse(&bad, "tiercache.toml").unwrap().config;
+    let err = Proxy::start(config).await.unwrap_err().to_string();
+    assert!(err.contains("canonical authority `not a host/`"), "{err}");
+}

@@ -167,6 +167,19 @@ async fn miss_then_hit_and_stats_on_the_admin_address() {
     assert_eq!(stats["hits_l1"], 1);
     assert_eq!(stats["misses"], 1);
     assert_eq!(stats["origin_loads"], 1);
+
+    // The dashboard: its page at the admin root, its JSON beside it.
+    let (status, headers, page) = fetch(get_req(admin, "/")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["content-type"], "text/html; charset=utf-8");
+    assert!(page.contains(r#"id="hit-ratio""#));
+    let (_, _, live) = fetch(get_req(admin, "/api/stats")).await;
+    let live: serde_json::Value = serde_json::from_str(&live).unwrap();
+    assert_eq!(live["totals"]["hits_l1"], 1);
+    assert_eq!(live["l1"]["entries"], 1);
+    let (_, _, horizon) = fetch(get_req(admin, "/api/horizon?seconds=30")).await;
+    let horizon: serde_json::Value = serde_json::from_str(&horizon).unwrap();
+    assert_eq!(horizon["entries"], 1);
 }
 
 #[tokio::test]

@@ -617,6 +617,7 @@ impl Tier for ValkeyTier {
     fn report(&self) -> TierReport {
         let i = &self.inner;
         let mut report = TierReport::default();
+        report.write_queue = (i.writes.max_capacity() - i.writes.capacity()) as u64;
         report.write_drops = i.write_drops.load(Relaxed);
         report.write_errors = i.write_errors.load(Relaxed);
         report.corrupt = i.corrupt.load(Relaxed);

@@ -204,6 +204,39 @@ impl TieredCache {
         self.inner.l2.as_ref().is_none_or(|t| t.available())
     }
 
+    /// L1's byte budget.
+    pub fn l1_capacity(&self) -> u64 {
+        self.inner.l1.capacity()
+    }
+
+    /// Whether the engine has a shared tier (L2).
+    pub fn has_l2(&self) -> bool {
+        self.inner.l2.is_some()
+    }
+
+    /// How many L1 entries go stale in each of the next `seconds` seconds,
+    /// on the engine's clock: the expiry waves to come, before they reach
+    /// the origin. Reads at most [`Horizon::SAMPLE`](crate::Horizon::SAMPLE) entries (a fair
+    /// sample: moka's iteration is in hash order), scaled to them all.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tiercache_core::{CacheKey, Policy, TieredCache, Value};
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let cache = TieredCache::builder().build().unwrap();
+    /// let policy = Policy::ttl(Duration::from_secs(30)).jitter(0.0).build().unwrap();
+    /// cache.put(&CacheKey::new("k"), Value::from_body("v"), &policy);
+    /// let horizon = cache.expiry_horizon(60);
+    /// assert_eq!(horizon.buckets.iter().sum::<u64>(), 1);
+    /// assert_eq!(horizon.buckets[29], 1); // stale in 29.x seconds
+    /// # }
+    /// ```
+    pub fn expiry_horizon(&self, seconds: usize) -> crate::Horizon {
+        self.inner
+            .l1
+            .horizon(self.now(), seconds, crate::Horizon::SAMPLE)
+    }
+
     /// Keys with an origin load in flight right now.
     pub fn in_flight(&self) -> usize {
         self.inner.flights.in_flight()
