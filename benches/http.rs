@@ -52,11 +52,15 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 #[path = "support/origin.rs"]
 mod origin;
+#[path = "support/procs.rs"]
+mod procs;
+
+use procs::{Server, own_group, which};
 
 /// The Rust peers, each served by `benches/peers` (`bench-peer NAME PORT`).
 const RUST_PEERS: [&str; 4] = [
@@ -74,22 +78,26 @@ fn main() {
     let dir = tiercache_testkit::valkey::target_dir().join("bench-http");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("bench folder");
-    provision();
+    procs::provision(&[("wrk", "wrk"), ("nginx", "nginx"), ("varnishd", "varnish")]);
 
-    let origin = Server::spawn_self("origin", free_port(), None);
+    let origin = Server::spawn_self("origin", free_port(), &[]);
     let mut targets: Vec<(&str, Server)> = vec![
-        ("bare", Server::spawn_self("origin", free_port(), None)),
-        ("layer", Server::spawn_self("layer", free_port(), None)),
+        ("bare", Server::spawn_self("origin", free_port(), &[])),
+        ("layer", Server::spawn_self("layer", free_port(), &[])),
         (
             "proxy",
-            Server::spawn_self("proxy", free_port(), Some(origin.addr)),
+            Server::spawn_self(
+                "proxy",
+                free_port(),
+                &[("UPSTREAM", origin.addr.to_string())],
+            ),
         ),
     ];
     let mut skipped = Vec::new();
     match build_peers() {
         Ok(bin) => {
             for name in RUST_PEERS {
-                targets.push((name, Server::spawn_peer(&bin, name)));
+                targets.push((name, spawn_peer(&bin, name)));
             }
         }
         Err(e) => skipped.push(format!("the Rust peers: {e}")),
@@ -180,89 +188,12 @@ fn in_process(name: &str) -> bool {
     name == "layer" || RUST_PEERS.contains(&name)
 }
 
-/// A server process (and its children), stopped on drop.
-struct Server {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Server {
-    fn spawn_self(mode: &str, port: u16, upstream: Option<SocketAddr>) -> Self {
-        let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.env("TIERCACHE_BENCH_SERVE", mode)
-            .env("PORT", port.to_string())
-            .stdout(Stdio::null());
-        if let Some(up) = upstream {
-            cmd.env("UPSTREAM", up.to_string());
-        }
-        Self::wait(
-            own_group(&mut cmd).spawn().expect("spawn a bench server"),
-            port,
-        )
-    }
-
-    fn spawn_peer(bin: &Path, name: &str) -> Self {
-        let port = free_port();
-        let mut cmd = Command::new(bin);
-        cmd.arg(name).arg(port.to_string()).stdout(Stdio::null());
-        Self::wait(own_group(&mut cmd).spawn().expect("spawn a peer"), port)
-    }
-
-    fn wait(child: Child, port: u16) -> Self {
-        let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        for _ in 0..500 {
-            if TcpStream::connect(addr).is_ok() {
-                return Self { child, addr };
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("a bench server did not listen on {addr}");
-    }
-
-    /// `utime + stime` of the process and every descendant.
-    fn cpu(&self) -> Duration {
-        let tick = 100.0; // USER_HZ on Linux
-        let mut total = 0u64;
-        for pid in descendants(self.child.id()) {
-            if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-                let fields: Vec<&str> = stat.rsplit_once(')').unwrap().1.split(' ').collect();
-                total += fields[12].parse::<u64>().unwrap() + fields[13].parse::<u64>().unwrap();
-            }
-        }
-        Duration::from_secs_f64(total as f64 / tick)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        // Each server leads its own process group: the group goes at once,
-        // workers and helpers started late included.
-        let group = format!("-{}", self.child.id());
-        let _ = Command::new("kill").args(["-9", "--", &group]).status();
-        let _ = self.child.wait();
-    }
-}
-
-fn descendants(root: u32) -> Vec<u32> {
-    let mut parents: HashMap<u32, Vec<u32>> = HashMap::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            && let Some((_, rest)) = stat.rsplit_once(')')
-            && let Some(ppid) = rest.split(' ').nth(2).and_then(|p| p.parse().ok())
-        {
-            parents.entry(ppid).or_default().push(pid);
-        }
-    }
-    let mut out = vec![root];
-    let mut i = 0;
-    while i < out.len() {
-        out.extend(parents.get(&out[i]).cloned().unwrap_or_default());
-        i += 1;
-    }
-    out
+/// A Rust peer, served by `benches/peers`' binary.
+fn spawn_peer(bin: &Path, name: &str) -> Server {
+    let port = free_port();
+    let mut cmd = Command::new(bin);
+    cmd.arg(name).arg(port.to_string()).stdout(Stdio::null());
+    Server::wait(own_group(&mut cmd).spawn().expect("spawn a peer"), port)
 }
 
 fn serve(mode: &str) {
@@ -466,25 +397,12 @@ fn stampede(addr: SocketAddr, path: &str, n: usize) -> usize {
 
 // ------------------------------------------------------------------ helpers
 
-fn own_group(cmd: &mut Command) -> &mut Command {
-    use std::os::unix::process::CommandExt;
-    cmd.process_group(0)
-}
-
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port()
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/sbin")])
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
 }
 
 /// Builds `benches/peers` (its own workspace and lock file, so the peers'
@@ -510,30 +428,4 @@ fn build_peers() -> Result<PathBuf, String> {
         return Err(format!("cargo build of benches/peers failed ({status})"));
     }
     Ok(target.join("release/bench-peer"))
-}
-
-/// As root, installs what is missing from Debian (once; quietly).
-fn provision() {
-    let missing: Vec<&str> = [("wrk", "wrk"), ("nginx", "nginx"), ("varnishd", "varnish")]
-        .into_iter()
-        .filter(|(bin, _)| which(bin).is_none())
-        .map(|(_, pkg)| pkg)
-        .collect();
-    let root = Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| o.stdout.starts_with(b"0"));
-    if missing.is_empty() || !root {
-        return;
-    }
-    println!("installing {missing:?} from Debian…");
-    let started = Instant::now();
-    let _ = Command::new("apt-get").args(["update", "-qq"]).status();
-    let _ = Command::new("apt-get")
-        .args(["install", "-y", "-qq"])
-        .args(&missing)
-        .env("DEBIAN_FRONTEND", "noninteractive")
-        .stdout(Stdio::null())
-        .status();
-    println!("… done in {:.0} s", started.elapsed().as_secs_f64());
 }

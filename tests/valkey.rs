@@ -437,3 +437,72 @@ async fn a_blackholed_connection_is_bounded_by_the_timeout_and_the_breaker() {
     let (status, _, _) = send(&app, "/p/reset").await;
     assert_eq!(status, StatusCode::OK);
 }
+
+#[tokio::test]
+async fn an_instance_without_a_copy_answers_a_stale_l2_copy_while_it_refreshes() {
+    use tiercache::core::MockClock;
+    use tiercache_testkit::Gate;
+    let server = ValkeyServer::start();
+    let clock = MockClock::new();
+    let instance = |clock: MockClock| {
+        let server = server.url();
+        async move {
+            TieredCache::builder()
+                .l2(tier(&server, "tc").await)
+                .clock(clock)
+                .sweep_interval(None)
+                .build()
+                .unwrap()
+        }
+    };
+    let (a, b) = (instance(clock.clone()).await, instance(clock.clone()).await);
+    let calls = Counter::new();
+    let gate = Gate::new();
+    let app = |engine: &TieredCache, gated: bool| {
+        let policy = Policy::ttl(Duration::from_secs(1))
+            .jitter(0.0)
+            .xfetch_beta(0.0)
+            .stale_while_revalidate(Duration::from_secs(60));
+        let route = ResponseCacheLayer::new(engine.clone())
+            .route(policy)
+            .unwrap();
+        let (calls, gate) = (calls.clone(), gate.clone());
+        Router::new().route(
+            "/p/{id}",
+            get(move || {
+                let (calls, gate) = (calls.clone(), gate.clone());
+                async move {
+                    let n = calls.bump();
+                    if gated {
+                        gate.passed().await;
+                    }
+                    format!("version {n}")
+                }
+            })
+            .layer(route),
+        )
+    };
+    let (app_a, app_b) = (app(&a, false), app(&b, true));
+    assert_eq!(send(&app_a, "/p/1").await.2, "version 1");
+    wait_for_keys(&server, "tc:*:e", 1).await;
+    clock.advance(Duration::from_secs(2));
+
+    // B has no copy; L2's is stale but inside its window: B answers with it
+    // at once (the origin is held shut), and refreshes in the background.
+    let (_, headers, body) = tokio::time::timeout(Duration::from_secs(5), send(&app_b, "/p/1"))
+        .await
+        .expect("answered without waiting on the (shut) origin");
+    assert_eq!(
+        (h(&headers, "x-cache"), body.as_str()),
+        ("STALE", "version 1")
+    );
+    eventually("the refresh reaches the origin", || calls.get() == 2).await;
+    gate.open();
+    eventually("the refresh is stored", || b.stats().origin_loads == 1).await;
+    let (_, headers, body) = send(&app_b, "/p/1").await;
+    assert_eq!(
+        (h(&headers, "x-cache"), body.as_str()),
+        ("HIT", "version 2")
+    );
+    assert_eq!(calls.get(), 2, "one refresh");
+}

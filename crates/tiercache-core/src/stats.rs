@@ -21,6 +21,9 @@ pub struct Stats {
     pub stale_served: u64,
     /// Fresh hits that started an early refresh (XFetch).
     pub early_refreshes: u64,
+    /// Refreshes not started because `max_refreshes` were running (the
+    /// entry answered; a later hit starts it).
+    pub refreshes_deferred: u64,
     /// Calls that reached the origin on behalf of the cache.
     pub origin_loads: u64,
     /// Requests that waited on another request's origin load instead of making their own.
@@ -107,6 +110,7 @@ pub(crate) struct Counters {
     pub(crate) misses: AtomicU64,
     pub(crate) stale_served: AtomicU64,
     pub(crate) early_refreshes: AtomicU64,
+    pub(crate) refreshes_deferred: AtomicU64,
     pub(crate) origin_loads: AtomicU64,
     pub(crate) coalesced: AtomicU64,
     pub(crate) lock_timeouts: AtomicU64,
@@ -165,6 +169,7 @@ impl Counters {
             misses: self.misses.load(Relaxed),
             stale_served: self.stale_served.load(Relaxed),
             early_refreshes: self.early_refreshes.load(Relaxed),
+            refreshes_deferred: self.refreshes_deferred.load(Relaxed),
             origin_loads: count,
             coalesced: self.coalesced.load(Relaxed),
             lock_timeouts: self.lock_timeouts.load(Relaxed),

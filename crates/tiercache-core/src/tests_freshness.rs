@@ -266,3 +266,86 @@ async fn huge_origin_lifetimes_are_clamped_not_a_panic() {
     assert!(entry.remaining_hard(clock.now()) <= year * 2);
     assert_eq!(state(&cache, &key, &policy), "fresh");
 }
+
+#[tokio::test]
+async fn background_refreshes_are_paced_by_max_refreshes() {
+    let clock = MockClock::new();
+    let cache = TieredCache::builder()
+        .clock(clock.clone())
+        .sweep_interval(None)
+        .max_refreshes(2)
+        .build()
+        .unwrap();
+    let policy = Policy::ttl(Duration::from_secs(1))
+        .jitter(0.0)
+        .xfetch_beta(0.0)
+        .stale_while_revalidate(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let keys: Vec<CacheKey> = (0..3).map(|i| CacheKey::new(format!("k{i}"))).collect();
+    for key in &keys {
+        cache
+            .get_or_load(key, &policy, || async {
+                Ok::<_, std::convert::Infallible>(Value::from_body("v1"))
+            })
+            .await
+            .unwrap();
+    }
+    clock.advance(Duration::from_secs(2));
+    // Every refresh's origin call waits here until released.
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let started = Arc::new(AtomicUsize::new(0));
+    let read = |key: CacheKey| {
+        let (cache, policy, gate, started) =
+            (cache.clone(), policy.clone(), gate.clone(), started.clone());
+        async move {
+            cache
+                .get_or_load(&key, &policy, move || async move {
+                    started.fetch_add(1, Ordering::SeqCst);
+                    let _ = gate.acquire().await.unwrap();
+                    Ok::<_, std::convert::Infallible>(Value::from_body("v2"))
+                })
+                .await
+                .unwrap()
+        }
+    };
+    for key in &keys {
+        assert_eq!(read(key.clone()).await.body, "v1", "stale answers at once");
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while started.load(Ordering::SeqCst) < 2 {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        cache.in_flight(),
+        2,
+        "two refreshes run, the third waits its turn"
+    );
+    assert_eq!(cache.stats().refreshes_deferred, 1);
+
+    gate.add_permits(10);
+    while cache.in_flight() > 0 {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(read(keys[0].clone()).await.body, "v2");
+    // The deferred key's next hit starts its refresh, now that a slot is free.
+    assert_eq!(read(keys[2].clone()).await.body, "v1");
+    while started.load(Ordering::SeqCst) < 3 || cache.in_flight() > 0 {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(read(keys[2].clone()).await.body, "v2");
+    assert_eq!(started.load(Ordering::SeqCst), 3);
+}
+
+#[test]
+fn max_refreshes_of_zero_is_refused_naming_the_field() {
+    let err = TieredCache::builder()
+        .sweep_interval(None)
+        .max_refreshes(0)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("max_refreshes"), "{err}");
+}

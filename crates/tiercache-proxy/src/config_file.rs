@@ -148,6 +148,7 @@ struct File {
     valkey: Option<String>,
     #[serde(default, deserialize_with = "size")]
     l1_capacity: Option<u64>,
+    max_refreshes: Option<usize>,
     defaults: Option<Spanned<Table>>,
     #[serde(default, rename = "route")]
     routes: Vec<Spanned<Table>>,
@@ -230,6 +231,9 @@ pub fn parse(text: &str, name: &str) -> Result<FileConfig, ProxyError> {
     config.valkey = file.valkey;
     if let Some(bytes) = file.l1_capacity {
         config.l1_capacity = bytes;
+    }
+    if let Some(n) = file.max_refreshes {
+        config.max_refreshes = n;
     }
     if let Some(defaults) = &file.defaults {
         let table = defaults.get_ref();

@@ -74,6 +74,8 @@ pub struct ProxyConfig {
     pub max_body: u64,
     /// L1 byte budget.
     pub l1_capacity: u64,
+    /// Most background refreshes running at once.
+    pub max_refreshes: usize,
     /// The shared L2, as a `redis://` / `rediss://` URL (none: L1 only).
     pub valkey: Option<String>,
     /// Stale-while-revalidate window.
@@ -131,6 +133,7 @@ impl ProxyConfig {
             jitter: Policy::DEFAULT_JITTER,
             max_body: ResponseCacheLayer::DEFAULT_MAX_BODY as u64,
             l1_capacity: tiercache_core::TieredCacheBuilder::DEFAULT_L1_CAPACITY,
+            max_refreshes: tiercache_core::TieredCacheBuilder::DEFAULT_MAX_REFRESHES,
             valkey: None,
             stale_while_revalidate: Duration::ZERO,
             stale_if_error: Duration::ZERO,
@@ -286,7 +289,9 @@ impl std::fmt::Debug for routes::Table {
 impl Proxy {
     /// Binds the listen (and admin) addresses and starts serving.
     pub async fn start(config: ProxyConfig) -> Result<Self, ProxyError> {
-        let mut builder = TieredCache::builder().l1_capacity(config.l1_capacity);
+        let mut builder = TieredCache::builder()
+            .l1_capacity(config.l1_capacity)
+            .max_refreshes(config.max_refreshes);
         if let Some(url) = &config.valkey {
             let config =
                 ValkeyConfig::from_url(url).map_err(|e| ProxyError::Config(e.to_string()))?;

@@ -40,6 +40,10 @@ struct Args {
     /// L1 byte budget (bytes, KiB, MiB, GiB).
     #[arg(long, default_value = "256MiB", value_parser = parse_size)]
     l1_capacity: u64,
+    /// Most background refreshes (stale-while-revalidate, XFetch) at once;
+    /// keep it below the upstream's own concurrency.
+    #[arg(long, default_value_t = tiercache_core::TieredCacheBuilder::DEFAULT_MAX_REFRESHES)]
+    max_refreshes: usize,
     /// Valkey as the shared L2: redis://[user:password@]host:port[/db], rediss:// for TLS.
     #[arg(long)]
     valkey: Option<String>,
@@ -131,6 +135,9 @@ fn settings(args: &Args, matches: &ArgMatches) -> Result<ProxyConfig, String> {
     }
     if set("l1_capacity") {
         config.l1_capacity = args.l1_capacity;
+    }
+    if set("max_refreshes") {
+        config.max_refreshes = args.max_refreshes;
     }
     if set("ignore_cookies") {
         config.ignore_cookies = args.ignore_cookies;

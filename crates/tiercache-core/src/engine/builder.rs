@@ -20,6 +20,7 @@ pub struct TieredCacheBuilder {
     clock: Arc<dyn Clock>,
     sweep_interval: Option<Duration>,
     rng_seed: Option<u64>,
+    max_refreshes: usize,
 }
 
 impl Default for TieredCacheBuilder {
@@ -30,6 +31,7 @@ impl Default for TieredCacheBuilder {
             clock: Arc::new(SystemClock),
             sweep_interval: Some(TieredCacheBuilder::DEFAULT_SWEEP_INTERVAL),
             rng_seed: None,
+            max_refreshes: TieredCacheBuilder::DEFAULT_MAX_REFRESHES,
         }
     }
 }
@@ -37,6 +39,8 @@ impl Default for TieredCacheBuilder {
 impl TieredCacheBuilder {
     /// Default L1 byte budget: 256 MiB.
     pub const DEFAULT_L1_CAPACITY: u64 = 256 * 1024 * 1024;
+    /// Default [`max_refreshes`](Self::max_refreshes): 32.
+    pub const DEFAULT_MAX_REFRESHES: usize = 32;
     /// Default sweeper tick: 1 s.
     pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -71,6 +75,18 @@ impl TieredCacheBuilder {
         self
     }
 
+    /// Most background refreshes (stale-while-revalidate, XFetch) running
+    /// at once (default 32). A hit that would start one more answers without
+    /// it (a later hit starts it, once a refresh has finished): refreshes
+    /// are paced, never fired at the origin all together when a cohort goes
+    /// stale, and never starve the misses that must wait on it. Size it
+    /// below the origin's own concurrency (a database pool), leaving room
+    /// for the misses.
+    pub fn max_refreshes(mut self, n: usize) -> Self {
+        self.max_refreshes = n;
+        self
+    }
+
     /// Seeds the jitter RNG, for reproducible tests and experiments.
     pub fn rng_seed(mut self, seed: u64) -> Self {
         self.rng_seed = Some(seed);
@@ -85,6 +101,13 @@ impl TieredCacheBuilder {
                 field: "l1_capacity",
                 value: "0".into(),
                 allowed: "at least 1 byte",
+            }));
+        }
+        if self.max_refreshes == 0 {
+            return Err(BuildError::Config(PolicyError {
+                field: "max_refreshes",
+                value: "0".into(),
+                allowed: "at least 1 (background refreshes at once)",
             }));
         }
         if self.sweep_interval.is_some_and(|i| i.is_zero()) {
@@ -136,6 +159,7 @@ impl TieredCacheBuilder {
             tag_keys,
             journal: Journal::default(),
             outbox: Arc::default(),
+            refreshes: Arc::new(tokio::sync::Semaphore::new(self.max_refreshes)),
         });
         if let Some(l2) = &inner.l2 {
             let sink: Weak<dyn InvalidationSink> = Arc::downgrade(&inner) as _;

@@ -95,6 +95,8 @@ struct RefreshState {
     policy: Policy,
     current: Entry,
     leader: Leader,
+    /// Its slot among the refreshes running at once, held until it ends.
+    slot: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl fmt::Debug for Refresh {
@@ -253,8 +255,13 @@ impl TieredCache {
     }
 
     /// Leads a background refresh of `current`, unless a load for the key
-    /// is already running (it will do).
-    fn refresh(&self, keys: Keys, policy: &Policy, current: &Entry) -> Option<Refresh> {
+    /// is already running (it will do), or as many refreshes as allowed are
+    /// running (a later hit starts it: refreshes are paced).
+    pub(super) fn refresh(&self, keys: Keys, policy: &Policy, current: &Entry) -> Option<Refresh> {
+        let Ok(slot) = self.inner.refreshes.clone().try_acquire_owned() else {
+            bump(&self.inner.counters.refreshes_deferred);
+            return None;
+        };
         let leader = self
             .inner
             .flights
@@ -265,6 +272,7 @@ impl TieredCache {
             policy: policy.clone(),
             current: current.clone(),
             leader,
+            slot,
         })))
     }
 
@@ -399,6 +407,7 @@ impl Refresh {
             policy,
             current,
             leader,
+            slot,
         } = *self.0;
         let lead = Lead {
             leader,
@@ -408,6 +417,9 @@ impl Refresh {
             revalidate: false,
             current: Some(current),
         };
-        tokio::spawn(engine.fill(lead, origin));
+        tokio::spawn(async move {
+            let _ = engine.fill(lead, origin).await;
+            drop(slot);
+        });
     }
 }

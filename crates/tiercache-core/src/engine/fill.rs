@@ -19,12 +19,20 @@ pub(super) enum Filled<T> {
     Entry(Entry, Source, bool),
     Transient(Entry),
     Stale(Entry),
+    /// A stale copy from L2 answers while a refresh runs (stale-while-revalidate).
+    Revalidating(Entry),
     Passed(T),
 }
 
 /// An origin behind a lock: `Sync` for any `Send` origin, so a future may
 /// hold a reference to it across an await.
 struct Locked<O>(std::sync::Mutex<O>);
+
+impl<O> Locked<O> {
+    fn into_inner(self) -> O {
+        self.0.into_inner().unwrap_or_else(|e| e.into_inner())
+    }
+}
 
 impl<O: Select> Select for Locked<O> {
     fn accepts(&self, entry: &Entry) -> bool {
@@ -131,6 +139,9 @@ impl TieredCache {
             Filled::Stale(entry) => {
                 answer(entry, Source::L1, Served::Stale(StaleReason::OriginError))
             }
+            Filled::Revalidating(entry) => {
+                answer(entry, Source::L2, Served::Stale(StaleReason::Revalidating))
+            }
             Filled::Passed(output) => {
                 bump(&self.inner.counters.misses);
                 Fetched::Passed {
@@ -170,14 +181,26 @@ impl TieredCache {
                 .as_ref()
                 .is_none_or(|c| e.times().created_at > c.times().created_at)
         };
+        // A first load (not a refresh) may take a copy inside its
+        // stale-while-revalidate window: another instance stored it, this
+        // one has no copy of its own; it answers at once while a refresh runs.
+        let stale_ok = current.is_none();
         if !revalidate
             && let Some(entry) = self
-                .read_l2(&keys.requested, &keys.flight, epoch, &origin)
+                .read_l2(&keys.requested, &keys.flight, epoch, &origin, stale_ok)
                 .await
             && newer(&entry)
         {
+            let fresh = matches!(entry.freshness(self.now()), crate::Freshness::Fresh(_));
             if !origin.must_revalidate(&entry) {
-                return Ok(self.filled_from_l2(leader, entry));
+                if fresh {
+                    return Ok(self.filled_from_l2(leader, entry));
+                }
+                leader.complete(FlightResult::Shared(entry.clone(), Source::L2));
+                if let Some(refresh) = self.refresh(keys, &policy, &entry) {
+                    refresh.spawn(origin.into_inner());
+                }
+                return Ok(Filled::Revalidating(entry));
             }
             stale = Some(entry);
         }

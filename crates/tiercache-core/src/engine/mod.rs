@@ -80,6 +80,8 @@ pub(crate) struct Inner {
     journal: Journal,
     /// Invalidations on their way to the shared tier, and their tombstones.
     outbox: Arc<Outbox>,
+    /// Slots for background refreshes (see `max_refreshes`).
+    refreshes: Arc<tokio::sync::Semaphore>,
 }
 
 /// The keys this instance stored under one tag.

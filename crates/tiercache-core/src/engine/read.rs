@@ -108,6 +108,18 @@ impl TieredCache {
         epoch: u64,
         accept: impl FnOnce(&Entry) -> bool,
     ) -> Option<Entry> {
+        self.lookup_l2_within(key, epoch, accept, false).await
+    }
+
+    /// [`lookup_l2`](Self::lookup_l2), also taking a copy inside its
+    /// stale-while-revalidate window when `stale_ok`.
+    pub(crate) async fn lookup_l2_within(
+        &self,
+        key: &CacheKey,
+        epoch: u64,
+        accept: impl FnOnce(&Entry) -> bool,
+        stale_ok: bool,
+    ) -> Option<Entry> {
         let l2 = self.inner.l2.as_ref()?;
         let hit = match l2.get(key).await {
             Ok(Some(hit)) => hit,
@@ -121,8 +133,13 @@ impl TieredCache {
             }
         };
         let now = self.now();
+        let usable = match hit.entry.freshness(now) {
+            Freshness::Fresh(_) => true,
+            Freshness::Stale => stale_ok,
+            _ => false,
+        };
         if hit.entry.key() != key.full()
-            || !matches!(hit.entry.freshness(now), Freshness::Fresh(_))
+            || !usable
             || !accept(&hit.entry)
             // Invalidated here, and the shared tier has not heard yet.
             || self.inner.outbox.covers(key, hit.entry.times().created_at)
@@ -163,15 +180,21 @@ impl TieredCache {
         flight: &CacheKey,
         epoch: u64,
         select: &impl Select,
+        stale_ok: bool,
     ) -> Option<Entry> {
         if flight != requested {
-            return self.lookup_l2(flight, epoch, |e| select.accepts(e)).await;
+            return self
+                .lookup_l2_within(flight, epoch, |e| select.accepts(e), stale_ok)
+                .await;
         }
-        let latest = self.lookup_l2(requested, epoch, |_| true).await?;
+        let latest = self
+            .lookup_l2_within(requested, epoch, |_| true, stale_ok)
+            .await?;
         if select.accepts(&latest) {
             return Some(latest);
         }
         let key = select.variant_key(requested, &latest)?;
-        self.lookup_l2(&key, epoch, |e| select.accepts(e)).await
+        self.lookup_l2_within(&key, epoch, |e| select.accepts(e), stale_ok)
+            .await
     }
 }

@@ -1,0 +1,132 @@
+//! Server processes for the benches over real sockets (`benches/http.rs`,
+//! `benches/workload.rs`): spawned in their own process group, waited for,
+//! measured (CPU), and killed on drop; and the tools they need.
+
+#![allow(dead_code)] // each bench uses its own part
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A server process (and its children), stopped on drop.
+pub(crate) struct Server {
+    pub(crate) child: Child,
+    pub(crate) addr: SocketAddr,
+}
+
+impl Server {
+    /// This bench binary again, serving `mode` on `port` (the bench's
+    /// `main` reads `TIERCACHE_BENCH_SERVE`, `PORT` and `env`).
+    pub(crate) fn spawn_self(mode: &str, port: u16, env: &[(&str, String)]) -> Self {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.env("TIERCACHE_BENCH_SERVE", mode)
+            .env("PORT", port.to_string())
+            .stdout(Stdio::null());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        Self::wait(
+            own_group(&mut cmd).spawn().expect("spawn a bench server"),
+            port,
+        )
+    }
+
+    /// Waits until `port` accepts connections.
+    pub(crate) fn wait(child: Child, port: u16) -> Self {
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        for _ in 0..500 {
+            if TcpStream::connect(addr).is_ok() {
+                return Self { child, addr };
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("a bench server did not listen on {addr}");
+    }
+
+    /// `utime + stime` of the process and every descendant.
+    pub(crate) fn cpu(&self) -> Duration {
+        let tick = 100.0; // USER_HZ on Linux
+        let mut total = 0u64;
+        for pid in descendants(self.child.id()) {
+            if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+                let fields: Vec<&str> = stat.rsplit_once(')').unwrap().1.split(' ').collect();
+                total += fields[12].parse::<u64>().unwrap() + fields[13].parse::<u64>().unwrap();
+            }
+        }
+        Duration::from_secs_f64(total as f64 / tick)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // Each server leads its own process group: the group goes at once,
+        // workers and helpers started late included.
+        let group = format!("-{}", self.child.id());
+        let _ = Command::new("kill").args(["-9", "--", &group]).status();
+        let _ = self.child.wait();
+    }
+}
+
+fn descendants(root: u32) -> Vec<u32> {
+    let mut parents: HashMap<u32, Vec<u32>> = HashMap::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            && let Some((_, rest)) = stat.rsplit_once(')')
+            && let Some(ppid) = rest.split(' ').nth(2).and_then(|p| p.parse().ok())
+        {
+            parents.entry(ppid).or_default().push(pid);
+        }
+    }
+    let mut out = vec![root];
+    let mut i = 0;
+    while i < out.len() {
+        out.extend(parents.get(&out[i]).cloned().unwrap_or_default());
+        i += 1;
+    }
+    out
+}
+
+pub(crate) fn own_group(cmd: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    cmd.process_group(0)
+}
+
+pub(crate) fn which(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin")])
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// As root, installs what is missing from Debian (once; quietly): `wants`
+/// is `(binary, package)` pairs.
+pub(crate) fn provision(wants: &[(&str, &str)]) {
+    let missing: Vec<&str> = wants
+        .iter()
+        .filter(|(bin, _)| which(bin).is_none())
+        .map(|(_, pkg)| *pkg)
+        .collect();
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0"));
+    if missing.is_empty() || !root {
+        return;
+    }
+    println!("installing {missing:?} from Debian…");
+    let started = Instant::now();
+    let _ = Command::new("apt-get").args(["update", "-qq"]).status();
+    let _ = Command::new("apt-get")
+        .args(["install", "-y", "-qq"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .stdout(Stdio::null())
+        .status();
+    println!("… done in {:.0} s", started.elapsed().as_secs_f64());
+}

@@ -1,0 +1,655 @@
+//! Origin protection under a realistic workload: what users choose a cache
+//! by. Every system sits in front of the same origin and gets the same
+//! request stream, in one run on one machine.
+//!
+//! Run: `cargo bench --bench workload` (as root it installs the Debian
+//! packages `nginx varnish` when they are missing; a peer that cannot be
+//! had is skipped, and the report says so). `WORKLOAD_SECS` (default 40),
+//! `WORKLOAD_KEYS` (10,000), `WORKLOAD_CONNS` (32) and `WORKLOAD_ONLY`
+//! (a comma-separated list of system names) change the run.
+//!
+//! - Popularity: Zipf, s = 1, over `WORKLOAD_KEYS` keys (key 0 the most
+//!   popular), the same seeded stream for every system.
+//! - The origin (its own process, this binary re-executed): 50 ms per call,
+//!   at most 64 calls at once (a database pool), bodies of 2–20 KiB by key,
+//!   `Cache-Control: public, max-age=5`: every entry lives 5 s. It counts
+//!   its calls and when each began, and the most it was asked to run at once
+//!   (queued on its pool included).
+//! - The client: `WORKLOAD_CONNS` keep-alive connections, each sending its
+//!   next request when the last is answered, for `WORKLOAD_SECS`.
+//! - Systems: the tiercache layer (in the origin's process) and
+//!   `tiercache-proxy`, each as `plain` (ttl 5 s, no jitter, no early
+//!   refresh), `xfetch` (jitter 0.1, XFetch β = 1) and `swr` (the same, and
+//!   stale-while-revalidate 30 s); nginx (`proxy_cache_lock`,
+//!   `proxy_cache_use_stale updating`, `proxy_cache_background_update on`,
+//!   `keepalive_requests` high, a worker per core); Varnish (its default
+//!   grace of 10 s, thread pools sized for the box). The Rust peers are not
+//!   here (their servers in `benches/peers` wrap the fixed origin of
+//!   `benches/http.rs`; see the notes).
+//! - The fleet: three proxies sharing one Valkey (`swr`), against three
+//!   nginx each with its own cache, the client's connections spread over the
+//!   three: origin calls.
+//!
+//! Per system: requests per second, client latency p50 / p90 / p99 / p99.9
+//! / max, origin calls per second (mean, and the peak in any 100 ms),
+//! the origin's peak demand (calls asked at once), the hit ratio (requests
+//! not sent to the origin), failed requests, and against two floors
+//! computed from the same request stream: the origin calls a perfect cache
+//! would make (one per key per 5 s lifetime), and the requests that must
+//! wait on the origin (a key's first request after its lifetime ended; with
+//! stale answers, only its first request ever). A request "waited" when it
+//! took 40 ms or more (the origin takes 50).
+//!
+//! Last measured: see the README's results table and `docs/NOTES.md`.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use rand::{Rng, SeedableRng};
+
+#[path = "support/procs.rs"]
+mod procs;
+
+use procs::{Server, own_group, provision, which};
+use tiercache_testkit::valkey::free_port;
+
+/// Each entry's lifetime, as the origin declares it.
+const LIFETIME: Duration = Duration::from_secs(5);
+/// The origin's time per call.
+const ORIGIN_LATENCY: Duration = Duration::from_millis(50);
+/// Calls the origin runs at once (more wait for a slot).
+const ORIGIN_CAP: usize = 64;
+/// A request that took this long waited on the origin.
+const WAITED: Duration = Duration::from_millis(40);
+
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() {
+    if let Ok(mode) = std::env::var("TIERCACHE_BENCH_SERVE") {
+        serve(&mode);
+        return;
+    }
+    let secs = env_or("WORKLOAD_SECS", 40) as u64;
+    let keys = env_or("WORKLOAD_KEYS", 10_000);
+    let conns = env_or("WORKLOAD_CONNS", 32);
+    let only: Option<Vec<String>> = std::env::var("WORKLOAD_ONLY")
+        .ok()
+        .map(|v| v.split(',').map(str::to_owned).collect());
+    let wanted = |name: &str| only.as_ref().is_none_or(|o| o.iter().any(|n| n == name));
+    let dir = tiercache_testkit::valkey::target_dir().join("bench-workload");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("bench folder");
+    provision(&[("nginx", "nginx"), ("varnishd", "varnish")]);
+
+    println!(
+        "== workload: Zipf s=1 over {keys} keys, {conns} connections, {secs} s per system; \
+         origin 50 ms, {ORIGIN_CAP} at once, bodies 2–20 KiB, lifetime 5 s"
+    );
+    println!(
+        "{:<16} {:>8} {:>6} {:>6} {:>6} {:>7} {:>7} {:>8} {:>9} {:>7} {:>6} {:>6} {:>7} {:>8} {:>8}",
+        "system",
+        "req/s",
+        "p50",
+        "p90",
+        "p99",
+        "p99.9",
+        "max ms",
+        "origin/s",
+        "peak/100ms",
+        "demand",
+        "hit %",
+        "failed",
+        "×floor",
+        "waited",
+        "×floor"
+    );
+    let mut skipped = Vec::new();
+    let mut single_proxy_calls = None;
+    for variant in ["plain", "xfetch", "swr"] {
+        let name = format!("layer-{variant}");
+        if wanted(&name) {
+            let layer = Server::spawn_self("layer", free_port(), &[("VARIANT", variant.into())]);
+            let run = load(&[layer.addr], secs, keys, conns);
+            report(&name, &run, &origin_stats(layer.addr), variant == "swr");
+        }
+        let name = format!("proxy-{variant}");
+        if wanted(&name) {
+            let origin = Server::spawn_self("origin", free_port(), &[]);
+            let proxy = Server::spawn_self(
+                "proxy",
+                free_port(),
+                &[
+                    ("VARIANT", variant.into()),
+                    ("UPSTREAM", origin.addr.to_string()),
+                ],
+            );
+            let run = load(&[proxy.addr], secs, keys, conns);
+            let stats = origin_stats(origin.addr);
+            if variant == "swr" {
+                single_proxy_calls = Some(stats.calls());
+            }
+            report(&name, &run, &stats, variant == "swr");
+        }
+    }
+    if wanted("nginx") {
+        let origin = Server::spawn_self("origin", free_port(), &[]);
+        match nginx(&dir.join("nginx"), origin.addr) {
+            Ok(nginx) => {
+                let run = load(&[nginx.addr], secs, keys, conns);
+                report("nginx", &run, &origin_stats(origin.addr), true);
+            }
+            Err(e) => skipped.push(format!("nginx: {e}")),
+        }
+    }
+    if wanted("varnish") {
+        let origin = Server::spawn_self("origin", free_port(), &[]);
+        match varnish(&dir.join("varnish"), origin.addr) {
+            Ok(varnish) => {
+                let run = load(&[varnish.addr], secs, keys, conns);
+                report("varnish", &run, &origin_stats(origin.addr), true);
+            }
+            Err(e) => skipped.push(format!("varnish: {e}")),
+        }
+    }
+
+    if wanted("fleet") {
+        println!("== fleet: three instances, the client's connections spread over them");
+        let valkey = tiercache_testkit::ValkeyServer::start();
+        let origin = Server::spawn_self("origin", free_port(), &[]);
+        let proxies: Vec<Server> = (0..3)
+            .map(|_| {
+                Server::spawn_self(
+                    "proxy",
+                    free_port(),
+                    &[
+                        ("VARIANT", "swr".into()),
+                        ("UPSTREAM", origin.addr.to_string()),
+                        ("VALKEY", valkey.url()),
+                    ],
+                )
+            })
+            .collect();
+        let addrs: Vec<SocketAddr> = proxies.iter().map(|p| p.addr).collect();
+        let run = load(&addrs, secs, keys, conns);
+        let stats = origin_stats(origin.addr);
+        report("3 proxies+Valkey", &run, &stats, true);
+        if let Some(one) = single_proxy_calls {
+            println!(
+                "   origin calls, three proxies on one Valkey vs one proxy: {} vs {one} ({:.2}×)",
+                stats.calls(),
+                stats.calls() as f64 / one as f64
+            );
+        }
+        drop(proxies);
+        let origin = Server::spawn_self("origin", free_port(), &[]);
+        let nginxes: Result<Vec<Server>, String> = (0..3)
+            .map(|i| nginx(&dir.join(format!("nginx-{i}")), origin.addr))
+            .collect();
+        match nginxes {
+            Ok(nginxes) => {
+                let addrs: Vec<SocketAddr> = nginxes.iter().map(|n| n.addr).collect();
+                let run = load(&addrs, secs, keys, conns);
+                report("3 nginx", &run, &origin_stats(origin.addr), true);
+            }
+            Err(e) => skipped.push(format!("the nginx fleet: {e}")),
+        }
+    }
+    for s in skipped {
+        println!("skipped {s}");
+    }
+}
+
+// ------------------------------------------------------------------ the load
+
+/// Keys by Zipf (s = 1): the cumulative weights, sampled by binary search.
+struct Zipf(Vec<f64>);
+
+impl Zipf {
+    fn new(keys: usize) -> Self {
+        let mut total = 0.0;
+        Self(
+            (1..=keys)
+                .map(|rank| {
+                    total += 1.0 / rank as f64;
+                    total
+                })
+                .collect(),
+        )
+    }
+
+    fn sample(&self, rng: &mut impl Rng) -> usize {
+        let u = rng.random::<f64>() * self.0.last().copied().unwrap_or(0.0);
+        self.0.partition_point(|&c| c < u).min(self.0.len() - 1)
+    }
+}
+
+/// What the client saw.
+#[derive(Default)]
+struct Run {
+    /// Per request: when it was sent (ms since the start), its key, and how
+    /// long it took.
+    requests: Vec<(u32, u32, Duration)>,
+    failed: usize,
+    elapsed: Duration,
+}
+
+/// `conns` connections (spread over `addrs`) sending requests back to back
+/// for `secs` seconds; each connection's keys come from its own seeded
+/// stream, so every system gets the same one.
+fn load(addrs: &[SocketAddr], secs: u64, keys: usize, conns: usize) -> Run {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let zipf = Arc::new(Zipf::new(keys));
+    rt.block_on(async {
+        let start = Instant::now();
+        let until = start + Duration::from_secs(secs);
+        let tasks: Vec<_> = (0..conns)
+            .map(|i| {
+                let addr = addrs[i % addrs.len()];
+                let zipf = zipf.clone();
+                tokio::spawn(connection(addr, zipf, i as u64, start, until))
+            })
+            .collect();
+        let mut run = Run::default();
+        for t in tasks {
+            let part = t.await.unwrap();
+            run.requests.extend(part.requests);
+            run.failed += part.failed;
+        }
+        run.elapsed = start.elapsed();
+        run
+    })
+}
+
+type Sender = hyper::client::conn::http1::SendRequest<Empty<Bytes>>;
+
+async fn connect(addr: SocketAddr) -> Option<Sender> {
+    let stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    stream.set_nodelay(true).ok()?;
+    let io = hyper_util::rt::TokioIo::new(stream);
+    let (sender, conn) = hyper::client::conn::http1::handshake(io).await.ok()?;
+    tokio::spawn(conn);
+    Some(sender)
+}
+
+async fn connection(
+    addr: SocketAddr,
+    zipf: Arc<Zipf>,
+    seed: u64,
+    start: Instant,
+    until: Instant,
+) -> Run {
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let mut run = Run::default();
+    let mut sender: Option<Sender> = None;
+    while Instant::now() < until {
+        // A server may close a keep-alive connection (nginx after
+        // `keepalive_requests`): reconnect, not a failure.
+        let ready = match sender.as_mut() {
+            Some(s) => s.ready().await.is_ok(),
+            None => false,
+        };
+        if !ready {
+            sender = connect(addr).await;
+            if sender.is_none() {
+                run.failed += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        }
+        let key = zipf.sample(&mut rng);
+        let req = http::Request::get(format!("/k/{key}"))
+            .header("host", "bench.test")
+            .body(Empty::new())
+            .unwrap();
+        let sent = Instant::now();
+        let ok = match sender.as_mut().unwrap().send_request(req).await {
+            Ok(res) => {
+                let status = res.status();
+                res.into_body().collect().await.is_ok() && status == http::StatusCode::OK
+            }
+            Err(_) => false,
+        };
+        if ok {
+            let at = sent.duration_since(start).as_millis() as u32;
+            run.requests.push((at, key as u32, sent.elapsed()));
+        } else {
+            run.failed += 1;
+            sender = None;
+        }
+    }
+    run
+}
+
+/// The floors, from the request stream: origin calls of a perfect cache
+/// (one per key per lifetime), and requests that must wait on the origin
+/// (those first requests; with stale answers, only each key's first ever).
+fn floors(requests: &[(u32, u32, Duration)]) -> (usize, usize) {
+    let mut by_time: Vec<(u32, u32)> = requests.iter().map(|r| (r.0, r.1)).collect();
+    by_time.sort_unstable();
+    let lifetime = LIFETIME.as_millis() as u32;
+    let mut expiry: HashMap<u32, u32> = HashMap::new();
+    let mut calls = 0;
+    for (at, key) in by_time {
+        match expiry.get(&key) {
+            Some(&until) if at < until => {}
+            _ => {
+                calls += 1;
+                expiry.insert(key, at + lifetime);
+            }
+        }
+    }
+    (calls, expiry.len())
+}
+
+/// The origin's record of one run.
+struct OriginStats {
+    /// When each call began, in ms since the Unix epoch.
+    times: Vec<u64>,
+    /// The most calls it was asked to run at once.
+    demand: usize,
+}
+
+impl OriginStats {
+    fn calls(&self) -> usize {
+        self.times.len()
+    }
+
+    fn peak_per_100ms(&self) -> usize {
+        let mut buckets: HashMap<u64, usize> = HashMap::new();
+        for t in &self.times {
+            *buckets.entry(t / 100).or_default() += 1;
+        }
+        buckets.values().copied().max().unwrap_or(0)
+    }
+}
+
+fn origin_stats(addr: SocketAddr) -> OriginStats {
+    let text = get_text(addr, "/_origin");
+    let mut lines = text.lines();
+    let demand = lines
+        .next()
+        .and_then(|l| l.strip_prefix("demand "))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    let times = lines.filter_map(|l| l.parse().ok()).collect();
+    OriginStats { times, demand }
+}
+
+fn get_text(addr: SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: bench.test\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).unwrap();
+    let text = String::from_utf8_lossy(&out).into_owned();
+    text.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default()
+}
+
+fn report(name: &str, run: &Run, origin: &OriginStats, stale_answers: bool) {
+    let mut latencies: Vec<Duration> = run.requests.iter().map(|r| r.2).collect();
+    latencies.sort_unstable();
+    let ms = |p: f64| {
+        latencies
+            .get(((latencies.len().max(1) - 1) as f64 * p).round() as usize)
+            .map_or(0.0, |d| d.as_secs_f64() * 1e3)
+    };
+    let n = run.requests.len();
+    let secs = run.elapsed.as_secs_f64();
+    let (calls_floor, first_touches) = floors(&run.requests);
+    let waits_floor = if stale_answers {
+        first_touches
+    } else {
+        calls_floor
+    };
+    let waited = latencies.iter().filter(|d| **d >= WAITED).count();
+    let calls = origin.calls();
+    println!(
+        "{name:<16} {:>8.0} {:>6.1} {:>6.1} {:>6.1} {:>7.1} {:>7.1} {:>8.0} {:>9} {:>7} {:>6.2} {:>6} {:>7.2} {:>8} {:>8.2}",
+        n as f64 / secs,
+        ms(0.5),
+        ms(0.9),
+        ms(0.99),
+        ms(0.999),
+        ms(1.0),
+        calls as f64 / secs,
+        origin.peak_per_100ms(),
+        origin.demand,
+        100.0 * (1.0 - calls as f64 / n.max(1) as f64),
+        run.failed,
+        calls as f64 / calls_floor.max(1) as f64,
+        waited,
+        waited as f64 / waits_floor.max(1) as f64,
+    );
+    println!(
+        "{:<16} requests {n}, origin calls {calls} (perfect cache {calls_floor}), \
+         waited {waited} (floor {waits_floor})",
+        ""
+    );
+}
+
+// ------------------------------------------------------------------ servers
+
+/// The origin's state: its pool, and its record.
+struct Origin {
+    pool: tokio::sync::Semaphore,
+    asked: AtomicUsize,
+    demand: AtomicUsize,
+    times: std::sync::Mutex<Vec<u64>>,
+}
+
+/// The largest body, sliced per key.
+static BODY: [u8; 20 * 1024] = [b'x'; 20 * 1024];
+
+fn body_size(key: u64) -> usize {
+    2048 + (key.wrapping_mul(2_654_435_761) % (18 * 1024 + 1)) as usize
+}
+
+/// `/k/{key}` (the origin's work) and `/_origin` (its record; never cached:
+/// `no-store`, and outside any cached route).
+fn origin_routes() -> (axum::Router, axum::Router) {
+    use axum::extract::{Path as UrlPath, State};
+    use axum::routing::get;
+    let origin = Arc::new(Origin {
+        pool: tokio::sync::Semaphore::new(ORIGIN_CAP),
+        asked: AtomicUsize::new(0),
+        demand: AtomicUsize::new(0),
+        times: std::sync::Mutex::new(Vec::new()),
+    });
+    let work = axum::Router::new()
+        .route(
+            "/k/{key}",
+            get(
+                |State(o): State<Arc<Origin>>, UrlPath(key): UrlPath<u64>| async move {
+                    let now = SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .unwrap()
+                        .as_millis() as u64;
+                    o.times.lock().unwrap().push(now);
+                    let asked = o.asked.fetch_add(1, SeqCst) + 1;
+                    o.demand.fetch_max(asked, SeqCst);
+                    let permit = o.pool.acquire().await.unwrap();
+                    tokio::time::sleep(ORIGIN_LATENCY).await;
+                    drop(permit);
+                    o.asked.fetch_sub(1, SeqCst);
+                    (
+                        [
+                            ("cache-control", "public, max-age=5"),
+                            ("content-type", "application/octet-stream"),
+                        ],
+                        Bytes::from_static(&BODY[..body_size(key)]),
+                    )
+                },
+            ),
+        )
+        .with_state(origin.clone());
+    let record = axum::Router::new()
+        .route(
+            "/_origin",
+            get(|State(o): State<Arc<Origin>>| async move {
+                let mut text = format!("demand {}\n", o.demand.load(SeqCst));
+                for t in o.times.lock().unwrap().iter() {
+                    text.push_str(&t.to_string());
+                    text.push('\n');
+                }
+                ([("cache-control", "no-store")], text)
+            }),
+        )
+        .with_state(origin);
+    (work, record)
+}
+
+/// A variant's jitter, XFetch β and stale-while-revalidate window.
+fn knobs(variant: &str) -> (f64, f64, Duration) {
+    match variant {
+        "plain" => (0.0, 0.0, Duration::ZERO),
+        "xfetch" => (0.1, 1.0, Duration::ZERO),
+        _ => (0.1, 1.0, Duration::from_secs(30)),
+    }
+}
+
+/// The tiercache policy of a variant: the origin's lifetime, and its knobs.
+fn policy(variant: &str) -> tiercache::Policy {
+    let (jitter, beta, swr) = knobs(variant);
+    tiercache::Policy::ttl(LIFETIME)
+        .override_origin(true)
+        .jitter(jitter)
+        .xfetch_beta(beta)
+        .stale_while_revalidate(swr)
+        .build()
+        .expect("a valid policy")
+}
+
+fn serve(mode: &str) {
+    let port: u16 = std::env::var("PORT").unwrap().parse().unwrap();
+    let variant = std::env::var("VARIANT").unwrap_or_default();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        match mode {
+            "proxy" => {
+                let upstream = std::env::var("UPSTREAM").unwrap();
+                let (jitter, beta, swr) = knobs(&variant);
+                let mut config = tiercache_proxy::ProxyConfig::new(
+                    format!("http://{upstream}").parse().unwrap(),
+                )
+                .listen(addr)
+                .ttl(LIFETIME)
+                .jitter(jitter);
+                config.xfetch_beta = beta;
+                config.stale_while_revalidate = swr;
+                config.override_origin = true;
+                if let Ok(url) = std::env::var("VALKEY") {
+                    config = config.valkey(url);
+                }
+                let proxy = tiercache_proxy::Proxy::start(config).await.unwrap();
+                proxy.wait().await;
+            }
+            "layer" => {
+                let engine = tiercache::TieredCache::builder().build().unwrap();
+                let cache = tiercache::ResponseCacheLayer::new(engine);
+                let (work, record) = origin_routes();
+                let app = work
+                    .layer(cache.route(policy(&variant)).unwrap())
+                    .merge(record);
+                let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+                axum::serve(listener, app).await.unwrap();
+            }
+            _ => {
+                let (work, record) = origin_routes();
+                let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+                axum::serve(listener, work.merge(record)).await.unwrap();
+            }
+        }
+    });
+}
+
+fn nginx(dir: &Path, origin: SocketAddr) -> Result<Server, String> {
+    let bin = which("nginx").ok_or("not installed (apt-get install nginx)")?;
+    std::fs::create_dir_all(dir.join("cache")).map_err(|e| e.to_string())?;
+    let port = free_port();
+    let d = dir.display();
+    // As its experts run it: a worker per core, keep-alive without a
+    // request limit, the lock, stale answers while one request updates.
+    let conf = format!(
+        "worker_processes auto; daemon off; user root; pid {d}/nginx.pid; error_log {d}/error.log;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {d}/body; proxy_temp_path {d}/proxy; fastcgi_temp_path {d}/fcgi;
+  uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;
+  proxy_cache_path {d}/cache levels=1:2 keys_zone=c:64m max_size=1g inactive=10m;
+  upstream origin {{ server {origin}; keepalive 128; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    keepalive_requests 10000000;
+    location / {{
+      proxy_pass http://origin; proxy_http_version 1.1; proxy_set_header Connection \"\";
+      proxy_cache c; proxy_cache_lock on; proxy_cache_lock_timeout 10s;
+      proxy_cache_use_stale updating error timeout; proxy_cache_background_update on;
+    }}
+  }}
+}}
+"
+    );
+    std::fs::write(dir.join("nginx.conf"), conf).map_err(|e| e.to_string())?;
+    let child = own_group(&mut Command::new(bin))
+        .arg("-p")
+        .arg(dir)
+        .arg("-c")
+        .arg(dir.join("nginx.conf"))
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    Ok(Server::wait(child, port))
+}
+
+fn varnish(dir: &Path, origin: SocketAddr) -> Result<Server, String> {
+    let bin = which("varnishd").ok_or("not installed (apt-get install varnish)")?;
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    let port = free_port();
+    // Its default VCL: the origin's max-age, and a grace of 10 s in which a
+    // stale object is answered while one fetch refreshes it. Thread pools
+    // for two cores and a few hundred connections.
+    let child = own_group(&mut Command::new(bin))
+        .args([
+            "-F",
+            "-a",
+            &format!("127.0.0.1:{port}"),
+            "-b",
+            &origin.to_string(),
+        ])
+        .args(["-s", "malloc,1g"])
+        .args(["-p", "thread_pools=2", "-p", "thread_pool_min=100"])
+        .args(["-p", "thread_pool_max=2000", "-n"])
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    Ok(Server::wait(child, port))
+}
