@@ -59,6 +59,11 @@
 //! | 3 proxies on one Valkey (SWR) | 14,804 | 1.1 / 53.5 / 69.0 / 778 | 1,016 (156) | 109 | 0.84 | 1.01 |
 //! | 3 nginx, a cache each | 1,661 | 0.3 / 104.0 / 110.5 / 553 | 600 (64) | 32 | 1.37 | 2.96 |
 //! ```
+//!
+//! Where XFetch pays, hot keys (`WORKLOAD_KEYS=300 WORKLOAD_SECS=20
+//! WORKLOAD_ONLY=layer-plain,layer-xfetch`): requests that waited 1,785
+//! (plain) vs 455 (jitter + XFetch), p99.9 50.7 vs 5.4 ms, origin calls
+//! 1,200 vs 1,351, at ~55,000 req/s.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
