@@ -26,9 +26,10 @@
 //!   grace of 10 s, thread pools sized for the box). The Rust peers are not
 //!   here (their servers in `benches/peers` wrap the fixed origin of
 //!   `benches/http.rs`; see the notes).
-//! - The fleet: three proxies sharing one Valkey (`swr`), against three
-//!   nginx each with its own cache, the client's connections spread over the
-//!   three: origin calls.
+//! - The fleet: three proxies sharing one Valkey (`swr`, each with a third
+//!   of one instance's refresh budget, as a fleet should be sized), against
+//!   three nginx each with its own cache, the client's connections spread
+//!   over the three: origin calls.
 //!
 //! Per system: requests per second, client latency p50 / p90 / p99 / p99.9
 //! / max, origin calls per second (mean, and the peak in any 100 ms),
@@ -56,14 +57,20 @@
 //! | proxy, jitter + XFetch + SWR | **21,281** | 0.6 / **51.4 / 57.0 / 103** | 707 (127) | **64** | **0.55** | **1.05** |
 //! | nginx 1.22 (lock, `use_stale updating`, background update) | 2,740 | 0.2 / 64.5 / 113.6 / 556 | 567 (64) | 32 | 0.96 | 2.51 |
 //! | Varnish 7.1 (grace 10 s) | 12,256 | 0.2 / 55.3 / 427.8 / 645 | 1,104 (236) | 807 | 0.97 | 1.11 |
-//! | 3 proxies on one Valkey (SWR) | 14,804 | 1.1 / 53.5 / 69.0 / 778 | 1,016 (156) | 109 | 0.84 | 1.01 |
-//! | 3 nginx, a cache each | 1,661 | 0.3 / 104.0 / 110.5 / 553 | 600 (64) | 32 | 1.37 | 2.96 |
+//! | 3 proxies on one Valkey (SWR, `max_refreshes` 10 each) | 19,197 | 0.7 / 52.2 / 55.3 / 78 | 666 (111) | 62 | 0.52 | 1.02 |
+//! | 3 nginx, a cache each | 1,432 | 1.0 / 112.3 / 145.0 / 518 | 537 (64) | 32 | 1.35 | 2.78 |
 //! ```
 //!
 //! Where XFetch pays, hot keys (`WORKLOAD_KEYS=300 WORKLOAD_SECS=20
 //! WORKLOAD_ONLY=layer-plain,layer-xfetch`): requests that waited 1,785
 //! (plain) vs 455 (jitter + XFetch), p99.9 50.7 vs 5.4 ms, origin calls
 //! 1,200 vs 1,351, at ~55,000 req/s.
+//!
+//! The fleet rows come from a second run (`WORKLOAD_ONLY=proxy-swr,fleet`),
+//! in which one proxy (SWR) made 29,584 origin calls (0.53× the perfect
+//! cache's) and the three proxies 26,682 (0.90× one proxy's; 0.52× their
+//! perfect cache's). With 32 refresh slots each (the first run) the three
+//! made 1.43× one proxy's calls and asked the origin for 109 at once.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -89,6 +96,8 @@ const LIFETIME: Duration = Duration::from_secs(5);
 const ORIGIN_LATENCY: Duration = Duration::from_millis(50);
 /// Calls the origin runs at once (more wait for a slot).
 const ORIGIN_CAP: usize = 64;
+/// One instance's refresh budget (the engine's default).
+const DEFAULT_MAX_REFRESHES: usize = tiercache::TieredCacheBuilder::DEFAULT_MAX_REFRESHES;
 /// A request that took this long waited on the origin.
 const WAITED: Duration = Duration::from_millis(40);
 
@@ -200,6 +209,9 @@ fn main() {
                         ("VARIANT", "swr".into()),
                         ("UPSTREAM", origin.addr.to_string()),
                         ("VALKEY", valkey.url()),
+                        // One instance's refresh budget, shared out: the
+                        // origin sees no more refreshes than from one.
+                        ("MAX_REFRESHES", (DEFAULT_MAX_REFRESHES / 3).to_string()),
                     ],
                 )
             })
@@ -588,6 +600,12 @@ fn serve(mode: &str) {
                 config.override_origin = true;
                 if let Ok(url) = std::env::var("VALKEY") {
                     config = config.valkey(url);
+                }
+                if let Some(n) = std::env::var("MAX_REFRESHES")
+                    .ok()
+                    .and_then(|n| n.parse().ok())
+                {
+                    config.max_refreshes = n;
                 }
                 let proxy = tiercache_proxy::Proxy::start(config).await.unwrap();
                 proxy.wait().await;
