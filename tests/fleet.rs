@@ -136,6 +136,7 @@ async fn three_instances_times_300_cold_requests_cost_one_origin_call() {
     // instances' leaders waiting on the third's lock in Valkey.
     bounded("all 300 requests to wait on one load", async {
         eventually("299 coalesced waits", || coalesced(&fleet) >= 299).await;
+        eventually("the leader's origin call", || origin.calls.get() >= 1).await;
     })
     .await;
     assert_eq!(origin.calls.get(), 1);

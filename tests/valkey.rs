@@ -223,7 +223,8 @@ async fn corrupt_and_foreign_bytes_are_a_miss_and_get_repaired() {
         assert!(body.starts_with("product 9"), "{what}: {body}");
         assert_eq!(calls.get(), before + 1, "{what}: the origin answered");
         if what != "empty" {
-            assert_eq!(fresh_engine.stats().l2.corrupt, 1, "{what}");
+            // Read once before the fill lock, and once more after it.
+            assert!(fresh_engine.stats().l2.corrupt >= 1, "{what}");
         }
         // The fill overwrote the damage: another fresh instance reads it from L2.
         eventually("the repair", || {
@@ -405,6 +406,37 @@ async fn a_full_write_queue_drops_and_counts_without_blocking() {
         "{:?}",
         cache.stats().l2
     );
+}
+
+#[tokio::test]
+async fn the_write_queue_holds_no_more_than_its_byte_bound() {
+    let server = ValkeyServer::start();
+    let proxy = FaultProxy::start(server.addr()).await;
+    // Room for 4,096 writes, but only 100 KiB of them.
+    let config = ValkeyConfig::from_url(&proxy.redis_url())
+        .unwrap()
+        .write_queue_bytes(100 * 1024);
+    let cache = engine(connect(config).await);
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    cache.put(
+        &CacheKey::new("first"),
+        Fill::new(Value::from_body("v")),
+        &policy,
+    );
+    wait_for_keys(&server, "tc:*", 1).await;
+    proxy.set(Fault::Latency(Duration::from_millis(500)));
+    let body = vec![b'x'; 10 * 1024];
+    for i in 0..100 {
+        cache.put(
+            &CacheKey::new(format!("k{i}")),
+            Fill::new(Value::from_body(body.clone())),
+            &policy,
+        );
+    }
+    // At most ~10 fills of 10 KiB fit (those the writer has taken still
+    // count until they are sent); the rest are dropped and counted.
+    let drops = cache.stats().l2.write_drops;
+    assert!((89..=100).contains(&drops), "{:?}", cache.stats().l2);
 }
 
 #[tokio::test]

@@ -293,8 +293,14 @@ impl Proxy {
             .l1_capacity(config.l1_capacity)
             .max_refreshes(config.max_refreshes);
         if let Some(url) = &config.valkey {
-            let config =
-                ValkeyConfig::from_url(url).map_err(|e| ProxyError::Config(e.to_string()))?;
+            // Queued fills are copies outside L1: bound them to a
+            // sixteenth of its budget, so a flood keeps the process near it.
+            let queue_bytes = usize::try_from(config.l1_capacity / 16)
+                .unwrap_or(usize::MAX)
+                .max(1);
+            let config = ValkeyConfig::from_url(url)
+                .map_err(|e| ProxyError::Config(e.to_string()))?
+                .write_queue_bytes(queue_bytes);
             let l2 = ValkeyTier::connect(config)
                 .await
                 .map_err(|e| ProxyError::Config(e.to_string()))?;

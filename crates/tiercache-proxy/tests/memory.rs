@@ -44,9 +44,13 @@ impl Drop for Proxy {
     }
 }
 
-async fn start_proxy(upstream: &Server) -> Proxy {
+async fn start_proxy(upstream: &Server, valkey: Option<&str>) -> Proxy {
     let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let child = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"))
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"));
+    if let Some(url) = valkey {
+        cmd.args(["--valkey", url]);
+    }
+    let child = cmd
         .args(["--upstream", &upstream.url()])
         .args(["--listen", &addr.to_string()])
         .args(["--ttl", "10m"])
@@ -95,7 +99,22 @@ async fn flood(addr: SocketAddr, from: usize, to: usize, clients: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_unique_urls_keeps_the_proxy_within_its_budget() {
-    for body_bytes in [60usize, 1024, 64 * 1024] {
+    flood_within_budget(None, &[60, 1024, 64 * 1024], 1.15).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_valkey_a_flood_keeps_the_proxy_near_its_budget() {
+    // The L2 writes of a flood queue up behind Valkey as encoded copies:
+    // their bytes are bounded (a sixteenth of L1's budget in the proxy), or
+    // 4,096 queued 64 KiB fills would be 16 times this budget. The goal of
+    // 1.15x is not met with Valkey on (1.24-1.38x measured at this small
+    // budget, see docs/NOTES.md): this bound guards against regressions.
+    let valkey = tiercache_testkit::ValkeyServer::start();
+    flood_within_budget(Some(&valkey.url()), &[1024, 64 * 1024], 1.5).await;
+}
+
+async fn flood_within_budget(valkey: Option<&str>, sizes: &[usize], most: f64) {
+    for &body_bytes in sizes {
         let body = Arc::new(vec![b'x'; body_bytes]);
         let upstream = Server::start(Router::new().route(
             "/b/{i}",
@@ -105,7 +124,7 @@ async fn a_flood_of_unique_urls_keeps_the_proxy_within_its_budget() {
             }),
         ))
         .await;
-        let proxy = start_proxy(&upstream).await;
+        let proxy = start_proxy(&upstream, valkey).await;
         let pid = proxy.child.id();
         // Warm up the runtime, the connections and the allocator's arenas,
         // with far less than the budget.
@@ -119,11 +138,12 @@ async fn a_flood_of_unique_urls_keeps_the_proxy_within_its_budget() {
         let budget = BUDGET_MIB * 1024 * 1024;
         let ratio = grown as f64 / budget as f64;
         eprintln!(
-            "{body_bytes} B bodies, {urls} URLs: RSS grew {:.1} MiB for a {BUDGET_MIB} MiB budget ({ratio:.2}x)",
+            "{body_bytes} B bodies, {urls} URLs{}: RSS grew {:.1} MiB for a {BUDGET_MIB} MiB budget ({ratio:.2}x)",
+            if valkey.is_some() { ", Valkey on" } else { "" },
             grown as f64 / 1048576.0
         );
         assert!(
-            ratio <= 1.15,
+            ratio <= most,
             "{body_bytes} B bodies: RSS grew {ratio:.2}x the L1 budget"
         );
     }

@@ -147,10 +147,11 @@ impl Bus {
 
     /// Messages may have been missed: drop L1.
     fn resync(&self) {
-        self.resyncs.fetch_add(1, Relaxed);
         if let Some(sink) = self.sink() {
             sink.resync();
         }
+        // Counted once L1 is dropped: whoever sees the count sees it done.
+        self.resyncs.fetch_add(1, Relaxed);
     }
 
     /// Whether a ban covers an entry of this full key created at `created`.

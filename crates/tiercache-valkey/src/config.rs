@@ -24,6 +24,7 @@ pub struct ValkeyConfig {
     pub(crate) command_timeout: Duration,
     pub(crate) connect_timeout: Duration,
     pub(crate) write_queue: usize,
+    pub(crate) write_queue_bytes: usize,
     pub(crate) breaker_failures: u32,
     pub(crate) breaker_interval: Duration,
     pub(crate) fill_locks: bool,
@@ -36,6 +37,8 @@ impl ValkeyConfig {
     pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
     /// Default write-queue capacity.
     pub const DEFAULT_WRITE_QUEUE: usize = 4096;
+    /// Default byte bound of the write queue: 16 MiB.
+    pub const DEFAULT_WRITE_QUEUE_BYTES: usize = 16 * 1024 * 1024;
     /// Default consecutive failures that open the breaker.
     pub const DEFAULT_BREAKER_FAILURES: u32 = 3;
     /// Default time the breaker stays open before one probe.
@@ -67,6 +70,7 @@ impl ValkeyConfig {
             command_timeout: Self::DEFAULT_COMMAND_TIMEOUT,
             connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
             write_queue: Self::DEFAULT_WRITE_QUEUE,
+            write_queue_bytes: Self::DEFAULT_WRITE_QUEUE_BYTES,
             breaker_failures: Self::DEFAULT_BREAKER_FAILURES,
             breaker_interval: Self::DEFAULT_BREAKER_INTERVAL,
             fill_locks: true,
@@ -106,6 +110,16 @@ impl ValkeyConfig {
         self
     }
 
+    /// Most bytes the queued writes may hold (default 16 MiB): each fill
+    /// waits there as its encoded copy, so a flood faster than Valkey must
+    /// not grow memory by the queue's length times the body size. A write
+    /// that would pass the bound is dropped and counted (one larger than the
+    /// bound goes through when the queue is empty).
+    pub fn write_queue_bytes(mut self, bytes: usize) -> Self {
+        self.write_queue_bytes = bytes;
+        self
+    }
+
     /// Consecutive failures that open the breaker (default 3), and how long
     /// it stays open before one probe (default 500 ms).
     pub fn breaker(mut self, failures: u32, interval: Duration) -> Self {
@@ -129,6 +143,9 @@ impl ValkeyConfig {
         }
         if self.write_queue == 0 {
             return bad("write_queue", "at least 1");
+        }
+        if self.write_queue_bytes == 0 {
+            return bad("write_queue_bytes", "at least 1");
         }
         if self.breaker_failures == 0 || self.breaker_interval.is_zero() {
             return bad(

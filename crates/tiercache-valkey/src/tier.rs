@@ -46,6 +46,9 @@ pub(crate) struct Inner {
     pub(crate) breaker: Breaker,
     pub(crate) writes: mpsc::Sender<Write>,
     pub(crate) write_drops: AtomicU64,
+    /// Bytes the queued fills hold, and their bound.
+    pub(crate) queued_bytes: std::sync::atomic::AtomicUsize,
+    pub(crate) queue_bytes_bound: usize,
     pub(crate) write_errors: AtomicU64,
     pub(crate) corrupt: AtomicU64,
     pub(crate) skipped: AtomicU64,
@@ -149,6 +152,8 @@ impl ValkeyTier {
             breaker: Breaker::new(config.breaker_failures, config.breaker_interval),
             writes: tx,
             write_drops: AtomicU64::new(0),
+            queued_bytes: Default::default(),
+            queue_bytes_bound: config.write_queue_bytes,
             write_errors: AtomicU64::new(0),
             corrupt: AtomicU64::new(0),
             skipped: AtomicU64::new(0),
@@ -425,14 +430,24 @@ impl Tier for ValkeyTier {
 
     fn put(&self, key: &CacheKey, entry: &Entry, ttl: Duration, tags: &[Bytes]) {
         let px = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX).max(1);
+        let value = codec::encode(entry);
+        let size = value.len();
+        let queued = &self.inner.queued_bytes;
+        let before = queued.fetch_add(size, Relaxed);
+        if before > 0 && before + size > self.inner.queue_bytes_bound {
+            queued.fetch_sub(size, Relaxed);
+            self.inner.write_drops.fetch_add(1, Relaxed);
+            return;
+        }
         let write = Write::Command(Command::Set {
             key: self.entry_key(key),
-            value: codec::encode(entry),
+            value,
             px,
             tags: tags.iter().map(|t| self.tag_key(t)).collect(),
             member: key.hash().to_hex(),
         });
         if self.inner.writes.try_send(write).is_err() {
+            queued.fetch_sub(size, Relaxed);
             self.inner.write_drops.fetch_add(1, Relaxed);
         }
     }

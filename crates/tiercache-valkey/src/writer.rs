@@ -78,8 +78,16 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
                 Err(_) => break,
             }
         }
+        let bytes: usize = batch
+            .iter()
+            .map(|c| match c {
+                Command::Set { value, .. } => value.len(),
+                Command::Unlock(_) => 0,
+            })
+            .sum();
         if !inner.breaker.allow() {
             inner.skipped.fetch_add(batch.len() as u64, Relaxed);
+            inner.queued_bytes.fetch_sub(bytes, Relaxed);
             continue;
         }
         let n = batch.len() as u64;
@@ -91,6 +99,8 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
                 inner.breaker.failure();
             }
         }
+        // Sent or failed: the batch's copies are gone.
+        inner.queued_bytes.fetch_sub(bytes, Relaxed);
     }
 }
 

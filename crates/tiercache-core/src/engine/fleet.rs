@@ -33,6 +33,13 @@ impl TieredCache {
         let hold = policy.lock_wait();
         let (held_for, holder) = match l2.try_lock(key, hold).await {
             Ok(LockAttempt::Acquired(token)) => {
+                // The holder before us may have stored its fill and let go
+                // between our L2 read and this lock: look once more, one
+                // round trip against an origin call.
+                if let Some(entry) = self.lookup_l2(key, epoch, &accept).await {
+                    l2.unlock(key, &token, Unlocked::Gone);
+                    return FleetJoin::Filled(entry);
+                }
                 return FleetJoin::Lead(FleetLock::held(l2, key.clone(), token));
             }
             Ok(LockAttempt::Held { left, holder }) => (left, holder),
