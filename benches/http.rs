@@ -57,7 +57,7 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -101,7 +101,7 @@ fn main() {
         ),
     ];
     let mut skipped = Vec::new();
-    match build_peers() {
+    match procs::build_peers() {
         Ok(bin) => {
             for name in RUST_PEERS {
                 targets.push((name, spawn_peer(&bin, name)));
@@ -448,29 +448,4 @@ fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-/// Builds `benches/peers` (its own workspace and lock file, so the peers'
-/// dependency trees stay out of every test build); the binary's path.
-fn build_peers() -> Result<PathBuf, String> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let target = tiercache_testkit::valkey::target_dir().join("bench-peers");
-    println!("building the Rust peers (benches/peers)…");
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(cargo)
-        .args([
-            "build",
-            "--release",
-            "--locked",
-            "--quiet",
-            "--manifest-path",
-        ])
-        .arg(root.join("benches/peers/Cargo.toml"))
-        .env("CARGO_TARGET_DIR", &target)
-        .status()
-        .map_err(|e| format!("cargo: {e}"))?;
-    if !status.success() {
-        return Err(format!("cargo build of benches/peers failed ({status})"));
-    }
-    Ok(target.join("release/bench-peer"))
 }

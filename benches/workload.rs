@@ -23,9 +23,9 @@
 //!   stale-while-revalidate 30 s); nginx (`proxy_cache_lock`,
 //!   `proxy_cache_use_stale updating`, `proxy_cache_background_update on`,
 //!   `keepalive_requests` high, a worker per core); Varnish (its default
-//!   grace of 10 s, thread pools sized for the box). The Rust peers are not
-//!   here (their servers in `benches/peers` wrap the fixed origin of
-//!   `benches/http.rs`; see the notes).
+//!   grace of 10 s, thread pools sized for the box); the Rust peers of
+//!   `benches/http.rs` (`benches/peers`, built on first use), each wrapping
+//!   the same origin in its own process and caching for its 5 s lifetime.
 //! - The fleet: three proxies sharing one Valkey (`swr`, each with a third
 //!   of one instance's refresh budget, as a fleet should be sized), against
 //!   three nginx each with its own cache, the client's connections spread
@@ -57,6 +57,10 @@
 //! | proxy, jitter + XFetch + SWR | **21,281** | 0.6 / **51.4 / 57.0 / 103** | 707 (127) | **64** | **0.55** | **1.05** |
 //! | nginx 1.22 (lock, `use_stale updating`, background update) | 2,740 | 0.2 / 64.5 / 113.6 / 556 | 567 (64) | 32 | 0.96 | 2.51 |
 //! | Varnish 7.1 (grace 10 s) | 12,256 | 0.2 / 55.3 / 427.8 / 645 | 1,104 (236) | 807 | 0.97 | 1.11 |
+//! | axum-response-cache 0.5 (lifespan 5 s) | 2,926 | 0.1 / 52.2 / 53.0 / 55 | 618 (64) | 32 | 1.00 | 1.00 |
+//! | hitbox 0.2 (ttl 5 s, coalescing) | 2,806 | 0.2 / 52.5 / 54.1 / 57 | 604 (64) | 32 | 1.00 | 1.01 |
+//! | tower-http-cache 0.6 (ttl 5 s) | 2,804 | 0.2 / 52.6 / 54.5 / 58 | 602 (64) | 32 | 1.00 | 1.01 |
+//! | http-cache-tower-server 0.2 (the origin's max-age) | 2,350 | 1.5 / 56.3 / 59.9 / 66 | 560 (64) | 32 | 1.02 | 1.02 |
 //! | 3 proxies on one Valkey (SWR, `max_refreshes` 10 each) | 19,197 | 0.7 / 52.2 / 55.3 / 78 | 666 (111) | 62 | 0.52 | 1.02 |
 //! | 3 nginx, a cache each | 1,432 | 1.0 / 112.3 / 145.0 / 518 | 537 (64) | 32 | 1.35 | 2.78 |
 //! ```
@@ -66,6 +70,8 @@
 //! (plain) vs 455 (jitter + XFetch), p99.9 50.7 vs 5.4 ms, origin calls
 //! 1,200 vs 1,351, at ~55,000 req/s.
 //!
+//! The Rust peers' rows come from a third run
+//! (`WORKLOAD_ONLY=axum-response-cache,hitbox,tower-http-cache,http-cache-tower-server`).
 //! The fleet rows come from a second run (`WORKLOAD_ONLY=proxy-swr,fleet`),
 //! in which one proxy (SWR) made 29,584 origin calls (0.53× the perfect
 //! cache's) and the three proxies 26,682 (0.90× one proxy's; 0.52× their
@@ -77,8 +83,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
@@ -86,16 +91,13 @@ use rand::{Rng, SeedableRng};
 
 #[path = "support/procs.rs"]
 mod procs;
+#[path = "support/workload_origin.rs"]
+mod workload_origin;
 
 use procs::{Server, own_group, provision, which};
 use tiercache_testkit::valkey::free_port;
+use workload_origin::{LIFETIME, ORIGIN_CAP, origin_routes};
 
-/// Each entry's lifetime, as the origin declares it.
-const LIFETIME: Duration = Duration::from_secs(5);
-/// The origin's time per call.
-const ORIGIN_LATENCY: Duration = Duration::from_millis(50);
-/// Calls the origin runs at once (more wait for a slot).
-const ORIGIN_CAP: usize = 64;
 /// One instance's refresh budget (the engine's default).
 const DEFAULT_MAX_REFRESHES: usize = tiercache::TieredCacheBuilder::DEFAULT_MAX_REFRESHES;
 /// A request that took this long waited on the origin.
@@ -193,6 +195,34 @@ fn main() {
                 report("varnish", &run, &origin_stats(origin.addr), true);
             }
             Err(e) => skipped.push(format!("varnish: {e}")),
+        }
+    }
+
+    // The Rust peers, each in front of the same origin in its process (as
+    // the layer is), caching for the origin's 5 s lifetime.
+    const RUST_PEERS: [&str; 4] = [
+        "axum-response-cache",
+        "hitbox",
+        "tower-http-cache",
+        "http-cache-tower-server",
+    ];
+    if RUST_PEERS.iter().any(|p| wanted(p)) {
+        match procs::build_peers() {
+            Ok(bin) => {
+                for name in RUST_PEERS.into_iter().filter(|p| wanted(p)) {
+                    let port = free_port();
+                    let mut cmd = Command::new(&bin);
+                    cmd.arg(name)
+                        .arg(port.to_string())
+                        .arg("workload")
+                        .stdout(Stdio::null());
+                    let peer =
+                        Server::wait(own_group(&mut cmd).spawn().expect("spawn a peer"), port);
+                    let run = load(&[peer.addr], secs, keys, conns);
+                    report(name, &run, &origin_stats(peer.addr), false);
+                }
+            }
+            Err(e) => skipped.push(format!("the Rust peers: {e}")),
         }
     }
 
@@ -484,75 +514,6 @@ fn report(name: &str, run: &Run, origin: &OriginStats, stale_answers: bool) {
 }
 
 // ------------------------------------------------------------------ servers
-
-/// The origin's state: its pool, and its record.
-struct Origin {
-    pool: tokio::sync::Semaphore,
-    asked: AtomicUsize,
-    demand: AtomicUsize,
-    times: std::sync::Mutex<Vec<u64>>,
-}
-
-/// The largest body, sliced per key.
-static BODY: [u8; 20 * 1024] = [b'x'; 20 * 1024];
-
-fn body_size(key: u64) -> usize {
-    2048 + (key.wrapping_mul(2_654_435_761) % (18 * 1024 + 1)) as usize
-}
-
-/// `/k/{key}` (the origin's work) and `/_origin` (its record; never cached:
-/// `no-store`, and outside any cached route).
-fn origin_routes() -> (axum::Router, axum::Router) {
-    use axum::extract::{Path as UrlPath, State};
-    use axum::routing::get;
-    let origin = Arc::new(Origin {
-        pool: tokio::sync::Semaphore::new(ORIGIN_CAP),
-        asked: AtomicUsize::new(0),
-        demand: AtomicUsize::new(0),
-        times: std::sync::Mutex::new(Vec::new()),
-    });
-    let work = axum::Router::new()
-        .route(
-            "/k/{key}",
-            get(
-                |State(o): State<Arc<Origin>>, UrlPath(key): UrlPath<u64>| async move {
-                    let now = SystemTime::now()
-                        .duration_since(UNIX_EPOCH)
-                        .unwrap()
-                        .as_millis() as u64;
-                    o.times.lock().unwrap().push(now);
-                    let asked = o.asked.fetch_add(1, SeqCst) + 1;
-                    o.demand.fetch_max(asked, SeqCst);
-                    let permit = o.pool.acquire().await.unwrap();
-                    tokio::time::sleep(ORIGIN_LATENCY).await;
-                    drop(permit);
-                    o.asked.fetch_sub(1, SeqCst);
-                    (
-                        [
-                            ("cache-control", "public, max-age=5"),
-                            ("content-type", "application/octet-stream"),
-                        ],
-                        Bytes::from_static(&BODY[..body_size(key)]),
-                    )
-                },
-            ),
-        )
-        .with_state(origin.clone());
-    let record = axum::Router::new()
-        .route(
-            "/_origin",
-            get(|State(o): State<Arc<Origin>>| async move {
-                let mut text = format!("demand {}\n", o.demand.load(SeqCst));
-                for t in o.times.lock().unwrap().iter() {
-                    text.push_str(&t.to_string());
-                    text.push('\n');
-                }
-                ([("cache-control", "no-store")], text)
-            }),
-        )
-        .with_state(origin);
-    (work, record)
-}
 
 /// A variant's jitter, XFetch β and stale-while-revalidate window.
 fn knobs(variant: &str) -> (f64, f64, Duration) {

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -129,4 +129,29 @@ pub(crate) fn provision(wants: &[(&str, &str)]) {
         .stdout(Stdio::null())
         .status();
     println!("… done in {:.0} s", started.elapsed().as_secs_f64());
+}
+
+/// Builds `benches/peers` (its own workspace and lock file, so the peers'
+/// dependency trees stay out of every test build); the binary's path.
+pub(crate) fn build_peers() -> Result<PathBuf, String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let target = tiercache_testkit::valkey::target_dir().join("bench-peers");
+    println!("building the Rust peers (benches/peers)…");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .args([
+            "build",
+            "--release",
+            "--locked",
+            "--quiet",
+            "--manifest-path",
+        ])
+        .arg(root.join("benches/peers/Cargo.toml"))
+        .env("CARGO_TARGET_DIR", &target)
+        .status()
+        .map_err(|e| format!("cargo: {e}"))?;
+    if !status.success() {
+        return Err(format!("cargo build of benches/peers failed ({status})"));
+    }
+    Ok(target.join("release/bench-peer"))
 }

@@ -17,9 +17,15 @@
 //!
 //! Only the cacheable routes sit behind the peer; `/count` stays outside it.
 //! Run by `cargo bench --bench http`, which builds this crate itself.
+//!
+//! `bench-peer NAME PORT workload` serves the origin of `cargo bench --bench
+//! workload` (`../support/workload_origin.rs`) instead, cached for its 5 s
+//! lifetime; its record, `/_origin`, stays outside the peer.
 
 #[path = "../../support/origin.rs"]
 mod origin;
+#[path = "../../support/workload_origin.rs"]
+mod workload_origin;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -41,17 +47,22 @@ fn main() {
         std::process::exit(2);
     };
     let port: u16 = port.parse().expect("PORT is a number");
+    let workload = args.next().as_deref() == Some("workload");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()
         .expect("a tokio runtime");
     rt.block_on(async move {
-        let (cacheable, count) = origin::origin();
+        let ((cacheable, count), ttl) = if workload {
+            (workload_origin::origin_routes(), workload_origin::LIFETIME)
+        } else {
+            (origin::origin(), TTL)
+        };
         let cached = match name.as_str() {
-            "axum-response-cache" => axum_response_cache(cacheable),
-            "hitbox" => hitbox(cacheable),
-            "tower-http-cache" => tower_http_cache(cacheable),
+            "axum-response-cache" => axum_response_cache(cacheable, ttl),
+            "hitbox" => hitbox(cacheable, ttl),
+            "tower-http-cache" => tower_http_cache(cacheable, ttl),
             "http-cache-tower-server" => http_cache_tower_server(cacheable),
             other => {
                 eprintln!("unknown peer {other}");
@@ -66,11 +77,11 @@ fn main() {
     });
 }
 
-fn axum_response_cache(origin: Router) -> Router {
-    origin.layer(axum_response_cache::CacheLayer::with_lifespan(TTL).add_response_headers())
+fn axum_response_cache(origin: Router, ttl: Duration) -> Router {
+    origin.layer(axum_response_cache::CacheLayer::with_lifespan(ttl).add_response_headers())
 }
 
-fn hitbox(origin: Router) -> Router {
+fn hitbox(origin: Router, ttl: Duration) -> Router {
     use hitbox::Config;
     use hitbox::concurrency::BroadcastConcurrencyManager;
     use hitbox::policy::{ConcurrencyLimit, PolicyConfig};
@@ -90,7 +101,7 @@ fn hitbox(origin: Router) -> Router {
         .extractor(MethodKey::new().path("/{kind}/{id}"))
         .policy(
             PolicyConfig::builder()
-                .ttl(TTL)
+                .ttl(ttl)
                 .concurrency(ConcurrencyLimit::new(1).expect("1 is in range"))
                 .build(),
         )
@@ -107,7 +118,7 @@ fn hitbox(origin: Router) -> Router {
     Router::new().fallback_service(service)
 }
 
-fn tower_http_cache(origin: Router) -> Router {
+fn tower_http_cache(origin: Router, ttl: Duration) -> Router {
     use tower_http_cache::prelude::*;
     use tower_http_cache::streaming::StreamingPolicy;
 
@@ -116,7 +127,7 @@ fn tower_http_cache(origin: Router) -> Router {
         .excluded_content_types
         .remove("application/octet-stream");
     let policy = CachePolicy::default()
-        .with_ttl(TTL)
+        .with_ttl(ttl)
         .with_streaming_policy(streaming);
     let layer = CacheLayer::new_in_memory(100_000).with_policy(policy);
     // It stores a `Sync` body; axum's is not, so the origin's is buffered first.
