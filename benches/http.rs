@@ -55,8 +55,7 @@
 //! requests.)
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -66,7 +65,8 @@ mod origin;
 #[path = "support/procs.rs"]
 mod procs;
 
-use procs::{Server, own_group, which};
+use procs::{Server, get_text, own_group, which};
+use tiercache_testkit::valkey::free_port;
 
 /// The Rust peers, each served by `benches/peers` (`bench-peer NAME PORT`).
 const RUST_PEERS: [&str; 4] = [
@@ -125,7 +125,7 @@ fn main() {
     // Warm every cache, then alternate.
     for (_, t) in &targets {
         for _ in 0..3 {
-            get(t.addr, "/p/7");
+            get_text(t.addr, "/p/7");
         }
     }
     let mut results: HashMap<&str, Vec<(f64, f64)>> = HashMap::new();
@@ -287,64 +287,23 @@ fn origin_app() -> axum::Router {
 }
 
 fn nginx(dir: &Path, origin: SocketAddr) -> Result<Server, String> {
-    let bin = which("nginx").ok_or("not installed (apt-get install nginx)")?;
-    let dir = dir.join("nginx");
-    std::fs::create_dir_all(dir.join("cache")).map_err(|e| e.to_string())?;
-    let port = free_port();
-    let d = dir.display();
-    let conf = format!(
-        "worker_processes 1; daemon off; user root; pid {d}/nginx.pid; error_log {d}/error.log;
-events {{ worker_connections 4096; }}
-http {{
-  access_log off;
-  client_body_temp_path {d}/body; proxy_temp_path {d}/proxy; fastcgi_temp_path {d}/fcgi;
-  uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;
-  proxy_cache_path {d}/cache levels=1:2 keys_zone=c:10m max_size=256m;
-  upstream origin {{ server {origin}; keepalive 64; }}
-  server {{
-    listen 127.0.0.1:{port} backlog=4096;
-    keepalive_requests 10000000;
-    location / {{
-      proxy_pass http://origin; proxy_http_version 1.1; proxy_set_header Connection \"\";
-      proxy_cache c; proxy_cache_valid 200 1h; proxy_cache_lock on; proxy_cache_lock_timeout 10s;
-    }}
-  }}
-}}
-"
-    );
-    std::fs::write(dir.join("nginx.conf"), conf).map_err(|e| e.to_string())?;
-    let child = own_group(&mut Command::new(bin))
-        .arg("-p")
-        .arg(&dir)
-        .arg("-c")
-        .arg(dir.join("nginx.conf"))
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| e.to_string())?;
-    Ok(Server::wait(child, port))
+    // One worker, like every other server here; the lock for the stampede.
+    procs::nginx(
+        &dir.join("nginx"),
+        origin,
+        "1",
+        "keys_zone=c:10m max_size=256m",
+        "proxy_cache_valid 200 1h; proxy_cache_lock on; proxy_cache_lock_timeout 10s;",
+    )
 }
 
 fn varnish(dir: &Path, origin: SocketAddr) -> Result<Server, String> {
-    let bin = which("varnishd").ok_or("not installed (apt-get install varnish)")?;
-    let dir = dir.join("varnish");
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let port = free_port();
-    let child = own_group(&mut Command::new(bin))
-        .args([
-            "-F",
-            "-a",
-            &format!("127.0.0.1:{port}"),
-            "-b",
-            &origin.to_string(),
-        ])
-        .args(["-s", "malloc,256m"])
-        .args(["-p", "thread_pools=2", "-p", "thread_pool_min=100", "-n"])
-        .arg(&dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| e.to_string())?;
-    Ok(Server::wait(child, port))
+    procs::varnish(
+        &dir.join("varnish"),
+        origin,
+        "malloc,256m",
+        &["thread_pools=2", "thread_pool_min=100"],
+    )
 }
 
 // ------------------------------------------------------------------ clients
@@ -370,22 +329,6 @@ fn wrk(addr: SocketAddr, path: &str) -> (u64, f64) {
     (reqs, rps)
 }
 
-/// One GET; the body as text.
-fn get(addr: SocketAddr, path: &str) -> String {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: bench.test\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = Vec::new();
-    s.read_to_end(&mut out).unwrap();
-    let text = String::from_utf8_lossy(&out).into_owned();
-    text.split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default()
-}
-
 /// The `/slow` calls an origin counted (a fresh query each time: a cache in
 /// front that ignores `no-store` must not answer it).
 fn origin_calls(addr: SocketAddr) -> usize {
@@ -393,7 +336,7 @@ fn origin_calls(addr: SocketAddr) -> usize {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_nanos();
-    get(addr, &format!("/count?at={fresh}"))
+    get_text(addr, &format!("/count?at={fresh}"))
         .trim()
         .parse()
         .unwrap_or(0)
@@ -441,11 +384,3 @@ fn stampede(addr: SocketAddr, path: &str, n: usize) -> usize {
 }
 
 // ------------------------------------------------------------------ helpers
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}

@@ -94,7 +94,7 @@ mod procs;
 #[path = "support/workload_origin.rs"]
 mod workload_origin;
 
-use procs::{Server, own_group, provision, which};
+use procs::{Server, get_text, own_group, provision};
 use tiercache_testkit::valkey::free_port;
 use workload_origin::{LIFETIME, ORIGIN_CAP, origin_routes};
 
@@ -455,22 +455,6 @@ fn origin_stats(addr: SocketAddr) -> OriginStats {
     OriginStats { times, demand }
 }
 
-fn get_text(addr: SocketAddr, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect");
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: bench.test\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = Vec::new();
-    s.read_to_end(&mut out).unwrap();
-    let text = String::from_utf8_lossy(&out).into_owned();
-    text.split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default()
-}
-
 fn report(name: &str, run: &Run, origin: &OriginStats, stale_answers: bool) {
     let mut latencies: Vec<Duration> = run.requests.iter().map(|r| r.2).collect();
     latencies.sort_unstable();
@@ -590,68 +574,31 @@ fn serve(mode: &str) {
     });
 }
 
+/// As its experts run it: a worker per core, the lock, stale answers while
+/// one request updates.
 fn nginx(dir: &Path, origin: SocketAddr) -> Result<Server, String> {
-    let bin = which("nginx").ok_or("not installed (apt-get install nginx)")?;
-    std::fs::create_dir_all(dir.join("cache")).map_err(|e| e.to_string())?;
-    let port = free_port();
-    let d = dir.display();
-    // As its experts run it: a worker per core, keep-alive without a
-    // request limit, the lock, stale answers while one request updates.
-    let conf = format!(
-        "worker_processes auto; daemon off; user root; pid {d}/nginx.pid; error_log {d}/error.log;
-events {{ worker_connections 4096; }}
-http {{
-  access_log off;
-  client_body_temp_path {d}/body; proxy_temp_path {d}/proxy; fastcgi_temp_path {d}/fcgi;
-  uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;
-  proxy_cache_path {d}/cache levels=1:2 keys_zone=c:64m max_size=1g inactive=10m;
-  upstream origin {{ server {origin}; keepalive 128; }}
-  server {{
-    listen 127.0.0.1:{port} backlog=4096;
-    keepalive_requests 10000000;
-    location / {{
-      proxy_pass http://origin; proxy_http_version 1.1; proxy_set_header Connection \"\";
-      proxy_cache c; proxy_cache_lock on; proxy_cache_lock_timeout 10s;
-      proxy_cache_use_stale updating error timeout; proxy_cache_background_update on;
-    }}
-  }}
-}}
-"
-    );
-    std::fs::write(dir.join("nginx.conf"), conf).map_err(|e| e.to_string())?;
-    let child = own_group(&mut Command::new(bin))
-        .arg("-p")
-        .arg(dir)
-        .arg("-c")
-        .arg(dir.join("nginx.conf"))
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| e.to_string())?;
-    Ok(Server::wait(child, port))
+    procs::nginx(
+        dir,
+        origin,
+        "auto",
+        "keys_zone=c:64m max_size=1g inactive=10m",
+        "proxy_cache_lock on; proxy_cache_lock_timeout 10s; \
+         proxy_cache_use_stale updating error timeout; proxy_cache_background_update on;",
+    )
 }
 
+/// Its default VCL: the origin's max-age, and a grace of 10 s in which a
+/// stale object is answered while one fetch refreshes it. Thread pools for
+/// two cores and a few hundred connections.
 fn varnish(dir: &Path, origin: SocketAddr) -> Result<Server, String> {
-    let bin = which("varnishd").ok_or("not installed (apt-get install varnish)")?;
-    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
-    let port = free_port();
-    // Its default VCL: the origin's max-age, and a grace of 10 s in which a
-    // stale object is answered while one fetch refreshes it. Thread pools
-    // for two cores and a few hundred connections.
-    let child = own_group(&mut Command::new(bin))
-        .args([
-            "-F",
-            "-a",
-            &format!("127.0.0.1:{port}"),
-            "-b",
-            &origin.to_string(),
-        ])
-        .args(["-s", "malloc,1g"])
-        .args(["-p", "thread_pools=2", "-p", "thread_pool_min=100"])
-        .args(["-p", "thread_pool_max=2000", "-n"])
-        .arg(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| e.to_string())?;
-    Ok(Server::wait(child, port))
+    procs::varnish(
+        dir,
+        origin,
+        "malloc,1g",
+        &[
+            "thread_pools=2",
+            "thread_pool_min=100",
+            "thread_pool_max=2000",
+        ],
+    )
 }

@@ -99,17 +99,6 @@ fn key(path: &str) -> CacheKey {
 
 /// Waits until `n` instances listen on the invalidation channel.
 /// (An external server's state: polled every 10 ms, for 10 s at most.)
-async fn subscribed(server: &ValkeyServer, n: usize) {
-    for _ in 0..1000 {
-        let reply = server.cmd(&["PUBSUB", "NUMSUB", "tc:inv"]);
-        if reply.lines().nth(1).and_then(|c| c.parse::<usize>().ok()) >= Some(n) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("{n} instances did not subscribe to tc:inv within 10 s");
-}
-
 fn coalesced(fleet: &[Instance]) -> u64 {
     fleet.iter().map(|i| i.engine.stats().coalesced).sum()
 }
@@ -165,7 +154,7 @@ async fn invalidation_by_key_tag_and_url_reaches_every_instances_l1() {
     for _ in 0..3 {
         fleet.push(instance(&server.url(), &origin).await);
     }
-    subscribed(&server, 3).await;
+    server.subscribed("tc:inv", 3).await;
     let fill_everywhere = |path: &'static str| {
         let apps: Vec<Router> = fleet.iter().map(|i| i.app.clone()).collect();
         async move {
@@ -267,7 +256,7 @@ async fn an_instance_that_missed_an_invalidation_drops_its_l1_on_reconnect() {
     let witness = instance(&server.url(), &origin).await;
     let link = FaultProxy::start(server.addr()).await;
     let b = instance(&link.redis_url(), &origin).await;
-    subscribed(&server, 3).await;
+    server.subscribed("tc:inv", 3).await;
     send(&a.app, "GET", "/p/9").await;
     let (_, headers, body) = send(&b.app, "GET", "/p/9").await;
     assert_eq!(

@@ -190,6 +190,18 @@ fn route_sample(text: &str, name: &str) -> f64 {
 }
 
 /// `GET /r` from a client of `shop.test`.
+/// `/r` answering "body", cached for 60 s under a route named `name`.
+fn app_r(layer: &ResponseCacheLayer, name: &str) -> Router {
+    let route = layer
+        .route_named(name, Policy::ttl(Duration::from_secs(60)))
+        .unwrap();
+    // `with_state` turns the handler into a route once, as `axum::serve` does
+    // (without it axum applies the layer again on every request).
+    Router::new()
+        .route("/r", get(|| async { "body" }).layer(route))
+        .with_state(())
+}
+
 fn get_r() -> Request<Body> {
     Request::get("/r")
         .header("host", "shop.test")
@@ -307,14 +319,7 @@ async fn cookies_causing_most_bypasses_are_warned_about_once() {
     let _guard = tracing::subscriber::set_default(capture.clone());
     let engine = TieredCache::builder().sweep_interval(None).build().unwrap();
     let layer = ResponseCacheLayer::new(engine);
-    let route = layer
-        .route_named("pages", Policy::ttl(Duration::from_secs(60)))
-        .unwrap();
-    // `with_state` turns the handler into a route once, as `axum::serve` does
-    // (without it axum applies the layer again on every request).
-    let app = Router::new()
-        .route("/r", get(|| async { "body" }).layer(route))
-        .with_state(());
+    let app = app_r(&layer, "pages");
     for _ in 0..60 {
         let req = Request::get("/r")
             .header("host", "shop.test")
@@ -379,12 +384,7 @@ async fn bypasses_are_requests_with_outcome_bypass() {
 async fn a_recorder_installed_after_the_layer_is_built_gets_the_metrics() {
     let engine = TieredCache::builder().sweep_interval(None).build().unwrap();
     let layer = ResponseCacheLayer::new(engine);
-    let route = layer
-        .route_named("r", Policy::ttl(Duration::from_secs(60)))
-        .unwrap();
-    let app = Router::new()
-        .route("/r", get(|| async { "body" }).layer(route))
-        .with_state(());
+    let app = app_r(&layer, "r");
     // Installed late; thread-local, and this runtime runs on this thread.
     let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
     let handle = recorder.handle();
@@ -407,12 +407,7 @@ async fn the_engine_metrics_are_current_at_a_scrape_without_publish_metrics() {
     let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
     let handle = recorder.handle();
     let layer = ResponseCacheLayer::new(engine).metrics_recorder(Arc::new(recorder));
-    let route = layer
-        .route_named("r", Policy::ttl(Duration::from_secs(60)))
-        .unwrap();
-    let app = Router::new()
-        .route("/r", get(|| async { "body" }).layer(route))
-        .with_state(());
+    let app = app_r(&layer, "r");
     app.clone().oneshot(get_r()).await.unwrap();
     app.clone().oneshot(get_r()).await.unwrap();
     // No publish_metrics(): the layer's own task publishes within a second

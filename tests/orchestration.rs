@@ -159,6 +159,7 @@ async fn an_invalidation_from_another_instance_during_a_fill_wins_in_l1_and_l2()
     let world = World::default();
     let (a_engine, a_tier) = engine_on(&server).await;
     let (b_engine, _b_tier) = engine_on(&server).await;
+    server.subscribed("tc:inv", 2).await;
     let a_layer = ResponseCacheLayer::new(a_engine.clone());
     let b_layer = ResponseCacheLayer::new(b_engine.clone());
     let a = app(&world, a_layer.route(policy()).unwrap());
@@ -338,6 +339,7 @@ async fn a_failing_origin_is_called_once_across_the_fleet() {
     let world = World::default();
     let (a_engine, _a) = engine_on(&server).await;
     let (b_engine, _b) = engine_on(&server).await;
+    server.subscribed("tc:inv", 2).await;
     let a = app(
         &world,
         ResponseCacheLayer::new(a_engine.clone())
@@ -534,6 +536,7 @@ async fn get_or_load_loads_once_across_the_fleet() {
     let server = ValkeyServer::start();
     let (a, _ta) = engine_on(&server).await;
     let (b, _tb) = engine_on(&server).await;
+    server.subscribed("tc:inv", 2).await;
     let policy = policy().build().unwrap();
     let key = CacheKey::new("report");
     let (calls, gate) = (Counter::new(), Gate::new());
@@ -651,6 +654,7 @@ async fn typed_values_travel_through_l2() {
     let server = ValkeyServer::start();
     let (a, ta) = engine_on(&server).await;
     let (b, _tb) = engine_on(&server).await;
+    server.subscribed("tc:inv", 2).await;
     let policy = policy().build().unwrap();
     let key = CacheKey::new("product:7");
     let product = Product {

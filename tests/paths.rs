@@ -13,6 +13,7 @@ use axum::routing::{get, post};
 use http_body_util::BodyExt;
 use tiercache::{Invalidate, Policy, ResponseCacheLayer, TieredCache};
 use tiercache_testkit::Counter;
+use tiercache_testkit::http::{header, send};
 use tower::ServiceExt;
 
 const TTL: Duration = Duration::from_secs(60);
@@ -74,44 +75,29 @@ fn layered(calls: Calls) -> Router {
     )
 }
 
-async fn send(app: &Router, method: &str, uri: &str) -> (StatusCode, HeaderMap, String) {
-    let req = Request::builder()
-        .method(method)
-        .uri(uri)
-        .header("host", "shop.test")
-        .body(Body::empty())
-        .unwrap();
-    let res = app.clone().oneshot(req).await.unwrap();
-    let (parts, body) = res.into_parts();
-    let bytes = body.collect().await.unwrap().to_bytes();
-    (
-        parts.status,
-        parts.headers,
-        String::from_utf8_lossy(&bytes).into_owned(),
-    )
-}
-
-fn x_cache(headers: &HeaderMap) -> &str {
-    headers
-        .get("x-cache")
-        .map(|v| v.to_str().unwrap())
-        .unwrap_or("")
-}
-
 #[tokio::test]
 async fn a_write_routed_apart_from_the_reads_still_invalidates() {
     let calls = Calls::default();
     let app = layered(calls.clone());
-    assert_eq!(x_cache(&send(&app, "GET", "/products/7").await.1), "MISS");
+    assert_eq!(
+        header(&send(&app, "GET", "/products/7").await.1, "x-cache"),
+        "MISS"
+    );
     let (_, headers, body) = send(&app, "GET", "/products/7").await;
-    assert_eq!((x_cache(&headers), body.as_str()), ("HIT", "item 7 v1"));
+    assert_eq!(
+        (header(&headers, "x-cache"), body.as_str()),
+        ("HIT", "item 7 v1")
+    );
 
     let (status, headers, _) = send(&app, "POST", "/products/7").await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(headers["x-cache-invalidation"], "done");
 
     let (_, headers, body) = send(&app, "GET", "/products/7").await;
-    assert_eq!((x_cache(&headers), body.as_str()), ("MISS", "item 7 v2"));
+    assert_eq!(
+        (header(&headers, "x-cache"), body.as_str()),
+        ("MISS", "item 7 v2")
+    );
     assert_eq!(calls.item.get(), 2);
 }
 
@@ -121,16 +107,23 @@ async fn a_write_on_an_item_drops_the_list_pages_it_names() {
     let app = layered(calls.clone());
     for page in ["/products?page=1", "/products?page=2"] {
         send(&app, "GET", page).await;
-        assert_eq!(x_cache(&send(&app, "GET", page).await.1), "HIT");
+        assert_eq!(header(&send(&app, "GET", page).await.1, "x-cache"), "HIT");
     }
     send(&app, "GET", "/products/8").await;
 
     send(&app, "POST", "/products/7").await;
     for page in ["/products?page=1", "/products?page=2"] {
-        assert_eq!(x_cache(&send(&app, "GET", page).await.1), "MISS", "{page}");
+        assert_eq!(
+            header(&send(&app, "GET", page).await.1, "x-cache"),
+            "MISS",
+            "{page}"
+        );
     }
     // The other item was not named: the tag covers lists only.
-    assert_eq!(x_cache(&send(&app, "GET", "/products/8").await.1), "HIT");
+    assert_eq!(
+        header(&send(&app, "GET", "/products/8").await.1, "x-cache"),
+        "HIT"
+    );
 }
 
 #[tokio::test]
@@ -143,7 +136,11 @@ async fn a_write_may_drop_a_whole_path_prefix() {
     let (_, headers, _) = send(&app, "POST", "/admin/reindex").await;
     assert_eq!(headers["x-cache-invalidation"], "done");
     for path in ["/products/1", "/products/2", "/products?page=1"] {
-        assert_eq!(x_cache(&send(&app, "GET", path).await.1), "MISS", "{path}");
+        assert_eq!(
+            header(&send(&app, "GET", path).await.1, "x-cache"),
+            "MISS",
+            "{path}"
+        );
     }
 }
 
@@ -186,7 +183,10 @@ async fn the_first_matching_rule_wins() {
         assert!(headers.get("x-cache").is_none());
     }
     send(&app, "GET", "/products/1").await;
-    assert_eq!(x_cache(&send(&app, "GET", "/products/1").await.1), "HIT");
+    assert_eq!(
+        header(&send(&app, "GET", "/products/1").await.1, "x-cache"),
+        "HIT"
+    );
     assert_eq!(calls.item.get(), 3);
 }
 
@@ -281,7 +281,7 @@ async fn a_canonical_authority_shares_entries_across_names_and_ports() {
             .body(Body::empty())
             .unwrap();
         let res = app.clone().oneshot(req).await.unwrap();
-        let x = x_cache(res.headers()).to_owned();
+        let x = header(res.headers(), "x-cache").to_owned();
         let body = res.into_body().collect().await.unwrap().to_bytes();
         (x, String::from_utf8_lossy(&body).into_owned())
     }

@@ -5,6 +5,7 @@
 #![allow(dead_code)] // each bench uses its own part
 
 use std::collections::HashMap;
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -154,4 +155,97 @@ pub(crate) fn build_peers() -> Result<PathBuf, String> {
         return Err(format!("cargo build of benches/peers failed ({status})"));
     }
     Ok(target.join("release/bench-peer"))
+}
+
+/// nginx caching in front of `origin`, its files in `dir`: `workers` is its
+/// `worker_processes`, `zone` the `proxy_cache_path` parameters after the
+/// path and levels, `cache` the cache directives of its one location.
+/// Keep-alive both ways, with no limit on a client connection's requests
+/// (its default closes one every 1,000).
+pub(crate) fn nginx(
+    dir: &Path,
+    origin: SocketAddr,
+    workers: &str,
+    zone: &str,
+    cache: &str,
+) -> Result<Server, String> {
+    let bin = which("nginx").ok_or("not installed (apt-get install nginx)")?;
+    std::fs::create_dir_all(dir.join("cache")).map_err(|e| e.to_string())?;
+    let port = tiercache_testkit::valkey::free_port();
+    let d = dir.display();
+    let conf = format!(
+        "worker_processes {workers}; daemon off; user root; pid {d}/nginx.pid; error_log {d}/error.log;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {d}/body; proxy_temp_path {d}/proxy; fastcgi_temp_path {d}/fcgi;
+  uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;
+  proxy_cache_path {d}/cache levels=1:2 {zone};
+  upstream origin {{ server {origin}; keepalive 128; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    keepalive_requests 10000000;
+    location / {{
+      proxy_pass http://origin; proxy_http_version 1.1; proxy_set_header Connection \"\";
+      proxy_cache c; {cache}
+    }}
+  }}
+}}
+"
+    );
+    std::fs::write(dir.join("nginx.conf"), conf).map_err(|e| e.to_string())?;
+    let child = own_group(&mut Command::new(bin))
+        .arg("-p")
+        .arg(dir)
+        .arg("-c")
+        .arg(dir.join("nginx.conf"))
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    Ok(Server::wait(child, port))
+}
+
+/// Varnish in front of `origin` with its default VCL, its files in `dir`:
+/// `storage` for `-s`, `params` each a `-p` parameter.
+pub(crate) fn varnish(
+    dir: &Path,
+    origin: SocketAddr,
+    storage: &str,
+    params: &[&str],
+) -> Result<Server, String> {
+    let bin = which("varnishd").ok_or("not installed (apt-get install varnish)")?;
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    let port = tiercache_testkit::valkey::free_port();
+    let mut cmd = Command::new(bin);
+    cmd.args(["-F", "-a", &format!("127.0.0.1:{port}")]).args([
+        "-b",
+        &origin.to_string(),
+        "-s",
+        storage,
+    ]);
+    for param in params {
+        cmd.args(["-p", param]);
+    }
+    let child = own_group(cmd.arg("-n").arg(dir))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    Ok(Server::wait(child, port))
+}
+
+/// One `GET` on its own connection; the body as text.
+pub(crate) fn get_text(addr: SocketAddr, path: &str) -> String {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: bench.test\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).unwrap();
+    let text = String::from_utf8_lossy(&out).into_owned();
+    text.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default()
 }

@@ -64,7 +64,7 @@ pub use origin::{
 };
 pub use policy::{
     IntoPolicy, Jitter, MAX_JITTER, MAX_LOCK_TIMEOUT, MAX_TTL, Policy, PolicyBuilder, PolicyError,
-    parse_duration,
+    deserialize_duration, parse_duration,
 };
 pub use stats::{Horizon, InvalidationStats, LatencyStats, Stats};
 #[cfg(any(test, feature = "test-util"))]

@@ -23,7 +23,7 @@ use crate::future::ResponseFuture;
 use crate::invalidate::is_safe;
 use crate::layer::ResponseCacheLayer;
 use crate::route::Route;
-use crate::service::ResponseCache;
+use crate::service::{ResponseCache, take_ready};
 
 /// A path glob: `*` matches any run of characters (`/` included), `?` one
 /// character; everything else matches itself. The whole path must match.
@@ -286,21 +286,12 @@ where
         let Some(route) = route else {
             return ResponseFuture::inner(self.inner.call(req), None);
         };
-        let also = if write {
-            self.table
-                .writes
-                .iter()
-                .filter(|(glob, _)| glob.matches(path))
-                .map(|(_, what)| what.clone())
-                .collect()
-        } else {
-            Vec::new()
-        };
-        // `inner` was readied by `poll_ready`; the clone left behind is for
-        // the next call (tower's contract).
-        let clone = self.inner.clone();
-        let ready = std::mem::replace(&mut self.inner, clone);
-        ResponseCache::with_route(ready, route).call_routed(req, also)
+        // Empty (no allocation) for a read.
+        let also = (self.table.writes.iter())
+            .filter(|(glob, _)| write && glob.matches(path))
+            .map(|(_, what)| what.clone())
+            .collect();
+        ResponseCache::for_request(take_ready(&mut self.inner), route, also).call(req)
     }
 }
 

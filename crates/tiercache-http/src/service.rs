@@ -36,6 +36,11 @@ pub struct ResponseCache<S> {
     inner: S,
     // One Arc: routers clone the service per request.
     route: Option<Arc<Route>>,
+    /// What a successful write also invalidates (a [`PathLayer`]'s
+    /// `on_write` for the request's path; empty otherwise, no allocation).
+    ///
+    /// [`PathLayer`]: crate::paths::PathLayer
+    also: Vec<Invalidate>,
 }
 
 impl<S> ResponseCache<S> {
@@ -44,13 +49,17 @@ impl<S> ResponseCache<S> {
         Self {
             inner,
             route: layer.into_route(),
+            also: Vec::new(),
         }
     }
 
-    pub(crate) fn with_route(inner: S, route: Arc<Route>) -> Self {
+    /// For one request of a [`PathLayer`](crate::paths::PathLayer): its
+    /// rule's route, and what a write there also invalidates.
+    pub(crate) fn for_request(inner: S, route: Arc<Route>, also: Vec<Invalidate>) -> Self {
         Self {
             inner,
             route: Some(route),
+            also,
         }
     }
 
@@ -61,11 +70,16 @@ impl<S> ResponseCache<S> {
 }
 
 impl<S: Clone> ResponseCache<S> {
-    /// The service `poll_ready` readied; a clone stays for the next call.
     fn take_ready(&mut self) -> S {
-        let clone = self.inner.clone();
-        std::mem::replace(&mut self.inner, clone)
+        take_ready(&mut self.inner)
     }
+}
+
+/// The service `poll_ready` readied; a clone stays for the next call
+/// (tower's contract: only the readied service may be called).
+pub(crate) fn take_ready<S: Clone>(inner: &mut S) -> S {
+    let clone = inner.clone();
+    std::mem::replace(inner, clone)
 }
 
 impl<S, ReqB, ResB> Service<Request<ReqB>> for ResponseCache<S>
@@ -86,26 +100,6 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
-        self.call_routed(req, Vec::new())
-    }
-}
-
-impl<S> ResponseCache<S> {
-    /// [`Service::call`], with what a successful write invalidates beyond
-    /// the URLs it names (`also`, from a [`PathLayer`](crate::paths::PathLayer)).
-    pub(crate) fn call_routed<ReqB, ResB>(
-        &mut self,
-        req: Request<ReqB>,
-        also: Vec<Invalidate>,
-    ) -> ResponseFuture<S::Future, ResB, S::Error>
-    where
-        S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
-        S::Future: Send + 'static,
-        S::Error: Send + 'static,
-        ReqB: Body + Send + 'static,
-        ResB: Body<Data = Bytes> + Send + 'static,
-        ResB::Error: Into<BoxError>,
-    {
         let Some(route) = &self.route else {
             return ResponseFuture::inner(self.inner.call(req), None);
         };
@@ -119,6 +113,7 @@ impl<S> ResponseCache<S> {
             route.bypass(Reason::Method);
             let (keys, target) = invalidation_keys(&parts, &route.config);
             let future = self.inner.call(Request::from_parts(parts, body));
+            let also = std::mem::take(&mut self.also);
             let write = write_through(route, future, keys, target, also);
             return ResponseFuture::boxed(Box::pin(write));
         }

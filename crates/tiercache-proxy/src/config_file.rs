@@ -35,24 +35,6 @@ use toml::Spanned;
 use crate::routes::{Glob, Route, Settings};
 use crate::{ProxyConfig, ProxyError};
 
-fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Human {
-        Text(String),
-        Seconds(f64),
-    }
-    match Option::<Human>::deserialize(d)? {
-        None => Ok(None),
-        Some(Human::Text(t)) => tiercache_core::parse_duration(&t)
-            .map(Some)
-            .map_err(serde::de::Error::custom),
-        Some(Human::Seconds(s)) => Duration::try_from_secs_f64(s)
-            .map(Some)
-            .map_err(|_| serde::de::Error::custom(format!("{s} is not a duration"))),
-    }
-}
-
 fn size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
@@ -77,23 +59,23 @@ struct Table {
     path: Option<String>,
     /// Routes only: `false` passes through untouched.
     cache: Option<bool>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
     ttl: Option<Duration>,
     jitter: Option<f64>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
     stale_while_revalidate: Option<Duration>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
     stale_if_error: Option<Duration>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
     negative_ttl: Option<Duration>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
     origin_soft_timeout: Option<Duration>,
     xfetch_beta: Option<f64>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
     lock_timeout: Option<Duration>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
     hit_for_miss_ttl: Option<Duration>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
     keep_for_revalidation: Option<Duration>,
     override_origin: Option<bool>,
     tags: Option<Vec<String>>,
@@ -103,7 +85,7 @@ struct Table {
     targeted_fields: Option<Vec<String>>,
     #[serde(default, deserialize_with = "size")]
     max_body: Option<u64>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
     max_error_ttl: Option<Duration>,
     honor_client_no_cache: Option<bool>,
     max_variants: Option<usize>,

@@ -36,6 +36,7 @@
 //!
 //! This crate has no features.
 
+mod admin;
 pub mod config_file;
 pub mod forward;
 pub mod routes;
@@ -46,8 +47,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::State;
-use axum::routing::get;
 use http::Uri;
 use tiercache_core::{Policy, PolicyError, TieredCache};
 use tiercache_http::ResponseCacheLayer;
@@ -333,7 +332,7 @@ impl Proxy {
         if let Some(admin_addr) = config.admin {
             let (listener, bound) = bind(admin_addr).await?;
             admin = Some(bound);
-            let router = admin_router(Admin {
+            let router = admin::router(admin::Admin {
                 layer: layer.clone(),
                 prometheus,
             });
@@ -567,38 +566,6 @@ impl std::error::Error for ProxyError {
     }
 }
 
-/// What the admin endpoints work on.
-#[derive(Clone)]
-struct Admin {
-    layer: ResponseCacheLayer,
-    prometheus: metrics_exporter_prometheus::PrometheusHandle,
-}
-
-fn admin_router(admin: Admin) -> Router {
-    let dashboard = tiercache_dashboard::router(admin.layer.engine());
-    Router::new()
-        .route(
-            "/stats",
-            get(|State(admin): State<Admin>| async move {
-                axum::Json(admin.layer.engine().stats())
-            }),
-        )
-        .route(
-            "/metrics",
-            get(|State(admin): State<Admin>| async move {
-                admin.layer.publish_metrics();
-                (
-                    [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-                    admin.prometheus.render(),
-                )
-            }),
-        )
-        .route("/invalidate", axum::routing::post(invalidate))
-        .with_state(admin)
-        // `/` (the page), `/api/stats`, `/api/horizon`.
-        .merge(dashboard)
-}
-
 /// This proxy's own metrics registry (several proxies in one process stay
 /// apart), shared by its routes and the reloads.
 type SharedRecorder = Arc<dyn metrics::Recorder + Send + Sync>;
@@ -617,55 +584,5 @@ fn metrics_recorder() -> metrics_exporter_prometheus::PrometheusRecorder {
         Ok(builder) => builder.build_recorder(),
         // Unreachable with the fixed, non-empty buckets above.
         Err(_) => metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder(),
-    }
-}
-
-/// What `POST /invalidate` takes: exactly one of them.
-#[derive(Debug, serde::Deserialize)]
-struct InvalidateQuery {
-    /// A URL (`http://host/path?q`) or a path (`/path?q`, any host).
-    key: Option<String>,
-    /// A tag (surrogate key).
-    tag: Option<String>,
-    /// A path prefix (`/products/`), or an absolute URL prefix.
-    prefix: Option<String>,
-}
-
-/// `POST /invalidate?key=URL|tag=TAG|prefix=PATH`: drops the matching
-/// entries from L1, Valkey and every instance's L1 before answering `200
-/// invalidated`; when Valkey cannot be reached in time, this instance's L1
-/// is clean, the invalidation is queued and retried until it lands, and the
-/// answer is `202 queued`.
-async fn invalidate(
-    State(Admin { layer, .. }): State<Admin>,
-    axum::extract::Query(q): axum::extract::Query<InvalidateQuery>,
-) -> (http::StatusCode, String) {
-    let bad = |msg: String| (http::StatusCode::BAD_REQUEST, msg + "\n");
-    let uri = |name: &str, value: &str| {
-        value
-            .parse::<Uri>()
-            .ok()
-            .filter(|u| u.path().starts_with('/'))
-            .ok_or_else(|| {
-                bad(format!(
-                    "{name}=`{value}` is not a URL or a path starting with /"
-                ))
-            })
-    };
-    let done = match (q.key, q.tag, q.prefix) {
-        (Some(key), None, None) => match uri("key", &key) {
-            Ok(u) => layer.invalidate_url(&u).await,
-            Err(e) => return e,
-        },
-        (None, Some(tag), None) if !tag.is_empty() => layer.invalidate_tag(tag).await,
-        (None, None, Some(prefix)) => match uri("prefix", &prefix) {
-            Ok(u) => layer.invalidate_path_prefix(&u).await,
-            Err(e) => return e,
-        },
-        _ => return bad("give exactly one of key=URL, tag=TAG, prefix=PATH".into()),
-    };
-    match done {
-        Ok(()) => (http::StatusCode::OK, "invalidated\n".into()),
-        Err(queued) => (http::StatusCode::ACCEPTED, format!("queued: {queued}\n")),
     }
 }

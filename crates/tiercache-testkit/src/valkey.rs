@@ -299,6 +299,20 @@ impl ValkeyServer {
         })
     }
 
+    /// Waits until `n` clients subscribe to `channel` (`tc:inv` is the
+    /// invalidation bus of engines on the default prefix): a message
+    /// published before an instance subscribed never reaches it.
+    pub async fn subscribed(&self, channel: &str, n: usize) {
+        for _ in 0..1000 {
+            let reply = self.cmd(&["PUBSUB", "NUMSUB", channel]);
+            if reply.lines().nth(1).and_then(|c| c.parse::<usize>().ok()) >= Some(n) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("{n} clients did not subscribe to {channel} within 10 s");
+    }
+
     /// Runs one command and returns its reply as text (arrays joined by newlines).
     pub fn cmd(&self, args: &[&str]) -> String {
         self.try_cmd(args)

@@ -481,7 +481,7 @@ impl std::error::Error for PolicyError {}
 
 mod serde;
 
-pub use self::serde::parse_duration;
+pub use self::serde::{deserialize_duration, parse_duration};
 
 #[cfg(test)]
 mod tests;

@@ -46,7 +46,11 @@ enum Human {
     Seconds(f64),
 }
 
-fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+/// Deserializes an optional duration written as `"30s"` (see
+/// [`parse_duration`]) or a number of seconds: for
+/// `#[serde(default, deserialize_with = "…")]` on fields of configuration
+/// structs of your own, as [`Policy`]'s own fields use it.
+pub fn deserialize_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
     let Some(human) = Option::<Human>::deserialize(d)? else {
         return Ok(None);
     };
@@ -65,28 +69,28 @@ fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Erro
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Spec {
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "deserialize_duration")]
     ttl: Option<Duration>,
     jitter: Option<f64>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "deserialize_duration")]
     additive_jitter: Option<Duration>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "deserialize_duration")]
     lock_timeout: Option<Duration>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "deserialize_duration")]
     hit_for_miss_ttl: Option<Duration>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "deserialize_duration")]
     stale_while_revalidate: Option<Duration>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "deserialize_duration")]
     stale_if_error: Option<Duration>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "deserialize_duration")]
     negative_ttl: Option<Duration>,
     xfetch_beta: Option<f64>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "deserialize_duration")]
     origin_soft_timeout: Option<Duration>,
     override_origin: Option<bool>,
     #[serde(default)]
     tags: Vec<String>,
-    #[serde(default, deserialize_with = "duration")]
+    #[serde(default, deserialize_with = "deserialize_duration")]
     keep_for_revalidation: Option<Duration>,
 }
 
