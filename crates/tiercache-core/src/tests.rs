@@ -176,6 +176,59 @@ async fn byte_budget_evicts_and_counts_it() {
     assert_eq!(stats.expired, 0);
 }
 
+/// Counts the stored bodies still alive (each drops its count with it).
+struct CountedBody {
+    bytes: Vec<u8>,
+    live: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl AsRef<[u8]> for CountedBody {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl Drop for CountedBody {
+    fn drop(&mut self) {
+        self.live.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[tokio::test]
+async fn large_bodies_never_pile_up_past_the_budget_between_evictions() {
+    // moka evicts only when it runs its housekeeping, after 64 or more
+    // writes on its own: with 64 KiB bodies that held up to twice this
+    // budget at once, and the allocator keeps such a peak as RSS.
+    const BUDGET: u64 = 4 * 1024 * 1024;
+    const BODY: usize = 64 * 1024;
+    let cache = TieredCache::builder()
+        .l1_capacity(BUDGET)
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let live = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let policy = Policy::ttl(TTL).build().unwrap();
+    let mut most = 0;
+    for i in 0..400u32 {
+        live.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let body = bytes::Bytes::from_owner(CountedBody {
+            bytes: vec![b'x'; BODY],
+            live: live.clone(),
+        });
+        cache.store_now(
+            &CacheKey::new(i.to_le_bytes()),
+            Fill::new(Value::from_body(body)),
+            &policy,
+        );
+        most = most.max(live.load(std::sync::atomic::Ordering::SeqCst));
+    }
+    let held = (most * BODY) as u64;
+    assert!(
+        held <= BUDGET + BUDGET / 16,
+        "up to {most} bodies of {BODY} B were held at once for a {BUDGET} B budget"
+    );
+}
+
 #[tokio::test]
 async fn hit_for_miss_expires_on_the_engine_clock() {
     let clock = MockClock::new();

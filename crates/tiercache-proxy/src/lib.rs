@@ -71,7 +71,8 @@ pub struct ProxyConfig {
     pub jitter: f64,
     /// Largest body stored; larger ones stream through.
     pub max_body: u64,
-    /// L1 byte budget.
+    /// The cache's byte budget: all of it for L1, or with Valkey fifteen
+    /// sixteenths for L1 and one for the fills waiting to be written to L2.
     pub l1_capacity: u64,
     /// Most background refreshes running at once.
     pub max_refreshes: usize,
@@ -292,11 +293,12 @@ impl Proxy {
             .l1_capacity(config.l1_capacity)
             .max_refreshes(config.max_refreshes);
         if let Some(url) = &config.valkey {
-            // Queued fills are copies outside L1: bound them to a
-            // sixteenth of its budget, so a flood keeps the process near it.
-            let queue_bytes = usize::try_from(config.l1_capacity / 16)
-                .unwrap_or(usize::MAX)
-                .max(1);
+            // Fills waiting to be written to L2 are copies outside L1: a
+            // sixteenth of the budget holds them and L1 the rest, so a flood
+            // keeps the process near the one budget the user gave.
+            let queue_bytes = (config.l1_capacity / 16).max(1);
+            builder = builder.l1_capacity(config.l1_capacity - queue_bytes);
+            let queue_bytes = usize::try_from(queue_bytes).unwrap_or(usize::MAX);
             let config = ValkeyConfig::from_url(url)
                 .map_err(|e| ProxyError::Config(e.to_string()))?
                 .write_queue_bytes(queue_bytes);

@@ -19,7 +19,23 @@ use hyper_util::rt::TokioExecutor;
 use tiercache_testkit::Server;
 use tiercache_testkit::valkey::free_port;
 
-const BUDGET_MIB: u64 = 16;
+/// The proxy's `--l1-capacity` in these floods: the smallest of the issue's
+/// (32, 64 and 256 MiB); `FLOOD_BUDGET_MIB` sets another.
+fn budget_mib() -> u64 {
+    std::env::var("FLOOD_BUDGET_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(32)
+}
+
+/// How many budgets' worth of unique entries a flood sends;
+/// `FLOOD_BUDGETS` sets another.
+fn budgets() -> usize {
+    std::env::var("FLOOD_BUDGETS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3)
+}
 
 /// The process's resident set, in bytes (`VmRSS` in `/proc/PID/status`).
 fn rss(pid: u32) -> u64 {
@@ -54,7 +70,7 @@ async fn start_proxy(upstream: &Server, valkey: Option<&str>) -> Proxy {
         .args(["--upstream", &upstream.url()])
         .args(["--listen", &addr.to_string()])
         .args(["--ttl", "10m"])
-        .args(["--l1-capacity", &format!("{BUDGET_MIB}MiB")])
+        .args(["--l1-capacity", &format!("{}MiB", budget_mib())])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .spawn()
@@ -69,8 +85,8 @@ async fn start_proxy(upstream: &Server, valkey: Option<&str>) -> Proxy {
     panic!("tiercache-proxy did not listen");
 }
 
-/// Sends GETs for `/b/{from..to}` over `clients` connections.
-async fn flood(addr: SocketAddr, from: usize, to: usize, clients: usize) {
+/// Sends GETs for `{prefix}{from..to}` over `clients` connections.
+async fn flood(addr: SocketAddr, prefix: &'static str, from: usize, to: usize, clients: usize) {
     let next = Arc::new(AtomicUsize::new(from));
     let tasks: Vec<_> = (0..clients)
         .map(|_| {
@@ -82,7 +98,7 @@ async fn flood(addr: SocketAddr, from: usize, to: usize, clients: usize) {
                     if i >= to {
                         return;
                     }
-                    let req = Request::get(format!("http://{addr}/b/{i}"))
+                    let req = Request::get(format!("http://{addr}{prefix}{i}"))
                         .body(Body::empty())
                         .unwrap();
                     let res = client.request(req).await.expect("the proxy answers");
@@ -103,44 +119,57 @@ async fn a_flood_of_unique_urls_keeps_the_proxy_within_its_budget() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_valkey_a_flood_keeps_the_proxy_near_its_budget() {
-    // The L2 writes of a flood queue up behind Valkey as encoded copies:
-    // their bytes are bounded (a sixteenth of L1's budget in the proxy), or
-    // 4,096 queued 64 KiB fills would be 16 times this budget. The goal of
-    // 1.15x is not met with Valkey on (1.24-1.38x measured at this small
-    // budget, see docs/NOTES.md): this bound guards against regressions.
+async fn with_valkey_a_flood_keeps_the_proxy_within_its_budget() {
+    // The L2 writes of a flood wait as encoded copies in a queue that takes
+    // a sixteenth of the budget (L1 gets the rest). The L2 reads, fill
+    // locks and writes in flight hold 1-2 MiB more, bounded by the
+    // connections, not the keys: within the 15 % at 32 MiB and above, not
+    // at 16 MiB (1.22x).
     let valkey = tiercache_testkit::ValkeyServer::start();
-    flood_within_budget(Some(&valkey.url()), &[1024, 64 * 1024], 1.5).await;
+    flood_within_budget(Some(&valkey.url()), &[60, 1024, 64 * 1024], 1.15).await;
 }
 
 async fn flood_within_budget(valkey: Option<&str>, sizes: &[usize], most: f64) {
     for &body_bytes in sizes {
         let body = Arc::new(vec![b'x'; body_bytes]);
-        let upstream = Server::start(Router::new().route(
-            "/b/{i}",
-            get(move |Path(_): Path<u64>| {
-                let body = body.clone();
-                async move { (*body).clone() }
-            }),
-        ))
+        let unstored = body.clone();
+        let upstream = Server::start(
+            Router::new()
+                .route(
+                    "/b/{i}",
+                    get(move |Path(_): Path<u64>| {
+                        let body = body.clone();
+                        async move { (*body).clone() }
+                    }),
+                )
+                .route(
+                    "/w/{i}",
+                    get(move |Path(_): Path<u64>| {
+                        let body = unstored.clone();
+                        async move { ([("cache-control", "no-store")], (*body).clone()) }
+                    }),
+                ),
+        )
         .await;
         let proxy = start_proxy(&upstream, valkey).await;
         let pid = proxy.child.id();
-        // Warm up the runtime, the connections and the allocator's arenas,
-        // with far less than the budget.
-        flood(proxy.addr, 0, 100, 16).await;
+        // Warm up the runtime, the connections and their buffers, with
+        // responses of the same size that are not stored: everything the
+        // budget covers is then counted in the growth.
+        flood(proxy.addr, "/w/", 0, 200, 16).await;
         let before = rss(pid);
         // Three times the budget's worth of unique entries (an entry weighs
         // its body and ~4 KiB of head and bookkeeping).
-        let urls = (3 * BUDGET_MIB as usize * 1024 * 1024) / (body_bytes + 4096);
-        flood(proxy.addr, 100, 100 + urls, 16).await;
+        let budget = budget_mib() * 1024 * 1024;
+        let urls = budgets() * budget as usize / (body_bytes + 4096);
+        flood(proxy.addr, "/b/", 0, urls, 16).await;
         let grown = rss(pid).saturating_sub(before);
-        let budget = BUDGET_MIB * 1024 * 1024;
         let ratio = grown as f64 / budget as f64;
         eprintln!(
-            "{body_bytes} B bodies, {urls} URLs{}: RSS grew {:.1} MiB for a {BUDGET_MIB} MiB budget ({ratio:.2}x)",
+            "{body_bytes} B bodies, {urls} URLs{}: RSS grew {:.1} MiB for a {} MiB budget ({ratio:.2}x)",
             if valkey.is_some() { ", Valkey on" } else { "" },
-            grown as f64 / 1048576.0
+            grown as f64 / 1048576.0,
+            budget_mib()
         );
         assert!(
             ratio <= most,
