@@ -4,11 +4,14 @@
 use std::sync::atomic::Ordering::Relaxed;
 
 use bytes::Bytes;
-use fred::prelude::{Expiration, KeysInterface, SortedSetsInterface};
+use fred::prelude::{
+    ClientLike, Expiration, KeysInterface, PubsubInterface, SortedSetsInterface, Value,
+};
 use fred::types::ExpireOptions;
+use fred::types::{ClusterHash, CustomCommand};
 use tokio::sync::mpsc;
 
-use crate::lock::Release;
+use crate::lock::{Release, SHARED_ANSWER_TTL, UNLOCK_SCRIPT};
 use crate::tier::Inner;
 
 /// What the writer task does, in queue order.
@@ -34,13 +37,14 @@ pub(crate) enum Command {
     Unlock(Release),
 }
 
-/// Most fills sent in one pipeline.
+/// Most commands (fills and releases) sent in one pipeline.
 const BATCH: usize = 64;
 
-/// Drains the write queue in order; ends when the tier is dropped. Fills
+/// Drains the write queue in order; ends when the tier is dropped. Commands
 /// waiting back to back go out as one pipeline (one round trip for up to
-/// [`BATCH`] of them, their tag updates included); a release or a flush
-/// waits for the fills queued before it.
+/// [`BATCH`] fills and lock releases, tag updates included), in queue
+/// order, so a release still lands after the fill queued before it; a flush
+/// waits for everything queued before it.
 pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<Write>) {
     let mut next = None;
     loop {
@@ -54,25 +58,19 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
         let Some(inner) = tier.upgrade() else {
             return;
         };
-        let set = match write {
+        let first = match write {
             Write::Flush(done) => {
                 let _ = done.send(());
                 continue;
             }
-            // Never skipped by the breaker: small, idempotent, and a lock
-            // left behind stalls every instance that waits on it.
-            Write::Command(Command::Unlock(release)) => {
-                crate::lock::release(&inner, release).await;
-                continue;
-            }
-            Write::Command(set) => set,
+            Write::Command(command) => command,
         };
-        let mut batch = vec![set];
+        let mut batch = vec![first];
         while batch.len() < BATCH {
             match rx.try_recv() {
-                Ok(Write::Command(set @ Command::Set { .. })) => batch.push(set),
-                Ok(other) => {
-                    next = Some(other);
+                Ok(Write::Command(command)) => batch.push(command),
+                Ok(flush) => {
+                    next = Some(flush);
                     break;
                 }
                 Err(_) => break,
@@ -86,65 +84,142 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
             })
             .sum();
         if !inner.breaker.allow() {
-            inner.skipped.fetch_add(batch.len() as u64, Relaxed);
+            // Fills wait for Valkey no longer; releases are never skipped:
+            // small, idempotent, and a lock left behind stalls every
+            // instance that waits on it.
             inner.queued_bytes.fetch_sub(bytes, Relaxed);
+            for command in batch {
+                match command {
+                    Command::Set { .. } => {
+                        inner.skipped.fetch_add(1, Relaxed);
+                    }
+                    Command::Unlock(release) => crate::lock::release(&inner, release).await,
+                }
+            }
             continue;
         }
-        let n = batch.len() as u64;
         let bound = inner.command_timeout * 2;
-        match tokio::time::timeout(bound, apply_batch(&inner, batch)).await {
-            Ok(Ok(())) => inner.breaker.success(),
-            _ => {
-                inner.write_errors.fetch_add(n, Relaxed);
-                inner.breaker.failure();
+        // Per command, whether it landed; a pipeline that timed out or
+        // could not be sent landed nothing.
+        let landed = match tokio::time::timeout(bound, apply_batch(&inner, &batch)).await {
+            Ok(Ok(landed)) => landed,
+            _ => vec![false; batch.len()],
+        };
+        let mut failed_fills = 0;
+        for (command, landed) in batch.into_iter().zip(&landed) {
+            match command {
+                Command::Set { .. } if !landed => failed_fills += 1,
+                Command::Set { .. } => {}
+                Command::Unlock(release) if *landed => inner.released(&release.token),
+                Command::Unlock(release) => {
+                    tokio::spawn(crate::lock::release_until_done(
+                        std::sync::Arc::downgrade(&inner),
+                        release,
+                    ));
+                }
             }
+        }
+        // The breaker hears of every failed command, not only of a pipeline
+        // that could not be sent (with Valkey gone each reply is an error).
+        if landed.iter().all(|&ok| ok) {
+            inner.breaker.success();
+        } else {
+            inner.write_errors.fetch_add(failed_fills, Relaxed);
+            inner.breaker.failure();
         }
         // Sent or failed: the batch's copies are gone.
         inner.queued_bytes.fetch_sub(bytes, Relaxed);
     }
 }
 
-/// Sends fills in one pipeline: each `SET … PX`, then its tag sets.
-async fn apply_batch(inner: &Inner, batch: Vec<Command>) -> Result<(), fred::error::Error> {
+/// Sends a batch in one pipeline, in order: each fill's `SET … PX` and its
+/// tag sets; each release's shared answer, token-checked unlock and
+/// notification (see [`crate::lock::release_once`]). Per command, whether it
+/// landed (a release that did not is retried by the caller).
+async fn apply_batch(inner: &Inner, batch: &[Command]) -> Result<Vec<bool>, fred::error::Error> {
     let pipe = inner.client.pipeline();
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
         .as_millis() as i64;
+    // Where each command's deciding reply sits among the pipeline's replies.
+    let mut deciding = Vec::with_capacity(batch.len());
+    let mut sent = 0;
     for command in batch {
-        let Command::Set {
-            key,
-            value,
-            px,
-            tags,
-            member,
-        } = command
-        else {
-            continue;
-        };
-        let _: () = pipe
-            .set(key, value, Some(Expiration::PX(px)), None, false)
-            .await?;
-        // Each tag's sorted set: the member scored by its expiry, expired
-        // members trimmed, the set living as long as its longest member.
-        for set in tags {
-            let _: () = pipe
-                .zadd(
-                    &set,
-                    None,
-                    None,
-                    false,
-                    false,
-                    ((now + px) as f64, member.as_str()),
-                )
-                .await?;
-            let _: () = pipe
-                .zremrangebyscore(&set, f64::NEG_INFINITY, now as f64)
-                .await?;
-            let _: () = pipe.pexpire(&set, px, Some(ExpireOptions::NX)).await?;
-            let _: () = pipe.pexpire(&set, px, Some(ExpireOptions::GT)).await?;
+        match command {
+            Command::Set {
+                key,
+                value,
+                px,
+                tags,
+                member,
+            } => {
+                let _: () = pipe
+                    .set(key, value.clone(), Some(Expiration::PX(*px)), None, false)
+                    .await?;
+                deciding.push(sent);
+                sent += 1;
+                // Each tag's sorted set: the member scored by its expiry,
+                // expired members trimmed, the set living as long as its
+                // longest member.
+                for set in tags {
+                    let _: () = pipe
+                        .zadd(
+                            set,
+                            None,
+                            None,
+                            false,
+                            false,
+                            ((now + px) as f64, member.as_str()),
+                        )
+                        .await?;
+                    let _: () = pipe
+                        .zremrangebyscore(set, f64::NEG_INFINITY, now as f64)
+                        .await?;
+                    let _: () = pipe.pexpire(set, *px, Some(ExpireOptions::NX)).await?;
+                    let _: () = pipe.pexpire(set, *px, Some(ExpireOptions::GT)).await?;
+                    sent += 4;
+                }
+            }
+            Command::Unlock(release) => {
+                // The shared answer first: a waiter that finds the lock gone
+                // finds the answer there.
+                if release.message.len() > 1 {
+                    let px = Expiration::PX(SHARED_ANSWER_TTL.as_millis() as i64);
+                    let _: () = pipe
+                        .set(
+                            &release.shared,
+                            release.message.clone(),
+                            Some(px),
+                            None,
+                            false,
+                        )
+                        .await?;
+                    sent += 1;
+                }
+                // Pipelines have no Lua interface: `EVAL script 1 lock token`,
+                // routed by the lock key (argument 2) on a cluster.
+                let eval = CustomCommand::new_static("EVAL", ClusterHash::Offset(2), false);
+                let args = vec![
+                    Value::from(UNLOCK_SCRIPT),
+                    Value::from(1),
+                    Value::from(release.lock.as_str()),
+                    Value::from(release.token.clone()),
+                ];
+                let _: () = pipe.custom(eval, args).await?;
+                deciding.push(sent);
+                sent += 1;
+                // Queued releases are real ones: always announced.
+                let _: () = pipe
+                    .spublish(&release.channel, release.message.clone())
+                    .await?;
+                sent += 1;
+            }
         }
     }
-    let _: Vec<fred::prelude::Value> = pipe.all().await?;
-    Ok(())
+    let replies: Vec<Result<Value, fred::error::Error>> = pipe.try_all().await;
+    Ok(deciding
+        .into_iter()
+        .map(|i| matches!(replies.get(i), Some(Ok(_))))
+        .collect())
 }
