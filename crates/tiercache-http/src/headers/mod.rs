@@ -166,7 +166,7 @@ fn own_values(outcome: &Outcome, hit_ratio: f64) -> [Option<HeaderValue>; 4] {
             tier: Source::L1,
             ttl,
             collapsed: false,
-        } => values::l1_hit_status(*ttl),
+        } => Some(values::l1_hit_status(*ttl)),
         _ => None,
     };
     [
@@ -184,21 +184,26 @@ fn own_values(outcome: &Outcome, hit_ratio: f64) -> [Option<HeaderValue>; 4] {
 /// whose tail is not the placeholders, in whatever order the `http` crate
 /// iterates it, is set by name instead: correctness never rests on an
 /// order the crate calls unspecified. `None` leaves a placeholder.
-fn set_own_fields(headers: &mut HeaderMap, own: [Option<HeaderValue>; 5]) {
+fn set_own_fields(headers: &mut HeaderMap, mut own: [Option<HeaderValue>; 5]) {
     let skip = headers.len().saturating_sub(OWN_FIELDS.len());
-    let in_place = headers.len() >= OWN_FIELDS.len()
-        && headers
-            .iter()
-            .skip(skip)
-            .zip(&OWN_FIELDS)
-            .all(|((name, _), own_name)| name == own_name);
-    if in_place {
-        for ((_, value), v) in headers.iter_mut().skip(skip).zip(own) {
-            if let Some(v) = v {
+    if headers.len() >= OWN_FIELDS.len() {
+        // One pass: each tail slot is set while its name checks out; at a
+        // mismatch the values not yet placed are set by name below (the
+        // placed ones are taken, so they are not set twice).
+        let mut in_place = true;
+        let tail = headers.iter_mut().skip(skip).zip(&OWN_FIELDS).zip(&mut own);
+        for (((name, value), own_name), v) in tail {
+            if name != own_name {
+                in_place = false;
+                break;
+            }
+            if let Some(v) = v.take() {
                 *value = v;
             }
         }
-        return;
+        if in_place {
+            return;
+        }
     }
     for (name, v) in OWN_FIELDS.iter().zip(own) {
         if let Some(v) = v {
