@@ -330,6 +330,18 @@ impl Proxy {
             }
         })];
 
+        // The exporter keeps every histogram sample until it is drained:
+        // with nobody scraping, 16 bytes an origin call, without end (a
+        // flood of 105,000 misses left 1.7 MiB). Drain it on a tick.
+        let upkeep = prometheus.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(METRICS_UPKEEP);
+            loop {
+                tick.tick().await;
+                upkeep.run_upkeep();
+            }
+        }));
+
         let mut admin = None;
         if let Some(admin_addr) = config.admin {
             let (listener, bound) = bind(admin_addr).await?;
@@ -574,6 +586,10 @@ type SharedRecorder = Arc<dyn metrics::Recorder + Send + Sync>;
 
 /// A Prometheus recorder whose `*_seconds` histograms have buckets from
 /// 0.5 ms to 10 s.
+/// How often the Prometheus histograms' raw samples are folded into their
+/// buckets when nobody scrapes.
+const METRICS_UPKEEP: Duration = Duration::from_secs(5);
+
 fn metrics_recorder() -> metrics_exporter_prometheus::PrometheusRecorder {
     const BUCKETS: &[f64] = &[
         0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,

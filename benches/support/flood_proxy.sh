@@ -1,0 +1,62 @@
+#!/bin/bash
+# Floods a release tiercache-proxy from a cold start with a unique URL per
+# request (1 KiB bodies from nginx) and prints its RSS growth against the
+# budget: the issue 17 measurement, from the outside.
+#
+# usage: benches/support/flood_proxy.sh BUDGET SECONDS [redis://VALKEY]
+#   e.g. benches/support/flood_proxy.sh 256MiB 25
+# Needs nginx and wrk (apt-get install nginx wrk) and
+# `cargo build --release -p tiercache-proxy` first. Ports 18181-18183.
+set -euo pipefail
+BUDGET=$1; SECS=$2; VALKEY=${3:-}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+DIR=$(mktemp -d)
+trap 'kill $PROXY $NGINX 2>/dev/null; wait 2>/dev/null; rm -rf "$DIR"' EXIT
+BODY=$(head -c 1024 /dev/zero | tr '\0' x)
+cat > "$DIR/nginx.conf" <<CONF
+worker_processes 1;
+daemon off;
+pid $DIR/nginx.pid;
+error_log $DIR/error.log;
+events { worker_connections 1024; }
+http {
+  access_log off;
+  client_body_temp_path $DIR/body;
+  proxy_temp_path $DIR/proxy;
+  fastcgi_temp_path $DIR/fcgi;
+  uwsgi_temp_path $DIR/uwsgi;
+  scgi_temp_path $DIR/scgi;
+  keepalive_requests 1000000;
+  server {
+    listen 127.0.0.1:18181;
+    location / { default_type text/plain; return 200 "$BODY"; }
+  }
+}
+CONF
+cat > "$DIR/unique.lua" <<'LUA'
+local counter = 0
+request = function()
+  counter = counter + 1
+  return wrk.format("GET", "/u/" .. counter)
+end
+LUA
+nginx -c "$DIR/nginx.conf" & NGINX=$!
+ARGS=(--upstream http://127.0.0.1:18181 --listen 127.0.0.1:18182 --admin 127.0.0.1:18183
+      --l1-capacity "$BUDGET" --ttl 10m)
+[ -n "$VALKEY" ] && ARGS+=(--valkey "$VALKEY")
+"$ROOT/target/release/tiercache-proxy" "${ARGS[@]}" > "$DIR/proxy.log" 2>&1 & PROXY=$!
+sleep 1
+rss() { awk '/VmRSS/ {print $2}' "/proc/$PROXY/status"; }
+BEFORE=$(rss)
+wrk -t1 -c16 -d"${SECS}s" -s "$DIR/unique.lua" http://127.0.0.1:18182 | grep -E "requests in|Non-2xx" || true
+sleep 1
+AFTER=$(rss)
+curl -s http://127.0.0.1:18183/metrics | grep -E "^tiercache_l1_(bytes|entries)|^tiercache_l2_write_drops" || true
+python3 - "$BEFORE" "$AFTER" "$BUDGET" <<'PY'
+import re, sys
+before, after, budget = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+n, unit = re.fullmatch(r"(\d+)(KiB|MiB|GiB)?", budget).groups()
+budget_kib = int(n) * {"KiB": 1, "MiB": 1024, "GiB": 1024 * 1024, None: 1 / 1024}[unit]
+grown = after - before
+print(f"RSS grew {grown / 1024:.1f} MiB for a {budget} budget ({grown / budget_kib:.2f}x)")
+PY
