@@ -121,10 +121,12 @@ impl L1 {
         // moka evicts only when it runs its housekeeping: on its own, after
         // 64 to 384 writes, which for 64 KiB bodies is 4 to 25 MiB held
         // past the budget, and the allocator keeps that peak as resident
-        // memory. Settle once a sixty-fourth of the budget has come in.
+        // memory. Settle once a 256th of the budget has come in (one
+        // thread does, with what every thread added).
         let settle_every = (self.capacity() / 256).max(64 * 1024);
-        if self.unsettled.fetch_add(weight, Relaxed) + weight >= settle_every {
-            self.unsettled.store(0, Relaxed);
+        if self.unsettled.fetch_add(weight, Relaxed) + weight >= settle_every
+            && self.unsettled.swap(0, Relaxed) >= settle_every
+        {
             self.cache.run_pending_tasks();
         }
         let mut index = self.index.lock().unwrap();

@@ -296,9 +296,10 @@ impl Proxy {
             // Fills waiting to be written to L2 are copies outside L1: a
             // sixteenth of the budget holds them and L1 the rest, so a flood
             // keeps the process near the one budget the user gave.
-            let queue_bytes = (config.l1_capacity / 16).max(1);
+            // (Below 16 bytes L1 keeps it all; 0 is refused by the build.)
+            let queue_bytes = config.l1_capacity / 16;
             builder = builder.l1_capacity(config.l1_capacity - queue_bytes);
-            let queue_bytes = usize::try_from(queue_bytes).unwrap_or(usize::MAX);
+            let queue_bytes = usize::try_from(queue_bytes.max(1)).unwrap_or(usize::MAX);
             let config = ValkeyConfig::from_url(url)
                 .map_err(|e| ProxyError::Config(e.to_string()))?
                 .write_queue_bytes(queue_bytes);
@@ -584,12 +585,12 @@ impl std::error::Error for ProxyError {
 /// apart), shared by its routes and the reloads.
 type SharedRecorder = Arc<dyn metrics::Recorder + Send + Sync>;
 
-/// A Prometheus recorder whose `*_seconds` histograms have buckets from
-/// 0.5 ms to 10 s.
 /// How often the Prometheus histograms' raw samples are folded into their
 /// buckets when nobody scrapes.
 const METRICS_UPKEEP: Duration = Duration::from_secs(5);
 
+/// A Prometheus recorder whose `*_seconds` histograms have buckets from
+/// 0.5 ms to 10 s.
 fn metrics_recorder() -> metrics_exporter_prometheus::PrometheusRecorder {
     const BUCKETS: &[f64] = &[
         0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,

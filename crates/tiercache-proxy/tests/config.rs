@@ -14,7 +14,7 @@ use axum::routing::get;
 use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use tiercache_proxy::{Proxy, config_file};
+use tiercache_proxy::{Proxy, ProxyConfig, config_file};
 use tiercache_testkit::valkey::free_port;
 use tiercache_testkit::{Counter, Server, bounded};
 
@@ -288,4 +288,17 @@ async fn a_canonical_authority_keys_every_host_alike() {
     let config = config_file::parse(&bad, "tiercache.toml").unwrap().config;
     let err = Proxy::start(config).await.unwrap_err().to_string();
     assert!(err.contains("canonical authority `not a host/`"), "{err}");
+}
+
+#[tokio::test]
+async fn a_zero_budget_with_valkey_is_refused_by_name() {
+    // A sixteenth of the budget goes to the L2 write queue: a budget of 0
+    // must not wrap around to an unbounded L1.
+    let valkey = tiercache_testkit::ValkeyServer::start();
+    let mut config = ProxyConfig::new("http://127.0.0.1:9".parse().unwrap());
+    config.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    config.valkey = Some(valkey.url());
+    config.l1_capacity = 0;
+    let err = Proxy::start(config).await.unwrap_err().to_string();
+    assert!(err.contains("l1_capacity"), "{err}");
 }

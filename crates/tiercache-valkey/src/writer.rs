@@ -101,9 +101,9 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
         let bound = inner.command_timeout * 2;
         // Per command, whether it landed; a pipeline that timed out or
         // could not be sent landed nothing.
-        let landed = match tokio::time::timeout(bound, apply_batch(&inner, &batch)).await {
-            Ok(Ok(landed)) => landed,
-            _ => vec![false; batch.len()],
+        let (landed, every) = match tokio::time::timeout(bound, apply_batch(&inner, &batch)).await {
+            Ok(Ok(replies)) => replies,
+            _ => (vec![false; batch.len()], false),
         };
         let mut failed_fills = 0;
         for (command, landed) in batch.into_iter().zip(&landed) {
@@ -119,9 +119,9 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
                 }
             }
         }
-        // The breaker hears of every failed command, not only of a pipeline
-        // that could not be sent (with Valkey gone each reply is an error).
-        if landed.iter().all(|&ok| ok) {
+        // The breaker hears of every failed reply (a tag update's too), not
+        // only of a pipeline that could not be sent.
+        if every {
             inner.breaker.success();
         } else {
             inner.write_errors.fetch_add(failed_fills, Relaxed);
@@ -135,17 +135,23 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
 /// Sends a batch in one pipeline, in order: each fill's `SET … PX` and its
 /// tag sets; each release's shared answer, token-checked unlock and
 /// notification (see [`crate::lock::release_once`]). Per command, whether it
-/// landed (a release that did not is retried by the caller).
-async fn apply_batch(inner: &Inner, batch: &[Command]) -> Result<Vec<bool>, fred::error::Error> {
+/// landed (a release that did not is retried by the caller), and whether
+/// every reply was a success.
+async fn apply_batch(
+    inner: &Inner,
+    batch: &[Command],
+) -> Result<(Vec<bool>, bool), fred::error::Error> {
     let pipe = inner.client.pipeline();
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
         .as_millis() as i64;
-    // Where each command's deciding reply sits among the pipeline's replies.
+    // Which of the pipeline's replies decide whether each command landed: a
+    // fill's `SET` and its tag updates, a release's unlock.
     let mut deciding = Vec::with_capacity(batch.len());
     let mut sent = 0;
     for command in batch {
+        let start = sent;
         match command {
             Command::Set {
                 key,
@@ -157,7 +163,6 @@ async fn apply_batch(inner: &Inner, batch: &[Command]) -> Result<Vec<bool>, fred
                 let _: () = pipe
                     .set(key, value.clone(), Some(Expiration::PX(*px)), None, false)
                     .await?;
-                deciding.push(sent);
                 sent += 1;
                 // Each tag's sorted set: the member scored by its expiry,
                 // expired members trimmed, the set living as long as its
@@ -180,6 +185,7 @@ async fn apply_batch(inner: &Inner, batch: &[Command]) -> Result<Vec<bool>, fred
                     let _: () = pipe.pexpire(set, *px, Some(ExpireOptions::GT)).await?;
                     sent += 4;
                 }
+                deciding.push(start..sent);
             }
             Command::Unlock(release) => {
                 // The shared answer first: a waiter that finds the lock gone
@@ -207,9 +213,11 @@ async fn apply_batch(inner: &Inner, batch: &[Command]) -> Result<Vec<bool>, fred
                     Value::from(release.token.clone()),
                 ];
                 let _: () = pipe.custom(eval, args).await?;
-                deciding.push(sent);
+                deciding.push(sent..sent + 1);
                 sent += 1;
-                // Queued releases are real ones: always announced.
+                // A queued release is a real one (a possibly-held lock's is
+                // sent by `release_until_done`): announced whatever it found.
+                debug_assert!(release.announce);
                 let _: () = pipe
                     .spublish(&release.channel, release.message.clone())
                     .await?;
@@ -218,8 +226,9 @@ async fn apply_batch(inner: &Inner, batch: &[Command]) -> Result<Vec<bool>, fred
         }
     }
     let replies: Vec<Result<Value, fred::error::Error>> = pipe.try_all().await;
-    Ok(deciding
-        .into_iter()
-        .map(|i| matches!(replies.get(i), Some(Ok(_))))
-        .collect())
+    let landed = |span: std::ops::Range<usize>| {
+        replies.len() == sent && replies[span].iter().all(Result::is_ok)
+    };
+    let every = landed(0..sent);
+    Ok((deciding.into_iter().map(landed).collect(), every))
 }
