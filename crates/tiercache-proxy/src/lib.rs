@@ -39,6 +39,7 @@
 mod admin;
 pub mod config_file;
 pub mod forward;
+mod prometheus;
 pub mod routes;
 pub mod units;
 
@@ -313,7 +314,7 @@ impl Proxy {
             .map_err(|e| ProxyError::Config(e.to_string()))?;
         // This proxy's own Prometheus registry: the layer takes its metric
         // handles from it (several proxies in one process stay apart).
-        let recorder = metrics_recorder();
+        let recorder = prometheus::recorder();
         let prometheus = recorder.handle();
         let forward = Forward::new(&config.upstream).map_err(ProxyError::Config)?;
         let recorder: SharedRecorder = Arc::new(recorder);
@@ -331,17 +332,7 @@ impl Proxy {
             }
         })];
 
-        // The exporter keeps every histogram sample until it is drained:
-        // with nobody scraping, 16 bytes an origin call, without end (a
-        // flood of 105,000 misses left 1.7 MiB). Drain it on a tick.
-        let upkeep = prometheus.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut tick = tokio::time::interval(METRICS_UPKEEP);
-            loop {
-                tick.tick().await;
-                upkeep.run_upkeep();
-            }
-        }));
+        tasks.push(prometheus::upkeep(prometheus.clone()));
 
         let mut admin = None;
         if let Some(admin_addr) = config.admin {
@@ -584,24 +575,3 @@ impl std::error::Error for ProxyError {
 /// This proxy's own metrics registry (several proxies in one process stay
 /// apart), shared by its routes and the reloads.
 type SharedRecorder = Arc<dyn metrics::Recorder + Send + Sync>;
-
-/// How often the Prometheus histograms' raw samples are folded into their
-/// buckets when nobody scrapes.
-const METRICS_UPKEEP: Duration = Duration::from_secs(5);
-
-/// A Prometheus recorder whose `*_seconds` histograms have buckets from
-/// 0.5 ms to 10 s.
-fn metrics_recorder() -> metrics_exporter_prometheus::PrometheusRecorder {
-    const BUCKETS: &[f64] = &[
-        0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-    ];
-    let builder = metrics_exporter_prometheus::PrometheusBuilder::new();
-    match builder.set_buckets_for_metric(
-        metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
-        BUCKETS,
-    ) {
-        Ok(builder) => builder.build_recorder(),
-        // Unreachable with the fixed, non-empty buckets above.
-        Err(_) => metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder(),
-    }
-}

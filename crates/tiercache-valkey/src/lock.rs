@@ -16,8 +16,9 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
-use fred::prelude::{KeysInterface, LuaInterface, PubsubInterface, Value};
-use fred::types::Expiration;
+use fred::clients::{Client, Pipeline};
+use fred::prelude::{ClientLike, KeysInterface, PubsubInterface, Value};
+use fred::types::{ClusterHash, CustomCommand, Expiration};
 use tiercache_core::Unlocked;
 use tokio::time::Instant;
 
@@ -48,24 +49,17 @@ pub(crate) async fn release_once(inner: &Inner, release: &Release) -> bool {
     // finds the lock gone (it subscribed too late) reads it: so no waiter
     // can see the lock gone and the answer not there yet.
     if release.message.len() > 1 {
-        let px = Expiration::PX(SHARED_ANSWER_TTL.as_millis() as i64);
         let set = client.set::<(), _, _>(
             release.shared.clone(),
             release.message.clone(),
-            Some(px),
+            Some(shared_answer_px()),
             None,
             false,
         );
         let _ = tokio::time::timeout(bound, set).await;
     }
-    let unlock = tokio::time::timeout(
-        bound,
-        client.eval::<i64, _, _, _>(
-            UNLOCK_SCRIPT,
-            vec![release.lock.clone()],
-            vec![Value::from(release.token.clone())],
-        ),
-    );
+    let (eval, args) = unlock_command(release);
+    let unlock = tokio::time::timeout(bound, client.custom::<i64, _>(eval, args));
     let deleted = match unlock.await {
         Ok(Ok(n)) => Some(n > 0),
         _ => None,
@@ -76,6 +70,51 @@ pub(crate) async fn release_once(inner: &Inner, release: &Release) -> bool {
         let _ = tokio::time::timeout(bound, publish).await;
     }
     deleted.is_some()
+}
+
+/// Queues `release` on a pipeline, in `release_once`'s order: the shared
+/// answer (if any), the unlock, the notification (sent whatever the unlock
+/// finds: only real releases are queued; a possibly-held lock's goes through
+/// `release_until_done`). How many commands it queued, and the offset among
+/// them of the unlock, whose reply says whether the release landed.
+pub(crate) async fn pipe_release(
+    pipe: &Pipeline<Client>,
+    release: &Release,
+) -> Result<(usize, usize), fred::error::Error> {
+    debug_assert!(release.announce);
+    let mut queued = 0;
+    if release.message.len() > 1 {
+        let px = Some(shared_answer_px());
+        let _: () = pipe
+            .set(&release.shared, release.message.clone(), px, None, false)
+            .await?;
+        queued += 1;
+    }
+    let (eval, args) = unlock_command(release);
+    let _: () = pipe.custom(eval, args).await?;
+    let unlock_at = queued;
+    let _: () = pipe
+        .spublish(&release.channel, release.message.clone())
+        .await?;
+    Ok((queued + 2, unlock_at))
+}
+
+/// `EVAL UNLOCK_SCRIPT 1 lock token`, routed by the lock key (argument 2)
+/// on a cluster: as a custom command, since pipelines have no Lua interface.
+fn unlock_command(release: &Release) -> (CustomCommand, Vec<Value>) {
+    let eval = CustomCommand::new_static("EVAL", ClusterHash::Offset(2), false);
+    let args = vec![
+        Value::from(UNLOCK_SCRIPT),
+        Value::from(1),
+        Value::from(release.lock.as_str()),
+        Value::from(release.token.clone()),
+    ];
+    (eval, args)
+}
+
+/// A shared answer's lifetime, as a `SET` expiration.
+fn shared_answer_px() -> Expiration {
+    Expiration::PX(SHARED_ANSWER_TTL.as_millis() as i64)
 }
 
 /// Retries `release` with backoff (50 ms, doubling, 1 s at most) until the

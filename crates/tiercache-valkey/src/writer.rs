@@ -4,14 +4,12 @@
 use std::sync::atomic::Ordering::Relaxed;
 
 use bytes::Bytes;
-use fred::prelude::{
-    ClientLike, Expiration, KeysInterface, PubsubInterface, SortedSetsInterface, Value,
-};
+use fred::clients::{Client, Pipeline};
+use fred::prelude::{Expiration, KeysInterface, SortedSetsInterface, Value};
 use fred::types::ExpireOptions;
-use fred::types::{ClusterHash, CustomCommand};
 use tokio::sync::mpsc;
 
-use crate::lock::{Release, SHARED_ANSWER_TTL, UNLOCK_SCRIPT};
+use crate::lock::Release;
 use crate::tier::Inner;
 
 /// What the writer task does, in queue order.
@@ -134,7 +132,7 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
 
 /// Sends a batch in one pipeline, in order: each fill's `SET … PX` and its
 /// tag sets; each release's shared answer, token-checked unlock and
-/// notification (see [`crate::lock::release_once`]). Per command, whether it
+/// notification (see [`crate::lock::pipe_release`]). Per command, whether it
 /// landed (a release that did not is retried by the caller), and whether
 /// every reply was a success.
 async fn apply_batch(
@@ -151,77 +149,16 @@ async fn apply_batch(
     let mut deciding = Vec::with_capacity(batch.len());
     let mut sent = 0;
     for command in batch {
-        let start = sent;
         match command {
-            Command::Set {
-                key,
-                value,
-                px,
-                tags,
-                member,
-            } => {
-                let _: () = pipe
-                    .set(key, value.clone(), Some(Expiration::PX(*px)), None, false)
-                    .await?;
-                sent += 1;
-                // Each tag's sorted set: the member scored by its expiry,
-                // expired members trimmed, the set living as long as its
-                // longest member.
-                for set in tags {
-                    let _: () = pipe
-                        .zadd(
-                            set,
-                            None,
-                            None,
-                            false,
-                            false,
-                            ((now + px) as f64, member.as_str()),
-                        )
-                        .await?;
-                    let _: () = pipe
-                        .zremrangebyscore(set, f64::NEG_INFINITY, now as f64)
-                        .await?;
-                    let _: () = pipe.pexpire(set, *px, Some(ExpireOptions::NX)).await?;
-                    let _: () = pipe.pexpire(set, *px, Some(ExpireOptions::GT)).await?;
-                    sent += 4;
-                }
-                deciding.push(start..sent);
+            Command::Set { .. } => {
+                let queued = pipe_fill(&pipe, command, now).await?;
+                deciding.push(sent..sent + queued);
+                sent += queued;
             }
             Command::Unlock(release) => {
-                // The shared answer first: a waiter that finds the lock gone
-                // finds the answer there.
-                if release.message.len() > 1 {
-                    let px = Expiration::PX(SHARED_ANSWER_TTL.as_millis() as i64);
-                    let _: () = pipe
-                        .set(
-                            &release.shared,
-                            release.message.clone(),
-                            Some(px),
-                            None,
-                            false,
-                        )
-                        .await?;
-                    sent += 1;
-                }
-                // Pipelines have no Lua interface: `EVAL script 1 lock token`,
-                // routed by the lock key (argument 2) on a cluster.
-                let eval = CustomCommand::new_static("EVAL", ClusterHash::Offset(2), false);
-                let args = vec![
-                    Value::from(UNLOCK_SCRIPT),
-                    Value::from(1),
-                    Value::from(release.lock.as_str()),
-                    Value::from(release.token.clone()),
-                ];
-                let _: () = pipe.custom(eval, args).await?;
-                deciding.push(sent..sent + 1);
-                sent += 1;
-                // A queued release is a real one (a possibly-held lock's is
-                // sent by `release_until_done`): announced whatever it found.
-                debug_assert!(release.announce);
-                let _: () = pipe
-                    .spublish(&release.channel, release.message.clone())
-                    .await?;
-                sent += 1;
+                let (queued, unlock_at) = crate::lock::pipe_release(&pipe, release).await?;
+                deciding.push(sent + unlock_at..sent + unlock_at + 1);
+                sent += queued;
             }
         }
     }
@@ -231,4 +168,37 @@ async fn apply_batch(
     };
     let every = landed(0..sent);
     Ok((deciding.into_iter().map(landed).collect(), every))
+}
+
+/// Queues a fill (a `Command::Set`): its `SET … PX`, then each tag's sorted
+/// set: the member scored by its expiry, expired members trimmed, the set
+/// living as long as its longest member. How many commands it queued.
+async fn pipe_fill(
+    pipe: &Pipeline<Client>,
+    fill: &Command,
+    now: i64,
+) -> Result<usize, fred::error::Error> {
+    let Command::Set {
+        key,
+        value,
+        px,
+        tags,
+        member,
+    } = fill
+    else {
+        return Ok(0);
+    };
+    let _: () = pipe
+        .set(key, value.clone(), Some(Expiration::PX(*px)), None, false)
+        .await?;
+    for set in tags {
+        let score = ((now + px) as f64, member.as_str());
+        let _: () = pipe.zadd(set, None, None, false, false, score).await?;
+        let _: () = pipe
+            .zremrangebyscore(set, f64::NEG_INFINITY, now as f64)
+            .await?;
+        let _: () = pipe.pexpire(set, *px, Some(ExpireOptions::NX)).await?;
+        let _: () = pipe.pexpire(set, *px, Some(ExpireOptions::GT)).await?;
+    }
+    Ok(1 + 4 * tags.len())
 }
