@@ -46,7 +46,9 @@ ARGS=(--upstream http://127.0.0.1:18181 --listen 127.0.0.1:18182 --admin 127.0.0
 [ -n "$VALKEY" ] && ARGS+=(--valkey "$VALKEY")
 "$ROOT/target/release/tiercache-proxy" "${ARGS[@]}" > "$DIR/proxy.log" 2>&1 & PROXY=$!
 sleep 1
-rss() { awk '/VmRSS/ {print $2}' "/proc/$PROXY/status"; }
+# VmRSS, then its anonymous part (the heap, stacks) and its file-backed part
+# (the binary's pages, faulted in as code paths first run), in KiB.
+rss() { awk '/^(VmRSS|RssAnon|RssFile):/ {printf "%s ", $2}' "/proc/$PROXY/status"; }
 BEFORE=$(rss)
 wrk -t1 -c16 -d"${SECS}s" -s "$DIR/unique.lua" http://127.0.0.1:18182 | grep -E "requests in|Non-2xx" || true
 sleep 1
@@ -54,9 +56,12 @@ AFTER=$(rss)
 curl -s http://127.0.0.1:18183/metrics | grep -E "^tiercache_l1_(bytes|entries)|^tiercache_l2_write_drops" || true
 python3 - "$BEFORE" "$AFTER" "$BUDGET" <<'PY'
 import re, sys
-before, after, budget = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+budget = sys.argv[3]
+before, after = (list(map(int, v)) for v in map(str.split, sys.argv[1:3]))
 n, unit = re.fullmatch(r"(\d+)(KiB|MiB|GiB)?", budget).groups()
 budget_kib = int(n) * {"KiB": 1, "MiB": 1024, "GiB": 1024 * 1024, None: 1 / 1024}[unit]
-grown = after - before
-print(f"RSS grew {grown / 1024:.1f} MiB for a {budget} budget ({grown / budget_kib:.2f}x)")
+grown, anon, file = (a - b for a, b in zip(after, before))
+print(f"RSS grew {grown / 1024:.1f} MiB for a {budget} budget ({grown / budget_kib:.2f}x): "
+      f"anonymous {anon / 1024:.1f} MiB ({anon / budget_kib:.2f}x), "
+      f"file-backed {file / 1024:.1f} MiB")
 PY

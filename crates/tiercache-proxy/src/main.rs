@@ -15,6 +15,9 @@ use tiercache_proxy::{Proxy, ProxyConfig, config_file};
 /// its arenas as entries churn) and 0.99x under mimalloc; with 64 KiB bodies
 /// glibc's per-thread arenas held 1.21-1.30x (`tests/memory.rs`: 0.96-1.11x
 /// now). jemalloc did as well at 256 MiB but needs `make` to build.
+/// Built with `no_thp`: mimalloc otherwise advises transparent huge pages
+/// for its arenas, and a 2 MiB page stays resident while any block in it
+/// lives (a cold 32 MiB flood held 1.43-1.53x the budget, 1.20-1.22x now).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
