@@ -18,7 +18,8 @@
 //!   answer (the physical limit of a hit on this machine);
 //! - `bare`: the origin itself (a handler building its two fields);
 //! - `layer`: the same handler wrapped in the tiercache layer (L1 hits);
-//! - `proxy`: `tiercache-proxy` in front of the origin (L1 hits);
+//! - `proxy`: the release `tiercache-proxy` binary in front of the origin
+//!   (L1 hits);
 //! - the Rust crates a user might pick instead, each wrapping the same
 //!   handler in its own process: `axum-response-cache` 0.5, `hitbox` 0.2,
 //!   `tower-http-cache` 0.6 and `http-cache-tower-server` 0.2, set up as
@@ -54,11 +55,27 @@
 //! against `bare`, and nginx closed each client connection every 1,000
 //! requests.)
 //!
-//! A third run, 2026-12-04, the proxy on mimalloc (limit 86,676 req/s,
-//! 9.6 µs): layer 0.79 / 1.18; proxy 0.97 / 1.12; axum-response-cache 1.08 /
-//! 1.08; hitbox 0.80 / 1.49; tower-http-cache 0.77 / 1.52;
-//! http-cache-tower-server 0.15 / 8.17; nginx 0.90 / 1.32; Varnish 0.55 /
-//! 2.74; the same origin calls.
+//! A third run, 2026-12-04 (limit 86,676 req/s, 9.6 µs): layer 0.79 /
+//! 1.18; proxy 0.97 / 1.12; axum-response-cache 1.08 / 1.08; hitbox 0.80 /
+//! 1.49; tower-http-cache 0.77 / 1.52; http-cache-tower-server 0.15 / 8.17;
+//! nginx 0.90 / 1.32; Varnish 0.55 / 2.74; the same origin calls. Up to
+//! here the proxy ran inside this binary (glibc's malloc, no metrics
+//! recorder); a fourth run measured it so once more (limit 108,576 req/s,
+//! 8.9 µs): bare 1.28 / 0.78; layer 1.12 / 0.91; proxy 1.09 / 0.93;
+//! axum-response-cache 1.10 / 0.92; hitbox 0.76 / 1.34; tower-http-cache
+//! 0.81 / 1.27; http-cache-tower-server 0.14 / 7.50; nginx 0.89 / 1.14;
+//! Varnish 0.61 / 2.14.
+//!
+//! Since then `proxy` is the release `tiercache-proxy` binary as users run
+//! it (mimalloc, its Prometheus recorder), built by this bench into
+//! `target/bench-proxy` and given one runtime worker
+//! (`TOKIO_WORKER_THREADS=1`). A fifth run, 2026-12-04 (limit 130,230
+//! req/s, 7.5 µs): bare 1.07 / 0.93; layer 0.91 / 1.09; proxy 0.85 / 1.18;
+//! axum-response-cache 0.85 / 1.18; hitbox 0.63 / 1.60; tower-http-cache
+//! 0.66 / 1.53; http-cache-tower-server 0.12 / 8.62; nginx 0.76 / 1.31;
+//! Varnish 0.52 / 2.51; the same origin calls. The limit moves most between
+//! runs on this shared machine (7.5-9.6 µs); the bare origin, with fewer
+//! bytes to write, beat it in the last two.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -93,18 +110,12 @@ fn main() {
     procs::provision(&[("wrk", "wrk"), ("nginx", "nginx"), ("varnishd", "varnish")]);
 
     let origin = Server::spawn_self("origin", free_port(), &[]);
+    let proxy = procs::build_proxy().expect("the release tiercache-proxy");
     let mut targets: Vec<(&str, Server)> = vec![
         ("limit", Server::spawn_self("limit", free_port(), &[])),
         ("bare", Server::spawn_self("origin", free_port(), &[])),
         ("layer", Server::spawn_self("layer", free_port(), &[])),
-        (
-            "proxy",
-            Server::spawn_self(
-                "proxy",
-                free_port(),
-                &[("UPSTREAM", origin.addr.to_string())],
-            ),
-        ),
+        ("proxy", spawn_proxy(&proxy, origin.addr)),
     ];
     let mut skipped = Vec::new();
     match procs::build_peers() {
@@ -209,6 +220,23 @@ fn spawn_peer(bin: &Path, name: &str) -> Server {
     Server::wait(own_group(&mut cmd).spawn().expect("spawn a peer"), port)
 }
 
+/// The release `tiercache-proxy` in front of `origin`, on one runtime
+/// worker like every other server here (`TOKIO_WORKER_THREADS`).
+fn spawn_proxy(bin: &Path, origin: SocketAddr) -> Server {
+    let port = free_port();
+    let mut cmd = Command::new(bin);
+    cmd.arg("--upstream")
+        .arg(format!("http://{origin}"))
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .env("TOKIO_WORKER_THREADS", "1")
+        .stdout(Stdio::null());
+    Server::wait(
+        own_group(&mut cmd).spawn().expect("spawn tiercache-proxy"),
+        port,
+    )
+}
+
 fn serve(mode: &str) {
     let port: u16 = std::env::var("PORT").unwrap().parse().unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -219,15 +247,6 @@ fn serve(mode: &str) {
     rt.block_on(async move {
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
         match mode {
-            "proxy" => {
-                let upstream = std::env::var("UPSTREAM").unwrap();
-                let config = tiercache_proxy::ProxyConfig::new(
-                    format!("http://{upstream}").parse().unwrap(),
-                )
-                .listen(addr);
-                let proxy = tiercache_proxy::Proxy::start(config).await.unwrap();
-                proxy.wait().await;
-            }
             "layer" => {
                 let engine = tiercache::TieredCache::builder().build().unwrap();
                 let cache = tiercache::ResponseCacheLayer::new(engine);

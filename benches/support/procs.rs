@@ -135,26 +135,45 @@ pub(crate) fn provision(wants: &[(&str, &str)]) {
 /// Builds `benches/peers` (its own workspace and lock file, so the peers'
 /// dependency trees stay out of every test build); the binary's path.
 pub(crate) fn build_peers() -> Result<PathBuf, String> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let target = tiercache_testkit::valkey::target_dir().join("bench-peers");
     println!("building the Rust peers (benches/peers)…");
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(cargo)
-        .args([
-            "build",
-            "--release",
-            "--locked",
-            "--quiet",
-            "--manifest-path",
-        ])
-        .arg(root.join("benches/peers/Cargo.toml"))
-        .env("CARGO_TARGET_DIR", &target)
-        .status()
-        .map_err(|e| format!("cargo: {e}"))?;
-    if !status.success() {
-        return Err(format!("cargo build of benches/peers failed ({status})"));
-    }
+    let target = cargo_release("benches/peers/Cargo.toml", None, "bench-peers")?;
     Ok(target.join("release/bench-peer"))
+}
+
+/// Builds the release `tiercache-proxy` binary, the one users run (its
+/// allocator and runtime included); its path.
+pub(crate) fn build_proxy() -> Result<PathBuf, String> {
+    println!("building the release tiercache-proxy…");
+    let target = cargo_release("Cargo.toml", Some("tiercache-proxy"), "bench-proxy")?;
+    Ok(target.join("release/tiercache-proxy"))
+}
+
+/// `cargo build --release` of `manifest` (relative to the workspace root),
+/// optionally one `package` of it, into a target folder of its own named
+/// `folder`: the running `cargo bench` holds the workspace's own. Returns
+/// that target folder.
+fn cargo_release(manifest: &str, package: Option<&str>, folder: &str) -> Result<PathBuf, String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let target = tiercache_testkit::valkey::target_dir().join(folder);
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.args([
+        "build",
+        "--release",
+        "--locked",
+        "--quiet",
+        "--manifest-path",
+    ])
+    .arg(root.join(manifest))
+    .env("CARGO_TARGET_DIR", &target);
+    if let Some(package) = package {
+        cmd.args(["-p", package]);
+    }
+    let status = cmd.status().map_err(|e| format!("cargo: {e}"))?;
+    if !status.success() {
+        return Err(format!("cargo build of {manifest} failed ({status})"));
+    }
+    Ok(target)
 }
 
 /// nginx caching in front of `origin`, its files in `dir`: `workers` is its

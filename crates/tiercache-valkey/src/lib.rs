@@ -37,6 +37,7 @@ mod config;
 mod invalidate;
 mod lock;
 mod tier;
+mod tier_lock;
 mod writer;
 
 pub use bans::BAN_RETENTION;

@@ -7,8 +7,8 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use fred::prelude::{
-    Builder, Client, ClientLike, EventInterface, HashesInterface, KeysInterface, LuaInterface,
-    PubsubInterface, ReconnectPolicy, Value,
+    Builder, Client, ClientLike, EventInterface, HashesInterface, KeysInterface, ReconnectPolicy,
+    Value,
 };
 use rand::Rng;
 use tiercache_core::{
@@ -22,7 +22,6 @@ use crate::breaker::Breaker;
 use crate::bus::{self, Ban, Bus};
 use crate::codec;
 use crate::config::{ValkeyConfig, ValkeyError};
-use crate::lock::{LOCK_SCRIPT, Release, read_unlock_message, release_until_done, unlock_message};
 use crate::writer::{Command, Write, writer};
 
 /// The L2 tier on Valkey. Cheap to clone.
@@ -59,10 +58,6 @@ pub(crate) struct Inner {
     /// Lock releases sent again after a failure.
     pub(crate) release_retries: AtomicU64,
 }
-
-/// How long a lock's re-checks must keep failing before its waiter gives
-/// up on Valkey and goes to the origin itself.
-const FAIL_OPEN_AFTER: Duration = Duration::from_millis(500);
 
 impl Inner {
     /// A release is done (or was never queued): the token is no longer ours.
@@ -182,45 +177,6 @@ impl ValkeyTier {
         slot_key(&self.inner.prefix, &key.hash(), "lock")
     }
 
-    /// Where a lock's holder leaves an answer it shared unstored:
-    /// `PREFIX:{HASH}:shared:TOKEN`, for [`SHARED_ANSWER_TTL`]. Named by
-    /// the holder's token, so only the requests that waited on that holder
-    /// read it; the next flight goes to the origin again.
-    fn shared_key(&self, key: &CacheKey, holder: &LockToken) -> String {
-        let token = String::from_utf8_lossy(&holder.0);
-        slot_key(&self.inner.prefix, &key.hash(), &format!("shared:{token}"))
-    }
-
-    /// How a lock found gone ended: filled (the entry is there), shared (its
-    /// holder left its answer), or gone without a word.
-    async fn gone(
-        &self,
-        key: &CacheKey,
-        holder: Option<&LockToken>,
-    ) -> Result<Unlocked, TierError> {
-        let pipe = self.inner.client.pipeline();
-        let queued: Result<(), _> = pipe.exists(self.entry_key(key)).await;
-        queued.map_err(fred_error)?;
-        if let Some(holder) = holder {
-            let queued: Result<(), _> = pipe.get(self.shared_key(key, holder)).await;
-            queued.map_err(fred_error)?;
-        }
-        let mut replies: Vec<Value> = pipe.all().await.map_err(fred_error)?;
-        let shared = replies
-            .pop()
-            .and_then(|v| v.as_bytes().map(read_unlock_message));
-        let filled = replies.pop().and_then(|v| v.as_i64()).unwrap_or(0) > 0;
-        Ok(match shared {
-            _ if filled => Unlocked::Filled,
-            Some(shared @ Unlocked::Shared(..)) => shared,
-            _ => Unlocked::Gone,
-        })
-    }
-
-    fn done_channel(&self, key: &CacheKey) -> String {
-        slot_key(&self.inner.prefix, &key.hash(), "done")
-    }
-
     /// The Valkey sorted set of the keys stored with `tag`: `PREFIX:{TAGHASH}:tags`.
     ///
     /// A sorted set: each member (a key's hash) scored by when its entry
@@ -272,7 +228,7 @@ impl ValkeyTier {
         Ok((value, pttl))
     }
 
-    fn bounded<'a, T: Send + 'a>(
+    pub(crate) fn bounded<'a, T: Send + 'a>(
         &'a self,
         op: impl std::future::Future<Output = Result<T, TierError>> + Send + 'a,
     ) -> impl std::future::Future<Output = Result<T, TierError>> + Send + 'a {
@@ -299,96 +255,6 @@ pub(crate) fn fred_error(e: fred::error::Error) -> TierError {
         TierError::timeout(e.to_string())
     } else {
         TierError::new(e.to_string(), Some(Box::new(e)))
-    }
-}
-
-impl ValkeyTier {
-    /// A lock attempt got no answer: if the script ran after all, this
-    /// instance holds a lock nobody knows of. Release it by its token when
-    /// Valkey answers again (announcing only if it was there).
-    fn release_possibly_held(&self, key: &CacheKey, token: &Bytes, ttl: Duration) {
-        self.inner
-            .releasing
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(token.clone());
-        let release = Release {
-            lock: self.lock_key(key),
-            channel: self.done_channel(key),
-            shared: String::new(),
-            token: token.clone(),
-            message: Bytes::from_static(b"0"),
-            until: tokio::time::Instant::now() + ttl,
-            announce: false,
-        };
-        tokio::spawn(release_until_done(Arc::downgrade(&self.inner), release));
-    }
-
-    /// Whether `key`'s fill lock exists.
-    async fn lock_held(&self, key: &CacheKey) -> Result<bool, TierError> {
-        let lock = self.lock_key(key);
-        let held: i64 = self
-            .bounded(async {
-                let r: Result<i64, _> = self.inner.client.exists(lock).await;
-                r.map_err(fred_error)
-            })
-            .await?;
-        Ok(held > 0)
-    }
-
-    fn is_releasing(&self, holder: &LockToken) -> bool {
-        self.inner
-            .releasing
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(&holder.0)
-    }
-
-    /// One run of the lock script.
-    async fn lock_once(
-        &self,
-        key: &CacheKey,
-        token: &Bytes,
-        px: i64,
-    ) -> Result<LockAttempt, TierError> {
-        {
-            let lock = self.lock_key(key);
-            let reply: Vec<Value> = self
-                .bounded(async {
-                    let r: Result<Vec<Value>, _> = self
-                        .inner
-                        .client
-                        .eval(
-                            LOCK_SCRIPT,
-                            vec![lock],
-                            vec![Value::from(token.clone()), px.into()],
-                        )
-                        .await;
-                    r.map_err(fred_error)
-                })
-                .await?;
-            let ms = reply.first().and_then(Value::as_i64).unwrap_or(0);
-            let holder = reply
-                .get(1)
-                .and_then(Value::as_bytes)
-                .filter(|t| !t.is_empty())
-                .map(|t| LockToken(Bytes::copy_from_slice(t)));
-            Ok(match ms {
-                -10 => {
-                    self.inner.bus.locks_acquired.fetch_add(1, Relaxed);
-                    LockAttempt::Acquired(LockToken(token.clone()))
-                }
-                ms if ms > 0 => LockAttempt::Held {
-                    left: Duration::from_millis(ms as u64),
-                    holder,
-                },
-                // Gone between SET and PTTL, or no expiry (not ours to judge).
-                _ => LockAttempt::Held {
-                    left: Duration::ZERO,
-                    holder,
-                },
-            })
-        }
     }
 }
 
@@ -484,88 +350,11 @@ impl Tier for ValkeyTier {
         key: &'a CacheKey,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<LockAttempt, TierError>> {
-        Box::pin(async move {
-            if !self.inner.fill_locks {
-                return Ok(LockAttempt::Unsupported);
-            }
-            if !self.inner.breaker.allow() {
-                self.inner.skipped.fetch_add(1, Relaxed);
-                return Ok(LockAttempt::Unsupported);
-            }
-            let token = Bytes::from(bus::hex(&rand::rng().random::<[u8; 16]>()));
-            let px = ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
-            let mut attempt = match self.lock_once(key, &token, px).await {
-                Ok(attempt) => attempt,
-                Err(e) => {
-                    // The script may still run once Valkey reads it: treat
-                    // the lock as possibly held, and release it by its token
-                    // when Valkey answers again.
-                    self.release_possibly_held(key, &token, ttl);
-                    return Err(e);
-                }
-            };
-            // Held by this instance's own finished flight, whose release is
-            // still in the write queue: let it land and try again, rather
-            // than wait on (or answer with) a flight that is over.
-            if let LockAttempt::Held {
-                holder: Some(holder),
-                ..
-            } = &attempt
-                && self.is_releasing(holder)
-            {
-                self.flush().await;
-                attempt = match self.lock_once(key, &token, px).await {
-                    Ok(attempt) => attempt,
-                    Err(e) => {
-                        self.release_possibly_held(key, &token, ttl);
-                        return Err(e);
-                    }
-                };
-            }
-            if let LockAttempt::Acquired(_) = &attempt {
-                self.inner
-                    .held
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(token, tokio::time::Instant::now() + ttl);
-            }
-            Ok(attempt)
-        })
+        Box::pin(self.acquire_lock(key, ttl))
     }
 
     fn unlock(&self, key: &CacheKey, token: &LockToken, how: Unlocked) {
-        self.inner
-            .releasing
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(token.0.clone());
-        let until = self
-            .inner
-            .held
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&token.0)
-            .unwrap_or_else(tokio::time::Instant::now);
-        let release = Release {
-            lock: self.lock_key(key),
-            channel: self.done_channel(key),
-            shared: self.shared_key(key, token),
-            token: token.0.clone(),
-            message: unlock_message(&how),
-            until,
-            announce: true,
-        };
-        // After the writes queued before it (a fill's `SET` lands first); a
-        // full queue does not drop it: it goes out on its own at once.
-        let queued = self
-            .inner
-            .writes
-            .try_send(Write::Command(Command::Unlock(release)));
-        if let Err(full) = queued
-            && let Write::Command(Command::Unlock(release)) = full.into_inner()
-        {
-            tokio::spawn(release_until_done(Arc::downgrade(&self.inner), release));
-        }
+        self.release_lock(key, token, how);
     }
 
     fn wait_unlock<'a>(
@@ -574,55 +363,7 @@ impl Tier for ValkeyTier {
         holder: Option<&'a LockToken>,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<Unlocked, TierError>> {
-        Box::pin(async move {
-            self.inner.bus.lock_waits.fetch_add(1, Relaxed);
-            let channel = self.done_channel(key);
-            let mut waiter = self.inner.bus.wait_on(&channel);
-            if waiter.first {
-                let subscriber = self.inner.bus.subscriber.clone();
-                self.bounded(async {
-                    subscriber
-                        .ssubscribe(channel.clone())
-                        .await
-                        .map_err(fred_error)
-                })
-                .await?;
-            }
-            // Subscribed: a release from now on is heard. One before it left
-            // no lock behind. The notification is not relied on alone: the
-            // lock is re-checked on a short backoff (50, 100, 200 ms), so a
-            // lost release or notification costs one step, not the lock's
-            // whole life.
-            // Failed re-checks are a blip (a slow moment under load) until
-            // they have failed for `FAIL_OPEN_AFTER`: then Valkey is gone,
-            // and the wait fails open (the request goes to the origin).
-            let deadline = tokio::time::Instant::now() + timeout;
-            let mut step = Duration::from_millis(50);
-            let mut failing_since = None;
-            loop {
-                match self.lock_held(key).await {
-                    Ok(false) => return self.bounded(self.gone(key, holder)).await,
-                    Ok(true) => failing_since = None,
-                    Err(e) => {
-                        let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
-                        if since.elapsed() >= FAIL_OPEN_AFTER {
-                            return Err(e);
-                        }
-                    }
-                }
-                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-                if left.is_zero() {
-                    return Ok(Unlocked::TimedOut);
-                }
-                match tokio::time::timeout(step.min(left), waiter.rx.wait_for(Option::is_some))
-                    .await
-                {
-                    Ok(Ok(how)) => return Ok(how.clone().unwrap_or(Unlocked::Gone)),
-                    Ok(Err(_)) => return Ok(Unlocked::Gone),
-                    Err(_) => step = (step * 2).min(Duration::from_millis(200)),
-                }
-            }
-        })
+        Box::pin(self.wait_for_release(key, holder, timeout))
     }
 
     fn available(&self) -> bool {
