@@ -17,8 +17,8 @@
 //!   (queued on its pool included).
 //! - The client: `WORKLOAD_CONNS` keep-alive connections, each sending its
 //!   next request when the last is answered, for `WORKLOAD_SECS`.
-//! - Systems: the tiercache layer (in the origin's process) and
-//!   `tiercache-proxy`, each as `plain` (ttl 5 s, no jitter, no early
+//! - Systems: the tiercache layer (in the origin's process) and the
+//!   release `tiercache-proxy` binary, each as `plain` (ttl 5 s, no jitter, no early
 //!   refresh), `xfetch` (jitter 0.1, XFetch β = 1) and `swr` (the same, and
 //!   stale-while-revalidate 30 s); nginx (`proxy_cache_lock`,
 //!   `proxy_cache_use_stale updating`, `proxy_cache_background_update on`,
@@ -77,6 +77,16 @@
 //! cache's) and the three proxies 26,682 (0.90× one proxy's; 0.52× their
 //! perfect cache's). With 32 refresh slots each (the first run) the three
 //! made 1.43× one proxy's calls and asked the origin for 109 at once.
+//!
+//! Up to here the proxy ran as a library inside this binary. Since then it
+//! is the release `tiercache-proxy` binary (built into `target/bench-proxy`;
+//! its policy in a config file, two runtime workers like the layer's
+//! process). A fourth run, 2026-12-04 (`WORKLOAD_ONLY=proxy-plain,proxy-swr,fleet`):
+//! proxy plain 2,764 req/s, calls 1.00×, waited 1.01×; proxy SWR 32,443
+//! req/s, p99 / p99.9 / max 2.5 / 52.5 / 68.9 ms, demand 64, calls 0.53×,
+//! waited 1.02×; three proxies on one Valkey 28,939 req/s, demand 62,
+//! waited 1.02×, origin calls 0.91× one proxy's (27,167 vs 29,757); 3 nginx
+//! 1,666 req/s, waited 2.96×.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -151,6 +161,10 @@ fn main() {
     );
     let mut skipped = Vec::new();
     let mut single_proxy_calls = None;
+    let wants_proxy = ["proxy-plain", "proxy-xfetch", "proxy-swr", "fleet"]
+        .iter()
+        .any(|n| wanted(n));
+    let proxy_bin = wants_proxy.then(|| procs::build_proxy().expect("the release tiercache-proxy"));
     for variant in ["plain", "xfetch", "swr"] {
         let name = format!("layer-{variant}");
         if wanted(&name) {
@@ -161,14 +175,8 @@ fn main() {
         let name = format!("proxy-{variant}");
         if wanted(&name) {
             let origin = Server::spawn_self("origin", free_port(), &[]);
-            let proxy = Server::spawn_self(
-                "proxy",
-                free_port(),
-                &[
-                    ("VARIANT", variant.into()),
-                    ("UPSTREAM", origin.addr.to_string()),
-                ],
-            );
+            let bin = proxy_bin.as_deref().expect("built above");
+            let proxy = spawn_proxy(bin, &dir, variant, origin.addr, &[]);
             let run = load(&[proxy.addr], secs, keys, conns);
             let stats = origin_stats(origin.addr);
             if variant == "swr" {
@@ -230,21 +238,13 @@ fn main() {
         println!("== fleet: three instances, the client's connections spread over them");
         let valkey = tiercache_testkit::ValkeyServer::start();
         let origin = Server::spawn_self("origin", free_port(), &[]);
+        let bin = proxy_bin.as_deref().expect("built above");
+        // One instance's refresh budget, shared out: the origin sees no
+        // more refreshes than from one.
+        let share = (DEFAULT_MAX_REFRESHES / 3).to_string();
+        let flags = ["--valkey", &valkey.url(), "--max-refreshes", &share];
         let proxies: Vec<Server> = (0..3)
-            .map(|_| {
-                Server::spawn_self(
-                    "proxy",
-                    free_port(),
-                    &[
-                        ("VARIANT", "swr".into()),
-                        ("UPSTREAM", origin.addr.to_string()),
-                        ("VALKEY", valkey.url()),
-                        // One instance's refresh budget, shared out: the
-                        // origin sees no more refreshes than from one.
-                        ("MAX_REFRESHES", (DEFAULT_MAX_REFRESHES / 3).to_string()),
-                    ],
-                )
-            })
+            .map(|_| spawn_proxy(bin, &dir, "swr", origin.addr, &flags))
             .collect();
         let addrs: Vec<SocketAddr> = proxies.iter().map(|p| p.addr).collect();
         let run = load(&addrs, secs, keys, conns);
@@ -520,6 +520,43 @@ fn policy(variant: &str) -> tiercache::Policy {
         .expect("a valid policy")
 }
 
+/// The release `tiercache-proxy` in front of `origin`, as a user would set
+/// it up for `variant`: a config file for the policy (the origin's
+/// lifetime, overriding what the origin says, and the variant's knobs),
+/// flags for the rest, and the two runtime workers the layer's process has.
+fn spawn_proxy(
+    bin: &Path,
+    dir: &Path,
+    variant: &str,
+    origin: SocketAddr,
+    flags: &[&str],
+) -> Server {
+    let (jitter, beta, swr) = knobs(variant);
+    let port = free_port();
+    let config = dir.join(format!("proxy-{port}.toml"));
+    let toml = format!(
+        "[defaults]\nttl = \"{}ms\"\noverride_origin = true\njitter = {jitter:.3}\n\
+         xfetch_beta = {beta:.3}\nstale_while_revalidate = \"{}ms\"\n",
+        LIFETIME.as_millis(),
+        swr.as_millis(),
+    );
+    std::fs::write(&config, toml).expect("write the proxy's config");
+    let mut cmd = Command::new(bin);
+    cmd.arg("--config")
+        .arg(&config)
+        .arg("--upstream")
+        .arg(format!("http://{origin}"))
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .args(flags)
+        .env("TOKIO_WORKER_THREADS", "2")
+        .stdout(Stdio::null());
+    Server::wait(
+        own_group(&mut cmd).spawn().expect("spawn tiercache-proxy"),
+        port,
+    )
+}
+
 fn serve(mode: &str) {
     let port: u16 = std::env::var("PORT").unwrap().parse().unwrap();
     let variant = std::env::var("VARIANT").unwrap_or_default();
@@ -531,30 +568,6 @@ fn serve(mode: &str) {
     rt.block_on(async move {
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
         match mode {
-            "proxy" => {
-                let upstream = std::env::var("UPSTREAM").unwrap();
-                let (jitter, beta, swr) = knobs(&variant);
-                let mut config = tiercache_proxy::ProxyConfig::new(
-                    format!("http://{upstream}").parse().unwrap(),
-                )
-                .listen(addr)
-                .ttl(LIFETIME)
-                .jitter(jitter);
-                config.xfetch_beta = beta;
-                config.stale_while_revalidate = swr;
-                config.override_origin = true;
-                if let Ok(url) = std::env::var("VALKEY") {
-                    config = config.valkey(url);
-                }
-                if let Some(n) = std::env::var("MAX_REFRESHES")
-                    .ok()
-                    .and_then(|n| n.parse().ok())
-                {
-                    config.max_refreshes = n;
-                }
-                let proxy = tiercache_proxy::Proxy::start(config).await.unwrap();
-                proxy.wait().await;
-            }
             "layer" => {
                 let engine = tiercache::TieredCache::builder().build().unwrap();
                 let cache = tiercache::ResponseCacheLayer::new(engine);
