@@ -12,6 +12,11 @@ use bytes::Bytes;
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct KeyHash([u8; 16]);
 
+impl KeyHash {
+    /// The least digest, a bound for ranges ordered by digest.
+    pub(crate) const MIN: KeyHash = KeyHash([0; 16]);
+}
+
 impl std::hash::Hash for KeyHash {
     // One word instead of a length prefix and a byte slice: equal digests
     // still hash equal, and a map's hasher mixes a single write.

@@ -6,7 +6,7 @@
 //! by [`L1::sweep`], which walks an index ordered by hard expiry so an idle
 //! cache still gives its memory back.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
@@ -20,11 +20,10 @@ use moka::sync::Cache;
 use crate::stats::{Counters, bump};
 use crate::{Clock, Entry, Freshness, KeyHash};
 
-#[derive(Default)]
-struct Index {
-    by_expiry: BTreeMap<SystemTime, Vec<KeyHash>>,
-    records: usize,
-}
+/// Hard expiry and key, in expiry order: 32 bytes a record in the tree's
+/// nodes (a map of expiry to a `Vec` of keys cost ~120, one allocation per
+/// distinct expiry, and jittered expiries are nearly all distinct).
+type Index = BTreeSet<(SystemTime, KeyHash)>;
 
 /// Keys are already BLAKE3 digests; hashing them again for moka's table
 /// needs only a fast seeded mix, not SipHash (~200 fewer instructions a hit).
@@ -130,28 +129,22 @@ impl L1 {
             self.cache.run_pending_tasks();
         }
         let mut index = self.index.lock().unwrap();
-        index.by_expiry.entry(hard).or_default().push(hash);
-        index.records += 1;
+        index.insert((hard, hash));
         // Evicted and replaced entries leave records behind; a flood of unique
         // keys must not grow the index past the cache. Rebuild it from the
         // live entries when it holds twice as many records (amortised O(1)).
-        if index.records > 2 * self.cache.entry_count() as usize + 4096 {
-            let mut rebuilt = Index::default();
+        if index.len() > 2 * self.cache.entry_count() as usize + 4096 {
+            // Dropped first: the old and the new index never coexist.
+            index.clear();
             for (key, live) in self.cache.iter() {
-                rebuilt
-                    .by_expiry
-                    .entry(live.times().hard_until)
-                    .or_default()
-                    .push(*key);
-                rebuilt.records += 1;
+                index.insert((live.times().hard_until, *key));
             }
-            *index = rebuilt;
         }
     }
 
     /// Expiry-index records held (live entries plus stale records).
     pub(crate) fn index_records(&self) -> usize {
-        self.index.lock().unwrap().records
+        self.index.lock().unwrap().len()
     }
 
     /// Drops every entry `doomed` picks (a scan of the whole cache).
@@ -185,15 +178,13 @@ impl L1 {
         let now = self.clock.now();
         let due = {
             let mut index = self.index.lock().unwrap();
-            let later = index.by_expiry.split_off(&now);
-            let due = std::mem::replace(&mut index.by_expiry, later);
-            index.records -= due.values().map(Vec::len).sum::<usize>();
-            due
+            let later = index.split_off(&(now, KeyHash::MIN));
+            std::mem::replace(&mut *index, later)
         };
         // Then what is dead on the engine's clock and still held (a clock
         // that ran ahead of moka's, as a mock clock does).
         let mut removed = 0;
-        for hash in due.into_values().flatten() {
+        for (_, hash) in due {
             if self.remove_if(&hash, |live| live.freshness(now) == Freshness::Dead) {
                 removed += 1;
             }

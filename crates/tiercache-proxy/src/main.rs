@@ -17,7 +17,7 @@ use tiercache_proxy::{Proxy, ProxyConfig, config_file};
 /// now). jemalloc did as well at 256 MiB but needs `make` to build.
 /// Built with `no_thp`: mimalloc otherwise advises transparent huge pages
 /// for its arenas, and a 2 MiB page stays resident while any block in it
-/// lives (a cold 32 MiB flood held 1.43-1.53x the budget, 1.20-1.22x now).
+/// lives (a cold 32 MiB flood held 1.43-1.53x the budget, 1.20-1.22x without).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
