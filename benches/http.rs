@@ -8,7 +8,8 @@
 //! and the report says so).
 //!
 //! Every server is its own process (this binary re-executed in a serve mode,
-//! `benches/peers`' binary, nginx or varnishd), all on loopback. The same
+//! the release `tiercache-proxy`, `benches/peers`' binary, nginx or
+//! varnishd), all on loopback. The same
 //! origin (`benches/support/origin.rs`: axum, a 2 KiB body,
 //! `Cache-Control: public, max-age=3600`) is behind every cache:
 //!
@@ -59,15 +60,14 @@
 //! 1.18; proxy 0.97 / 1.12; axum-response-cache 1.08 / 1.08; hitbox 0.80 /
 //! 1.49; tower-http-cache 0.77 / 1.52; http-cache-tower-server 0.15 / 8.17;
 //! nginx 0.90 / 1.32; Varnish 0.55 / 2.74; the same origin calls. Up to
-//! here the proxy ran inside this binary (glibc's malloc, no metrics
-//! recorder); a fourth run measured it so once more (limit 108,576 req/s,
+//! here the proxy ran inside this binary (glibc's malloc); a fourth run measured it so once more (limit 108,576 req/s,
 //! 8.9 µs): bare 1.28 / 0.78; layer 1.12 / 0.91; proxy 1.09 / 0.93;
 //! axum-response-cache 1.10 / 0.92; hitbox 0.76 / 1.34; tower-http-cache
 //! 0.81 / 1.27; http-cache-tower-server 0.14 / 7.50; nginx 0.89 / 1.14;
 //! Varnish 0.61 / 2.14.
 //!
 //! Since then `proxy` is the release `tiercache-proxy` binary as users run
-//! it (mimalloc, its Prometheus recorder), built by this bench into
+//! it (its own process, on mimalloc), built by this bench into
 //! `target/bench-proxy` and given one runtime worker
 //! (`TOKIO_WORKER_THREADS=1`). A fifth run, 2026-12-04 (limit 130,230
 //! req/s, 7.5 µs): bare 1.07 / 0.93; layer 0.91 / 1.09; proxy 0.85 / 1.18;

@@ -16,6 +16,16 @@ use std::time::SystemTime;
 pub trait Clock: Send + Sync + Debug + 'static {
     /// The current time.
     fn now(&self) -> SystemTime;
+
+    /// Whether this clock keeps the machine's own time, as moka's does.
+    /// Then moka reclaims each dead entry on time by itself and L1 keeps no
+    /// expiry index beside it (~45 bytes an entry, and more between its
+    /// rebuilds). `false` unless a clock says otherwise: one that runs apart
+    /// from the machine's (a mock, an offset) has its dead entries found by
+    /// the sweep through that index.
+    fn keeps_machine_time(&self) -> bool {
+        false
+    }
 }
 
 /// The real clock, [`SystemTime::now`].
@@ -25,6 +35,10 @@ pub struct SystemClock;
 impl Clock for SystemClock {
     fn now(&self) -> SystemTime {
         SystemTime::now()
+    }
+
+    fn keeps_machine_time(&self) -> bool {
+        true
     }
 }
 

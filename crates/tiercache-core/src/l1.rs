@@ -1,10 +1,12 @@
 //! L1: the in-process moka cache, bounded by bytes, with an expiry index for the sweeper.
 //!
-//! moka's per-entry expiry is set to each entry's hard lifetime and serves only
+//! moka's per-entry expiry is set to each entry's hard lifetime and serves
 //! as the memory bound (its clock is its own). Freshness is decided from the
 //! entry's stored times on the engine's clock, on every read (lazy expiry) and
-//! by [`L1::sweep`], which walks an index ordered by hard expiry so an idle
-//! cache still gives its memory back.
+//! by [`L1::sweep`], which runs moka's housekeeping (its timer wheel drops
+//! what is dead on its clock) and, for an engine clock that runs apart from
+//! the machine's, walks an index ordered by hard expiry, so an idle cache
+//! still gives its memory back.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::AtomicU64;
@@ -20,10 +22,18 @@ use moka::sync::Cache;
 use crate::stats::{Counters, bump};
 use crate::{Clock, Entry, Freshness, KeyHash};
 
-/// Hard expiry and key, in expiry order: 32 bytes a record in the tree's
-/// nodes (a map of expiry to a `Vec` of keys cost ~120, one allocation per
-/// distinct expiry, and jittered expiries are nearly all distinct).
-type Index = BTreeSet<(SystemTime, KeyHash)>;
+/// Hard expiry, insertion number and key, in expiry order: 40 bytes a
+/// record in the tree's nodes (a map of expiry to a `Vec` of keys cost
+/// ~120, one allocation per distinct expiry, and jittered expiries are
+/// nearly all distinct). The insertion number keeps a cohort that shares
+/// an expiry in the order it was stored, so a sweep walks moka's memory in
+/// order rather than by digest (0.24-0.27 M entries a second against 0.15 M by
+/// digest, `cargo bench --bench engine`).
+#[derive(Default)]
+struct Index {
+    records: BTreeSet<(SystemTime, u64, KeyHash)>,
+    inserted: u64,
+}
 
 /// Keys are already BLAKE3 digests; hashing them again for moka's table
 /// needs only a fast seeded mix, not SipHash (~200 fewer instructions a hit).
@@ -31,9 +41,11 @@ type KeyHasher = foldhash::fast::RandomState;
 
 pub(crate) struct L1 {
     cache: Cache<KeyHash, Entry, KeyHasher>,
-    /// Hard expiry → keys stored with it. Records go stale when an entry is
-    /// replaced or evicted; the sweep checks the live entry before removing.
-    index: Mutex<Index>,
+    /// Hard expiry → keys stored with it, for a clock that runs apart from
+    /// moka's (`None` otherwise: moka's own expiry is on time). Records go
+    /// stale when an entry is replaced or evicted; the sweep checks the
+    /// live entry before removing.
+    index: Option<Mutex<Index>>,
     /// Bytes inserted since moka last ran its housekeeping (see `insert`).
     unsettled: AtomicU64,
     clock: Arc<dyn Clock>,
@@ -94,7 +106,7 @@ impl L1 {
             .build_with_hasher(KeyHasher::default());
         Self {
             cache,
-            index: Mutex::default(),
+            index: (!clock.keeps_machine_time()).then(Mutex::default),
             unsettled: AtomicU64::new(0),
             clock,
             counters,
@@ -128,23 +140,32 @@ impl L1 {
         {
             self.cache.run_pending_tasks();
         }
-        let mut index = self.index.lock().unwrap();
-        index.insert((hard, hash));
+        let Some(index) = &self.index else {
+            return;
+        };
+        let mut index = index.lock().unwrap();
+        index.inserted += 1;
+        let n = index.inserted;
+        index.records.insert((hard, n, hash));
         // Evicted and replaced entries leave records behind; a flood of unique
         // keys must not grow the index past the cache. Rebuild it from the
         // live entries when it holds twice as many records (amortised O(1)).
-        if index.len() > 2 * self.cache.entry_count() as usize + 4096 {
+        if index.records.len() > 2 * self.cache.entry_count() as usize + 4096 {
             // Dropped first: the old and the new index never coexist.
-            index.clear();
+            index.records.clear();
             for (key, live) in self.cache.iter() {
-                index.insert((live.times().hard_until, *key));
+                index.inserted += 1;
+                let n = index.inserted;
+                index.records.insert((live.times().hard_until, n, *key));
             }
         }
     }
 
     /// Expiry-index records held (live entries plus stale records).
     pub(crate) fn index_records(&self) -> usize {
-        self.index.lock().unwrap().len()
+        self.index
+            .as_ref()
+            .map_or(0, |index| index.lock().unwrap().records.len())
     }
 
     /// Drops every entry `doomed` picks (a scan of the whole cache).
@@ -176,15 +197,18 @@ impl L1 {
         self.cache.run_pending_tasks();
         let by_moka = self.counters.expired.load(Relaxed) - expired_before;
         let now = self.clock.now();
+        let Some(index) = &self.index else {
+            return by_moka;
+        };
         let due = {
-            let mut index = self.index.lock().unwrap();
-            let later = index.split_off(&(now, KeyHash::MIN));
-            std::mem::replace(&mut *index, later)
+            let mut index = index.lock().unwrap();
+            let later = index.records.split_off(&(now, 0, KeyHash::MIN));
+            std::mem::replace(&mut index.records, later)
         };
         // Then what is dead on the engine's clock and still held (a clock
         // that ran ahead of moka's, as a mock clock does).
         let mut removed = 0;
-        for (_, hash) in due {
+        for (_, _, hash) in due {
             if self.remove_if(&hash, |live| live.freshness(now) == Freshness::Dead) {
                 removed += 1;
             }
