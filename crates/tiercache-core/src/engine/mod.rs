@@ -182,7 +182,9 @@ impl TieredCache {
         self.inner.l1.weighted_size()
     }
 
-    /// Records in L1's expiry index (bounded by about twice the entries).
+    /// Records in L1's expiry index (bounded by about twice the entries;
+    /// none on a clock that keeps the machine's time, see
+    /// [`Clock::keeps_machine_time`](crate::Clock::keeps_machine_time)).
     pub fn l1_index_records(&self) -> usize {
         self.inner.l1.index_records()
     }
