@@ -34,12 +34,17 @@ impl Server {
         )
     }
 
-    /// Waits until `port` accepts connections.
-    pub(crate) fn wait(child: Child, port: u16) -> Self {
+    /// Waits until `port` accepts connections; a server that exits first
+    /// (a refused flag or config: its reason is on the inherited stderr)
+    /// fails the bench at once, not after the wait.
+    pub(crate) fn wait(mut child: Child, port: u16) -> Self {
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
         for _ in 0..500 {
             if TcpStream::connect(addr).is_ok() {
                 return Self { child, addr };
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("a bench server exited before listening on {addr} ({status})");
             }
             std::thread::sleep(Duration::from_millis(20));
         }
