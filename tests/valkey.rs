@@ -538,3 +538,27 @@ async fn an_instance_without_a_copy_answers_a_stale_l2_copy_while_it_refreshes()
     );
     assert_eq!(calls.get(), 2, "one refresh");
 }
+
+/// An instance hears invalidations from the moment `connect` returns. One
+/// published before its subscription was missed unheard (the first
+/// connection is no reconnect, so nothing dropped L1): a proxy that filled
+/// an entry in that window kept serving it after a write elsewhere.
+#[tokio::test]
+async fn connect_returns_once_invalidations_are_heard() {
+    let server = ValkeyServer::start();
+    let observer = tier(&server.url(), "sub").await;
+    let mut fleet = Vec::new();
+    for n in 1..=5i64 {
+        fleet.push(tier(&server.url(), "sub").await);
+        let reply: Vec<fred::prelude::Value> =
+            fred::prelude::PubsubInterface::pubsub_numsub(observer.client(), "sub:inv")
+                .await
+                .unwrap();
+        let subscribed = reply.get(1).and_then(fred::prelude::Value::as_i64);
+        assert_eq!(
+            subscribed,
+            Some(n + 1),
+            "instance {n} was not yet subscribed when connect returned"
+        );
+    }
+}

@@ -115,6 +115,8 @@ pub(crate) struct Bus {
     pub(crate) resyncs: AtomicU64,
     pub(crate) locks_acquired: AtomicU64,
     pub(crate) lock_waits: AtomicU64,
+    /// Whether the invalidation channel has been subscribed once.
+    subscribed: watch::Sender<bool>,
 }
 
 impl Bus {
@@ -130,7 +132,16 @@ impl Bus {
             resyncs: AtomicU64::new(0),
             locks_acquired: AtomicU64::new(0),
             lock_waits: AtomicU64::new(0),
+            subscribed: watch::channel(false).0,
         }
+    }
+
+    /// Waits, until `deadline` at most, for the invalidation channel's
+    /// first subscription: a message published before it is missed, and
+    /// the first connection is no reconnect, so nothing would drop L1.
+    pub(crate) async fn until_subscribed(&self, deadline: tokio::time::Instant) {
+        let mut subscribed = self.subscribed.subscribe();
+        let _ = tokio::time::timeout_at(deadline, subscribed.wait_for(|s| *s)).await;
     }
 
     pub(crate) fn set_sink(&self, sink: Weak<dyn InvalidationSink>) {
@@ -304,7 +315,14 @@ pub(crate) async fn on_reconnect<F, Fut>(
             Err(broadcast::error::RecvError::Closed) => return,
         };
         let _ = live.subscriber.resubscribe_all().await;
-        let _ = live.subscriber.subscribe(live.channel.clone()).await;
+        if live
+            .subscriber
+            .subscribe(live.channel.clone())
+            .await
+            .is_ok()
+        {
+            live.subscribed.send_replace(true);
+        }
         drop(live);
         let bans = reload().await;
         let Some(live) = bus.upgrade() else {

@@ -101,9 +101,13 @@ impl ValkeyTier {
             .set_policy(ReconnectPolicy::new_exponential(0, 50, 250, 2))
             .build()
             .map_err(|e| ValkeyError::Client(e.to_string()))?;
-        let connect_timeout = config.connect_timeout;
+        let deadline = tokio::time::Instant::now() + config.connect_timeout;
         let tier = Self::from_client(client, config)?;
-        let _ = tokio::time::timeout(connect_timeout, tier.inner.client.wait_for_connect()).await;
+        let _ = tokio::time::timeout_at(deadline, tier.inner.client.wait_for_connect()).await;
+        // Serve only once invalidations are heard (within the same bound):
+        // one published before the subscription would go unheard, and the
+        // entry it names would stay in L1 until its ttl.
+        tier.inner.bus.until_subscribed(deadline).await;
         Ok(tier)
     }
 
