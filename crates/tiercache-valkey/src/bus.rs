@@ -117,6 +117,9 @@ pub(crate) struct Bus {
     pub(crate) lock_waits: AtomicU64,
     /// Whether the invalidation channel has been subscribed once.
     subscribed: watch::Sender<bool>,
+    /// `connect` stopped waiting for the first subscription: the instance
+    /// serves (and fills L1) unheard until it lands, so it resyncs then.
+    unheard_start: std::sync::atomic::AtomicBool,
 }
 
 impl Bus {
@@ -133,6 +136,7 @@ impl Bus {
             locks_acquired: AtomicU64::new(0),
             lock_waits: AtomicU64::new(0),
             subscribed: watch::channel(false).0,
+            unheard_start: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -141,7 +145,12 @@ impl Bus {
     /// the first connection is no reconnect, so nothing would drop L1.
     pub(crate) async fn until_subscribed(&self, deadline: tokio::time::Instant) {
         let mut subscribed = self.subscribed.subscribe();
-        let _ = tokio::time::timeout_at(deadline, subscribed.wait_for(|s| *s)).await;
+        if tokio::time::timeout_at(deadline, subscribed.wait_for(|s| *s))
+            .await
+            .is_err()
+        {
+            self.unheard_start.store(true, Relaxed);
+        }
     }
 
     pub(crate) fn set_sink(&self, sink: Weak<dyn InvalidationSink>) {
@@ -331,7 +340,9 @@ pub(crate) async fn on_reconnect<F, Fut>(
         if let Some(bans) = bans {
             live.replace_bans(bans);
         }
-        if !first {
+        // The first connection counts too when the instance has served
+        // without hearing (Valkey was down when it started).
+        if !first || live.unheard_start.swap(false, Relaxed) {
             live.resync();
         }
     }
