@@ -115,7 +115,11 @@ fn main() {
         ("limit", Server::spawn_self("limit", free_port(), &[])),
         ("bare", Server::spawn_self("origin", free_port(), &[])),
         ("layer", Server::spawn_self("layer", free_port(), &[])),
-        ("proxy", spawn_proxy(&proxy, origin.addr)),
+        // One runtime worker, like every other server here.
+        (
+            "proxy",
+            procs::spawn_proxy(&proxy, origin.addr, free_port(), 1, &[]),
+        ),
     ];
     let mut skipped = Vec::new();
     match procs::build_peers() {
@@ -218,23 +222,6 @@ fn spawn_peer(bin: &Path, name: &str) -> Server {
     let mut cmd = Command::new(bin);
     cmd.arg(name).arg(port.to_string()).stdout(Stdio::null());
     Server::wait(own_group(&mut cmd).spawn().expect("spawn a peer"), port)
-}
-
-/// The release `tiercache-proxy` in front of `origin`, on one runtime
-/// worker like every other server here (`TOKIO_WORKER_THREADS`).
-fn spawn_proxy(bin: &Path, origin: SocketAddr) -> Server {
-    let port = free_port();
-    let mut cmd = Command::new(bin);
-    cmd.arg("--upstream")
-        .arg(format!("http://{origin}"))
-        .arg("--listen")
-        .arg(format!("127.0.0.1:{port}"))
-        .env("TOKIO_WORKER_THREADS", "1")
-        .stdout(Stdio::null());
-    Server::wait(
-        own_group(&mut cmd).spawn().expect("spawn tiercache-proxy"),
-        port,
-    )
 }
 
 fn serve(mode: &str) {

@@ -541,20 +541,12 @@ fn spawn_proxy(
         swr.as_millis(),
     );
     std::fs::write(&config, toml).expect("write the proxy's config");
-    let mut cmd = Command::new(bin);
-    cmd.arg("--config")
-        .arg(&config)
-        .arg("--upstream")
-        .arg(format!("http://{origin}"))
-        .arg("--listen")
-        .arg(format!("127.0.0.1:{port}"))
-        .args(flags)
-        .env("TOKIO_WORKER_THREADS", "2")
-        .stdout(Stdio::null());
-    Server::wait(
-        own_group(&mut cmd).spawn().expect("spawn tiercache-proxy"),
-        port,
-    )
+    let config = config.to_str().expect("a UTF-8 path");
+    let flags: Vec<&str> = ["--config", config]
+        .into_iter()
+        .chain(flags.iter().copied())
+        .collect();
+    procs::spawn_proxy(bin, origin, port, 2, &flags)
 }
 
 fn serve(mode: &str) {

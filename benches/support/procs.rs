@@ -153,6 +153,30 @@ pub(crate) fn build_proxy() -> Result<PathBuf, String> {
     Ok(target.join("release/tiercache-proxy"))
 }
 
+/// The release `tiercache-proxy` (`bin`) in front of `origin`, listening
+/// on `port`, with `workers` runtime workers (`TOKIO_WORKER_THREADS`) and
+/// `flags` after its `--upstream` and `--listen`.
+pub(crate) fn spawn_proxy(
+    bin: &Path,
+    origin: SocketAddr,
+    port: u16,
+    workers: usize,
+    flags: &[&str],
+) -> Server {
+    let mut cmd = Command::new(bin);
+    cmd.arg("--upstream")
+        .arg(format!("http://{origin}"))
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .args(flags)
+        .env("TOKIO_WORKER_THREADS", workers.to_string())
+        .stdout(Stdio::null());
+    Server::wait(
+        own_group(&mut cmd).spawn().expect("spawn tiercache-proxy"),
+        port,
+    )
+}
+
 /// `cargo build --release` of `manifest` (relative to the workspace root),
 /// optionally one `package` of it, into a target folder of its own named
 /// `folder`: the running `cargo bench` holds the workspace's own. Returns

@@ -35,6 +35,13 @@ struct Index {
     inserted: u64,
 }
 
+impl Index {
+    fn record(&mut self, hard: SystemTime, hash: KeyHash) {
+        self.inserted += 1;
+        self.records.insert((hard, self.inserted, hash));
+    }
+}
+
 /// Keys are already BLAKE3 digests; hashing them again for moka's table
 /// needs only a fast seeded mix, not SipHash (~200 fewer instructions a hit).
 type KeyHasher = foldhash::fast::RandomState;
@@ -144,9 +151,7 @@ impl L1 {
             return;
         };
         let mut index = index.lock().unwrap();
-        index.inserted += 1;
-        let n = index.inserted;
-        index.records.insert((hard, n, hash));
+        index.record(hard, hash);
         // Evicted and replaced entries leave records behind; a flood of unique
         // keys must not grow the index past the cache. Rebuild it from the
         // live entries when it holds twice as many records (amortised O(1)).
@@ -154,9 +159,7 @@ impl L1 {
             // Dropped first: the old and the new index never coexist.
             index.records.clear();
             for (key, live) in self.cache.iter() {
-                index.inserted += 1;
-                let n = index.inserted;
-                index.records.insert((live.times().hard_until, n, *key));
+                index.record(live.times().hard_until, *key);
             }
         }
     }
