@@ -5,6 +5,8 @@
 #
 # usage: benches/support/flood_proxy.sh BUDGET SECONDS [redis://VALKEY]
 #   e.g. benches/support/flood_proxy.sh 256MiB 25
+# BODY_BYTES=65536 (or 60, ...) changes the body size (default 1024);
+# PROXY_BIN=path runs another build of the proxy.
 # Needs nginx and wrk (apt-get install nginx wrk) and
 # `cargo build --release -p tiercache-proxy` first. Ports 18181-18183.
 set -euo pipefail
@@ -12,7 +14,9 @@ BUDGET=$1; SECS=$2; VALKEY=${3:-}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 DIR=$(mktemp -d)
 trap 'kill $PROXY $NGINX 2>/dev/null; wait 2>/dev/null; rm -rf "$DIR"' EXIT
-BODY=$(head -c 1024 /dev/zero | tr '\0' x)
+# nginx's `return` refuses long strings, so the body is a file.
+chmod 755 "$DIR"; mkdir "$DIR/www"  # nginx workers read it as another user
+head -c "${BODY_BYTES:-1024}" /dev/zero | tr '\0' x > "$DIR/www/body"
 cat > "$DIR/nginx.conf" <<CONF
 worker_processes 1;
 daemon off;
@@ -29,7 +33,7 @@ http {
   keepalive_requests 1000000;
   server {
     listen 127.0.0.1:18181;
-    location / { default_type text/plain; return 200 "$BODY"; }
+    location / { root $DIR/www; default_type text/plain; try_files /body =404; }
   }
 }
 CONF
@@ -44,7 +48,7 @@ nginx -c "$DIR/nginx.conf" & NGINX=$!
 ARGS=(--upstream http://127.0.0.1:18181 --listen 127.0.0.1:18182 --admin 127.0.0.1:18183
       --l1-capacity "$BUDGET" --ttl 10m)
 [ -n "$VALKEY" ] && ARGS+=(--valkey "$VALKEY")
-"$ROOT/target/release/tiercache-proxy" "${ARGS[@]}" > "$DIR/proxy.log" 2>&1 & PROXY=$!
+"${PROXY_BIN:-$ROOT/target/release/tiercache-proxy}" "${ARGS[@]}" > "$DIR/proxy.log" 2>&1 & PROXY=$!
 sleep 1
 # VmRSS, then its anonymous part (the heap, stacks) and its file-backed part
 # (the binary's pages, faulted in as code paths first run), in KiB.

@@ -37,6 +37,7 @@
 //! This crate has no features.
 
 mod admin;
+mod config;
 pub mod config_file;
 pub mod forward;
 mod prometheus;
@@ -45,217 +46,14 @@ pub mod units;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::Router;
-use http::Uri;
-use tiercache_core::{Policy, PolicyError, TieredCache};
+use tiercache_core::{Policy, TieredCache};
 use tiercache_http::ResponseCacheLayer;
 use tiercache_valkey::{ValkeyConfig, ValkeyTier};
 
+pub use crate::config::ProxyConfig;
 use crate::forward::Forward;
-
-/// The proxy's settings (the command-line flags).
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct ProxyConfig {
-    /// Where requests go: `http://HOST:PORT`.
-    pub upstream: Uri,
-    /// Where the proxy listens.
-    pub listen: SocketAddr,
-    /// Where the admin endpoints listen (none when `None`).
-    pub admin: Option<SocketAddr>,
-    /// The fresh lifetime of responses without explicit freshness; `None`
-    /// (the default) stores only responses whose origin declares freshness.
-    pub ttl: Option<Duration>,
-    /// The symmetric jitter fraction.
-    pub jitter: f64,
-    /// Largest body stored; larger ones stream through.
-    pub max_body: u64,
-    /// The cache's byte budget: all of it for L1, or with Valkey fifteen
-    /// sixteenths for L1 and one for the fills waiting to be written to L2.
-    pub l1_capacity: u64,
-    /// Most background refreshes running at once.
-    pub max_refreshes: usize,
-    /// The shared L2, as a `redis://` / `rediss://` URL (none: L1 only).
-    pub valkey: Option<String>,
-    /// Stale-while-revalidate window.
-    pub stale_while_revalidate: Duration,
-    /// Stale-if-error window.
-    pub stale_if_error: Duration,
-    /// Lifetime of 404/410 without explicit freshness (default: the policy's).
-    pub negative_ttl: Option<Duration>,
-    /// With a stale entry at hand, answer it after the origin took this long.
-    pub origin_soft_timeout: Option<Duration>,
-    /// XFetch β (0 disables early refresh).
-    pub xfetch_beta: f64,
-    /// Drop request cookies (the origin never sees them) instead of bypassing.
-    pub ignore_cookies: bool,
-    /// Key on these cookies (the origin sees only them) instead of bypassing.
-    pub key_cookies: Vec<String>,
-    /// Request headers keyed on and sent on (e.g. `x-forwarded-proto`).
-    pub key_headers: Vec<String>,
-    /// Targeted cache-control fields obeyed (RFC 9213), most specific first.
-    pub targets: Vec<String>,
-    /// Longest a 4xx/5xx with explicit freshness is stored.
-    pub max_error_ttl: Duration,
-    /// Let a client's `no-cache` / `max-age=0` force a trip to the origin.
-    pub honor_client_no_cache: bool,
-    /// Longest wait on another request's origin load (here or on another
-    /// instance), and the life of a fleet-wide fill lock whose owner died.
-    pub lock_timeout: Duration,
-    /// How long a key whose response may not be shared skips the single flight.
-    pub hit_for_miss_ttl: Option<Duration>,
-    /// How long an expired entry with a validator is kept for revalidation.
-    pub keep_for_revalidation: Option<Duration>,
-    /// Use the ttl even when the origin declares a lifetime.
-    pub override_origin: bool,
-    /// Tags every response is recorded under.
-    pub tags: Vec<String>,
-    /// Most `Vary` variants kept per URL.
-    pub max_variants: Option<usize>,
-    /// The authority (`host[:port]`) every request is keyed on and sent
-    /// with, in place of its own `Host`.
-    pub canonical_authority: Option<String>,
-    /// Per-path rules, first match wins (the settings above are their
-    /// defaults, and apply where none matches).
-    pub routes: Vec<routes::Route>,
-}
-
-impl ProxyConfig {
-    /// Defaults: listen on `127.0.0.1:8080`, explicit freshness only (no
-    /// ttl), jitter 0.1, max body 8 MiB, L1 256 MiB.
-    pub fn new(upstream: Uri) -> Self {
-        Self {
-            upstream,
-            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
-            admin: None,
-            ttl: None,
-            jitter: Policy::DEFAULT_JITTER,
-            max_body: ResponseCacheLayer::DEFAULT_MAX_BODY as u64,
-            l1_capacity: tiercache_core::TieredCacheBuilder::DEFAULT_L1_CAPACITY,
-            max_refreshes: tiercache_core::TieredCacheBuilder::DEFAULT_MAX_REFRESHES,
-            valkey: None,
-            stale_while_revalidate: Duration::ZERO,
-            stale_if_error: Duration::ZERO,
-            negative_ttl: None,
-            origin_soft_timeout: None,
-            xfetch_beta: Policy::DEFAULT_XFETCH_BETA,
-            ignore_cookies: false,
-            key_cookies: Vec::new(),
-            key_headers: Vec::new(),
-            targets: Vec::new(),
-            max_error_ttl: ResponseCacheLayer::DEFAULT_MAX_ERROR_TTL,
-            honor_client_no_cache: false,
-            lock_timeout: Policy::DEFAULT_LOCK_TIMEOUT,
-            hit_for_miss_ttl: None,
-            keep_for_revalidation: None,
-            override_origin: false,
-            tags: Vec::new(),
-            max_variants: None,
-            canonical_authority: None,
-            routes: Vec::new(),
-        }
-    }
-
-    /// Sets the listen address.
-    pub fn listen(mut self, addr: SocketAddr) -> Self {
-        self.listen = addr;
-        self
-    }
-
-    /// Sets the admin address.
-    pub fn admin(mut self, addr: SocketAddr) -> Self {
-        self.admin = Some(addr);
-        self
-    }
-
-    /// Sets the ttl of responses without explicit freshness (like `--ttl`).
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = Some(ttl);
-        self
-    }
-
-    /// Sets the jitter fraction.
-    pub fn jitter(mut self, jitter: f64) -> Self {
-        self.jitter = jitter;
-        self
-    }
-
-    /// The route policy these settings describe, validated: the error names
-    /// the bad field and what it accepts.
-    pub fn policy(&self) -> Result<Policy, PolicyError> {
-        // Without --ttl the policy's ttl applies to nothing (only declared
-        // lifetimes are stored); it just has to bound the negative ttl.
-        let ttl = self
-            .ttl
-            .unwrap_or_else(|| Duration::from_secs(10).max(self.negative_ttl.unwrap_or_default()));
-        let mut policy = Policy::ttl(ttl)
-            .jitter(self.jitter)
-            .stale_while_revalidate(self.stale_while_revalidate)
-            .stale_if_error(self.stale_if_error)
-            .xfetch_beta(self.xfetch_beta)
-            .lock_timeout(self.lock_timeout);
-        if let Some(ttl) = self.negative_ttl {
-            policy = policy.negative_ttl(ttl);
-        }
-        if let Some(t) = self.origin_soft_timeout {
-            policy = policy.origin_soft_timeout(t);
-        }
-        if let Some(t) = self.hit_for_miss_ttl {
-            policy = policy.hit_for_miss_ttl(t);
-        }
-        if let Some(w) = self.keep_for_revalidation {
-            policy = policy.keep_for_revalidation(w);
-        }
-        for tag in &self.tags {
-            policy = policy.tag(tag.clone());
-        }
-        policy.override_origin(self.override_origin).build()
-    }
-
-    /// These settings with `settings` laid over them (a route's).
-    pub fn with(&self, settings: &routes::Settings) -> ProxyConfig {
-        let mut c = self.clone();
-        let s = settings.clone();
-        if s.ttl.is_some() {
-            c.ttl = s.ttl;
-        }
-        c.jitter = s.jitter.unwrap_or(c.jitter);
-        c.stale_while_revalidate = s.stale_while_revalidate.unwrap_or(c.stale_while_revalidate);
-        c.stale_if_error = s.stale_if_error.unwrap_or(c.stale_if_error);
-        c.negative_ttl = s.negative_ttl.or(c.negative_ttl);
-        c.origin_soft_timeout = s.origin_soft_timeout.or(c.origin_soft_timeout);
-        c.xfetch_beta = s.xfetch_beta.unwrap_or(c.xfetch_beta);
-        c.lock_timeout = s.lock_timeout.unwrap_or(c.lock_timeout);
-        c.hit_for_miss_ttl = s.hit_for_miss_ttl.or(c.hit_for_miss_ttl);
-        c.keep_for_revalidation = s.keep_for_revalidation.or(c.keep_for_revalidation);
-        c.override_origin = s.override_origin.unwrap_or(c.override_origin);
-        c.tags = s.tags.unwrap_or(c.tags);
-        c.ignore_cookies = s.ignore_cookies.unwrap_or(c.ignore_cookies);
-        c.key_cookies = s.key_cookies.unwrap_or(c.key_cookies);
-        c.key_headers = s.key_headers.unwrap_or(c.key_headers);
-        c.targets = s.targeted_fields.unwrap_or(c.targets);
-        c.max_body = s.max_body.unwrap_or(c.max_body);
-        c.max_error_ttl = s.max_error_ttl.unwrap_or(c.max_error_ttl);
-        c.honor_client_no_cache = s.honor_client_no_cache.unwrap_or(c.honor_client_no_cache);
-        c.max_variants = s.max_variants.or(c.max_variants);
-        c.canonical_authority = s.canonical_authority.or(c.canonical_authority);
-        c
-    }
-
-    /// Uses Valkey at `url` as the shared L2.
-    pub fn valkey(mut self, url: impl Into<String>) -> Self {
-        self.valkey = Some(url.into());
-        self
-    }
-
-    /// Sets the body cap.
-    pub fn max_body(mut self, bytes: u64) -> Self {
-        self.max_body = bytes;
-        self
-    }
-}
 
 /// A running proxy; stops when dropped.
 pub struct Proxy {

@@ -70,20 +70,36 @@ impl ValkeyCluster {
             ]);
         }
         let first = &self.nodes[0];
-        for node in &self.nodes[1..] {
-            let bus = node.cmd(&["CONFIG", "GET", "cluster-port"]);
-            let bus = bus.lines().nth(1).expect("cluster-port value");
-            first.cmd(&[
-                "CLUSTER",
-                "MEET",
-                "127.0.0.1",
-                &node.port().to_string(),
-                bus,
-            ]);
-        }
-        self.wait("every node to know every other", |n| {
-            let nodes = n.cmd(&["CLUSTER", "NODES"]);
-            nodes.lines().count() == self.nodes.len() && !nodes.contains("handshake")
+        let buses: Vec<String> = self.nodes[1..]
+            .iter()
+            .map(|node| {
+                let bus = node.cmd(&["CONFIG", "GET", "cluster-port"]);
+                bus.lines().nth(1).expect("cluster-port value").to_string()
+            })
+            .collect();
+        // A handshake that does not finish within the node timeout is
+        // dropped without a word (a loaded machine, many clusters forming at
+        // once), and the node then never joins: meet again, every second,
+        // whoever the first node does not know yet.
+        let last_meet = std::cell::Cell::new(None::<Instant>);
+        wait_until("every node to know every other", || {
+            if last_meet
+                .get()
+                .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
+            {
+                last_meet.set(Some(Instant::now()));
+                let known = first.try_cmd(&["CLUSTER", "NODES"]).unwrap_or_default();
+                for (node, bus) in self.nodes[1..].iter().zip(&buses) {
+                    if !known.contains(&format!("127.0.0.1:{}@", node.port())) {
+                        let port = node.port().to_string();
+                        let _ = first.try_cmd(&["CLUSTER", "MEET", "127.0.0.1", &port, bus]);
+                    }
+                }
+            }
+            self.nodes.iter().filter(|n| n.is_running()).all(|n| {
+                let nodes = n.cmd(&["CLUSTER", "NODES"]);
+                nodes.lines().count() == self.nodes.len() && !nodes.contains("handshake")
+            })
         });
         for (replica, primary) in self.nodes[self.primaries..].iter().zip(&self.nodes) {
             let id = primary.cmd(&["CLUSTER", "MYID"]);

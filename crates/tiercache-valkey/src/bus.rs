@@ -8,7 +8,7 @@
 //! its messages, counts as missed messages: the engine drops its L1.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -117,9 +117,37 @@ pub(crate) struct Bus {
     pub(crate) lock_waits: AtomicU64,
     /// Whether the invalidation channel has been subscribed once.
     subscribed: watch::Sender<bool>,
-    /// `connect` stopped waiting for the first subscription: the instance
-    /// serves (and fills L1) unheard until it lands, so it resyncs then.
-    unheard_start: std::sync::atomic::AtomicBool,
+    /// Whether the instance began serving before it could hear.
+    hearing: Hearing,
+}
+
+/// Whether an instance began serving before its invalidation channel was
+/// subscribed: `connect` gives up waiting at its bound and the instance
+/// serves (and fills L1) unheard, so the subscription that lands later
+/// must drop L1. One atomic state, so a subscription that lands while
+/// `connect` is giving up is seen by exactly one side: either `connect`
+/// finds the instance heard (nothing was served unheard), or the
+/// subscription finds it unheard and resyncs.
+#[derive(Debug, Default)]
+pub(crate) struct Hearing(AtomicU8);
+
+impl Hearing {
+    const WAITING: u8 = 0;
+    const HEARD: u8 = 1;
+    const UNHEARD: u8 = 2;
+
+    /// `connect` stopped waiting; false when the subscription landed first.
+    pub(crate) fn give_up(&self) -> bool {
+        self.0
+            .compare_exchange(Self::WAITING, Self::UNHEARD, Relaxed, Relaxed)
+            .is_ok()
+    }
+
+    /// The channel is subscribed; true when the instance served unheard
+    /// before it (once: later subscriptions find it heard).
+    pub(crate) fn heard(&self) -> bool {
+        self.0.swap(Self::HEARD, Relaxed) == Self::UNHEARD
+    }
 }
 
 impl Bus {
@@ -136,7 +164,7 @@ impl Bus {
             locks_acquired: AtomicU64::new(0),
             lock_waits: AtomicU64::new(0),
             subscribed: watch::channel(false).0,
-            unheard_start: std::sync::atomic::AtomicBool::new(false),
+            hearing: Hearing::default(),
         }
     }
 
@@ -149,8 +177,14 @@ impl Bus {
             .await
             .is_err()
         {
-            self.unheard_start.store(true, Relaxed);
+            self.serving_unheard();
         }
+    }
+
+    /// The instance serves from now on, subscribed or not: a subscription
+    /// still to come drops L1 when it lands.
+    pub(crate) fn serving_unheard(&self) {
+        self.hearing.give_up();
     }
 
     pub(crate) fn set_sink(&self, sink: Weak<dyn InvalidationSink>) {
@@ -324,12 +358,16 @@ pub(crate) async fn on_reconnect<F, Fut>(
             Err(broadcast::error::RecvError::Closed) => return,
         };
         let _ = live.subscriber.resubscribe_all().await;
+        // Whether this instance served before it could hear: only a
+        // subscription that went through settles it.
+        let mut served_unheard = false;
         if live
             .subscriber
             .subscribe(live.channel.clone())
             .await
             .is_ok()
         {
+            served_unheard = live.hearing.heard();
             live.subscribed.send_replace(true);
         }
         drop(live);
@@ -342,7 +380,7 @@ pub(crate) async fn on_reconnect<F, Fut>(
         }
         // The first connection counts too when the instance has served
         // without hearing (Valkey was down when it started).
-        if !first || live.unheard_start.swap(false, Relaxed) {
+        if !first || served_unheard {
             live.resync();
         }
     }
@@ -372,6 +410,25 @@ pub(crate) async fn heartbeat(bus: Weak<Bus>, every: Duration, timeout: Duration
 mod tests {
     use super::*;
     use tiercache_core::CacheKey;
+
+    #[test]
+    fn a_subscription_after_connect_gave_up_resyncs_once() {
+        let hearing = Hearing::default();
+        assert!(hearing.give_up());
+        assert!(hearing.heard(), "the instance served unheard");
+        assert!(!hearing.heard(), "a later subscription is no first hearing");
+    }
+
+    #[test]
+    fn a_subscription_that_lands_while_connect_gives_up_resyncs_nothing_later() {
+        // The subscription lands after the wait timed out but before
+        // connect recorded it: nothing was served yet, so nothing is owed,
+        // and no flag may linger to drop L1 on some later subscription.
+        let hearing = Hearing::default();
+        assert!(!hearing.heard());
+        assert!(!hearing.give_up(), "connect finds the instance heard");
+        assert!(!hearing.heard());
+    }
 
     #[test]
     fn messages_round_trip() {

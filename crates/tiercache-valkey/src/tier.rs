@@ -102,7 +102,7 @@ impl ValkeyTier {
             .build()
             .map_err(|e| ValkeyError::Client(e.to_string()))?;
         let deadline = tokio::time::Instant::now() + config.connect_timeout;
-        let tier = Self::from_client(client, config)?;
+        let tier = Self::build(client, config)?;
         let _ = tokio::time::timeout_at(deadline, tier.inner.client.wait_for_connect()).await;
         // Serve only once invalidations are heard (within the same bound):
         // one published before the subscription would go unheard, and the
@@ -113,7 +113,18 @@ impl ValkeyTier {
 
     /// Wraps a fred client the caller built (the escape hatch: any fred
     /// configuration). Connects it if it is not connected yet.
+    ///
+    /// Returns at once, before the invalidation channel is subscribed:
+    /// until it is, this instance does not hear the others' invalidations,
+    /// so the subscription, when it lands, drops L1 (what was filled
+    /// meanwhile may be stale). [`connect`](Self::connect) waits instead.
     pub fn from_client(client: Client, config: ValkeyConfig) -> Result<Self, ValkeyError> {
+        let tier = Self::build(client, config)?;
+        tier.inner.bus.serving_unheard();
+        Ok(tier)
+    }
+
+    fn build(client: Client, config: ValkeyConfig) -> Result<Self, ValkeyError> {
         config.validate()?;
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| ValkeyError::NoRuntime)?;
         let _guard = runtime.enter();
