@@ -33,10 +33,13 @@
 //! - `varnish`: `varnishd` with the default VCL, `-s malloc,256m`, two
 //!   thread pools of at least 100 threads.
 //!
-//! Throughput: `wrk -t1 -c32 -d4s` per target, three alternating rounds
-//! (A B C … A B C …); server CPU per request is the server's `utime+stime`
-//! (all its processes) over the requests wrk made. The report gives each
-//! target's median req/s and CPU µs/request and their ratios to `limit`.
+//! Throughput: `wrk -t1 -c32 -d3s` per target, five alternating rounds
+//! (A B C … A B C …), wrk pinned to the first core and every server to the
+//! second (`taskset`; the report says when it could not pin); server CPU
+//! per request is the server's `utime+stime` (all its processes) over the
+//! requests wrk made. The report gives each target's median req/s and CPU
+//! µs/request, and its ratios to `limit` in the same round: median
+//! [min-max] over the rounds.
 //!
 //! Stampede: 1,000 connections are opened first, then each sends one GET for
 //! the same cold URL at once; the origin takes 300 ms and counts calls.
@@ -76,6 +79,14 @@
 //! Varnish 0.52 / 2.51; the same origin calls. The limit moves most between
 //! runs on this shared machine (7.5-9.6 µs); the bare origin, with fewer
 //! bytes to write, beat it in the last two.
+//!
+//! The first pinned run of five rounds, 2026-12-04 (limit 115,111 req/s,
+//! 8.4 µs), ratio medians [min-max]: bare 1.08 [0.96-1.11] / 0.91
+//! [0.89-0.99]; layer 0.95 [0.85-1.04] / 1.06 [0.97-1.18]; proxy 0.89
+//! [0.71-0.98] / 1.14 [1.02-1.43]; axum-response-cache 0.93 [0.85-1.15] /
+//! 1.04 [0.87-1.19]; hitbox 0.59 / 1.69; tower-http-cache 0.64 / 1.60;
+//! http-cache-tower-server 0.11 / 9.12; nginx 0.76 [0.60-1.07] / 1.33
+//! [0.93-1.70]; Varnish 0.45 / 2.22; the same origin calls.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -149,11 +160,19 @@ fn main() {
             get_text(t.addr, "/p/7");
         }
     }
+    // wrk on the first core, every server on the second: without pinning
+    // the scheduler moved them about, and the ratios moved by ±15 % between
+    // runs.
+    let pinned = which("taskset").is_some() && targets.iter().all(|(_, t)| t.pin(1));
     let mut results: HashMap<&str, Vec<(f64, f64)>> = HashMap::new();
-    for _round in 0..3 {
+    for _round in 0..ROUNDS {
         for (name, t) in &targets {
+            if pinned {
+                // Again each round: a server may have started threads since.
+                t.pin(1);
+            }
             let before = t.cpu();
-            let (reqs, rps) = wrk(t.addr, "/p/7");
+            let (reqs, rps) = wrk(t.addr, "/p/7", pinned);
             let cpu = t.cpu() - before;
             results
                 .entry(name)
@@ -165,22 +184,36 @@ fn main() {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let mut limit_rps: Vec<f64> = results["limit"].iter().map(|r| r.0).collect();
-    let mut limit_cpu: Vec<f64> = results["limit"].iter().map(|r| r.1).collect();
-    let (limit_rps, limit_cpu) = (median(&mut limit_rps), median(&mut limit_cpu));
-    println!("== hit throughput, 2 KiB body, wrk -t1 -c32 -d4s, median of 3 alternating rounds");
+    let limit = &results["limit"];
     println!(
-        "{:<24} {:>10} {:>8} {:>14} {:>8}",
+        "== hit throughput, 2 KiB body, wrk -t1 -c32 -d{WRK_SECS}s, {ROUNDS} alternating rounds, {}",
+        if pinned {
+            "wrk on cpu 0, servers on cpu 1"
+        } else {
+            "not pinned (taskset missing or refused)"
+        }
+    );
+    println!("   each ratio is against the limit's figure in the same round: median [min-max]");
+    println!(
+        "{:<24} {:>10} {:>18} {:>11} {:>18}",
         "target", "req/s", "× limit", "CPU µs/req", "× limit"
     );
     for (name, _) in &targets {
-        let mut rps: Vec<f64> = results[name].iter().map(|r| r.0).collect();
-        let mut cpu: Vec<f64> = results[name].iter().map(|r| r.1).collect();
-        let (rps, cpu) = (median(&mut rps), median(&mut cpu));
+        let rounds = &results[name];
+        let mut rps: Vec<f64> = rounds.iter().map(|r| r.0).collect();
+        let mut cpu: Vec<f64> = rounds.iter().map(|r| r.1).collect();
+        let mut rps_ratio: Vec<f64> = rounds.iter().zip(limit).map(|(r, l)| r.0 / l.0).collect();
+        let mut cpu_ratio: Vec<f64> = rounds.iter().zip(limit).map(|(r, l)| r.1 / l.1).collect();
+        let spread = |v: &mut Vec<f64>| {
+            let m = median(v);
+            format!("{m:.2} [{:.2}-{:.2}]", v[0], v[v.len() - 1])
+        };
         println!(
-            "{name:<24} {rps:>10.0} {:>8.2} {cpu:>14.1} {:>8.2}",
-            rps / limit_rps,
-            cpu / limit_cpu
+            "{name:<24} {:>10.0} {:>18} {:>11.1} {:>18}",
+            median(&mut rps),
+            spread(&mut rps_ratio),
+            median(&mut cpu),
+            spread(&mut cpu_ratio)
         );
     }
 
@@ -320,9 +353,22 @@ fn varnish(dir: &Path, origin: SocketAddr) -> Result<Server, String> {
 
 // ------------------------------------------------------------------ clients
 
-fn wrk(addr: SocketAddr, path: &str) -> (u64, f64) {
-    let out = Command::new("wrk")
-        .args(["-t1", "-c32", "-d4s"])
+/// Alternating rounds of the throughput test, and the seconds of each.
+const ROUNDS: usize = 5;
+const WRK_SECS: u64 = 3;
+
+/// Requests made and req/s of `wrk -t1 -c32` on `path` (on the first core
+/// when `pinned`).
+fn wrk(addr: SocketAddr, path: &str, pinned: bool) -> (u64, f64) {
+    let mut cmd = if pinned {
+        let mut cmd = Command::new("taskset");
+        cmd.args(["-c", "0", "wrk"]);
+        cmd
+    } else {
+        Command::new("wrk")
+    };
+    let out = cmd
+        .args(["-t1", "-c32", &format!("-d{WRK_SECS}s")])
         .arg(format!("http://{addr}{path}"))
         .output()
         .expect("run wrk");

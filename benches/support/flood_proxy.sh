@@ -6,7 +6,8 @@
 # usage: benches/support/flood_proxy.sh BUDGET SECONDS [redis://VALKEY]
 #   e.g. benches/support/flood_proxy.sh 256MiB 25
 # BODY_BYTES=65536 (or 60, ...) changes the body size (default 1024);
-# PROXY_BIN=path runs another build of the proxy.
+# PROXY_BIN=path runs another build of the proxy; CONNECTIONS=4 sets wrk's
+# connections (default 16).
 # Needs nginx and wrk (apt-get install nginx wrk) and
 # `cargo build --release -p tiercache-proxy` first. Ports 18181-18183.
 set -euo pipefail
@@ -54,7 +55,7 @@ sleep 1
 # (the binary's pages, faulted in as code paths first run), in KiB.
 rss() { awk '/^(VmRSS|RssAnon|RssFile):/ {printf "%s ", $2}' "/proc/$PROXY/status"; }
 BEFORE=$(rss)
-wrk -t1 -c16 -d"${SECS}s" -s "$DIR/unique.lua" http://127.0.0.1:18182 | grep -E "requests in|Non-2xx" || true
+wrk -t1 -c"${CONNECTIONS:-16}" -d"${SECS}s" -s "$DIR/unique.lua" http://127.0.0.1:18182 | grep -E "requests in|Non-2xx" || true
 sleep 1
 AFTER=$(rss)
 curl -s http://127.0.0.1:18183/metrics | grep -E "^tiercache_l1_(bytes|entries)|^tiercache_l2_write_drops" || true

@@ -65,6 +65,23 @@ impl Server {
     }
 }
 
+impl Server {
+    /// Pins the process and every descendant's threads to `cpu` (with
+    /// `taskset`), so a load generator pinned to another core never shares
+    /// one with it; false when `taskset` is missing or refused.
+    pub(crate) fn pin(&self, cpu: usize) -> bool {
+        let cpu = cpu.to_string();
+        descendants(self.child.id()).iter().all(|pid| {
+            Command::new("taskset")
+                .args(["-a", "-p", "-c", &cpu, &pid.to_string()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        })
+    }
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
         // Each server leads its own process group: the group goes at once,
