@@ -30,7 +30,22 @@ struct Origin {
 }
 
 async fn instance(cluster: &ValkeyCluster, origin: &Origin) -> Instance {
-    let config = ValkeyConfig::from_url(&cluster.url()).unwrap();
+    instance_with(cluster, origin, ValkeyConfig::DEFAULT_COMMAND_TIMEOUT).await
+}
+
+/// An instance whose Valkey commands may take `command_timeout`. It
+/// waits for its invalidation channel as long as a loaded machine needs
+/// (a connect that gives up serves unheard, and the subscription that
+/// lands later drops L1 and any fill in flight).
+async fn instance_with(
+    cluster: &ValkeyCluster,
+    origin: &Origin,
+    command_timeout: Duration,
+) -> Instance {
+    let config = ValkeyConfig::from_url(&cluster.url())
+        .unwrap()
+        .connect_timeout(Duration::from_secs(10))
+        .command_timeout(command_timeout);
     let tier = ValkeyTier::connect(config).await.unwrap();
     let engine = TieredCache::builder()
         .l2(tier.clone())
@@ -116,8 +131,11 @@ async fn keys_spread_over_the_slots_and_braces_in_urls_do_not_steer_them() {
 async fn a_fleet_on_the_cluster_loads_once_shares_l2_and_invalidates_everywhere() {
     let cluster = ValkeyCluster::start(3);
     let origin = Origin::default();
-    let a = instance(&cluster, &origin).await;
-    let b = instance(&cluster, &origin).await;
+    // One origin call is the promise while Valkey answers; at the default
+    // 50 ms a lock command that a loaded machine (four clusters forming at
+    // once) answers late gives way to the origin, by design.
+    let a = instance_with(&cluster, &origin, Duration::from_secs(1)).await;
+    let b = instance_with(&cluster, &origin, Duration::from_secs(1)).await;
 
     // 2 instances × 50 concurrent cold requests → one origin call.
     let start = Arc::new(Barrier::new(100));

@@ -49,7 +49,13 @@ impl Origin {
 }
 
 async fn instance(url: &str, origin: &Origin) -> Instance {
-    let config = ValkeyConfig::from_url(url).unwrap();
+    // These tests count origin calls and invalidations, not timeouts: a
+    // loaded machine must not turn a slow lock command (50 ms by default)
+    // into a second origin call, or a slow subscription into a resync.
+    let config = ValkeyConfig::from_url(url)
+        .unwrap()
+        .connect_timeout(Duration::from_secs(10))
+        .command_timeout(Duration::from_secs(1));
     let tier = ValkeyTier::connect(config).await.unwrap();
     let engine = TieredCache::builder()
         .l2(tier)
