@@ -7,6 +7,7 @@ use std::time::Duration;
 use http::Uri;
 use tiercache_core::{Policy, PolicyError};
 use tiercache_http::ResponseCacheLayer;
+use tiercache_valkey::ValkeyConfig;
 
 use crate::routes;
 
@@ -34,6 +35,9 @@ pub struct ProxyConfig {
     pub max_refreshes: usize,
     /// The shared L2, as a `redis://` / `rediss://` URL (none: L1 only).
     pub valkey: Option<String>,
+    /// How long one Valkey command may take before the request goes on
+    /// without it (the origin, or no L2 write); also the fleet lock's.
+    pub valkey_timeout: Duration,
     /// Stale-while-revalidate window.
     pub stale_while_revalidate: Duration,
     /// Stale-if-error window.
@@ -91,6 +95,7 @@ impl ProxyConfig {
             l1_capacity: tiercache_core::TieredCacheBuilder::DEFAULT_L1_CAPACITY,
             max_refreshes: tiercache_core::TieredCacheBuilder::DEFAULT_MAX_REFRESHES,
             valkey: None,
+            valkey_timeout: ValkeyConfig::DEFAULT_COMMAND_TIMEOUT,
             stale_while_revalidate: Duration::ZERO,
             stale_if_error: Duration::ZERO,
             negative_ttl: None,
@@ -202,6 +207,12 @@ impl ProxyConfig {
     /// Uses Valkey at `url` as the shared L2.
     pub fn valkey(mut self, url: impl Into<String>) -> Self {
         self.valkey = Some(url.into());
+        self
+    }
+
+    /// Sets how long one Valkey command may take (default 50 ms).
+    pub fn valkey_timeout(mut self, timeout: Duration) -> Self {
+        self.valkey_timeout = timeout;
         self
     }
 

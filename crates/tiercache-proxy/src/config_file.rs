@@ -6,6 +6,7 @@
 //! listen   = "127.0.0.1:8080"
 //! admin    = "127.0.0.1:8081"
 //! valkey   = "redis://127.0.0.1:6379"      # optional
+//! valkey_timeout = "50ms"                   # one Valkey command at most
 //! l1_capacity = "256MiB"
 //!
 //! [defaults]                                # any policy field or safety option
@@ -128,6 +129,8 @@ struct File {
     listen: Option<SocketAddr>,
     admin: Option<SocketAddr>,
     valkey: Option<String>,
+    #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
+    valkey_timeout: Option<Duration>,
     #[serde(default, deserialize_with = "size")]
     l1_capacity: Option<u64>,
     max_refreshes: Option<usize>,
@@ -211,6 +214,9 @@ pub fn parse(text: &str, name: &str) -> Result<FileConfig, ProxyError> {
     }
     config.admin = file.admin;
     config.valkey = file.valkey;
+    if let Some(timeout) = file.valkey_timeout {
+        config.valkey_timeout = timeout;
+    }
     if let Some(bytes) = file.l1_capacity {
         config.l1_capacity = bytes;
     }

@@ -3,7 +3,8 @@
 //! ```text
 //! tiercache-proxy --upstream http://127.0.0.1:9000 [--listen 127.0.0.1:8080] [--ttl 10s]
 //!                 [--jitter 0.1] [--max-body 8MiB] [--admin 127.0.0.1:8081]
-//!                 [--valkey redis://127.0.0.1:6379] [--stale-while-revalidate 30s]
+//!                 [--valkey redis://127.0.0.1:6379] [--valkey-timeout 50ms]
+//!                 [--stale-while-revalidate 30s]
 //!                 [--stale-if-error 5m] [--negative-ttl 5s] [--origin-soft-timeout 500ms]
 //!                 [--xfetch-beta 1.0] [--ignore-cookies | --key-cookie NAME ...]
 //!                 [--key-header NAME ...] [--target cdn-cache-control ...]
@@ -46,11 +47,12 @@ pub mod units;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
 use tiercache_core::{Policy, TieredCache};
 use tiercache_http::ResponseCacheLayer;
-use tiercache_valkey::{ValkeyConfig, ValkeyTier};
+use tiercache_valkey::{ValkeyConfig, ValkeyError, ValkeyTier};
 
 pub use crate::config::ProxyConfig;
 use crate::forward::Forward;
@@ -99,12 +101,8 @@ impl Proxy {
             let queue_bytes = config.l1_capacity / 16;
             builder = builder.l1_capacity(config.l1_capacity - queue_bytes);
             let queue_bytes = usize::try_from(queue_bytes.max(1)).unwrap_or(usize::MAX);
-            let config = ValkeyConfig::from_url(url)
-                .map_err(|e| ProxyError::Config(e.to_string()))?
-                .write_queue_bytes(queue_bytes);
-            let l2 = ValkeyTier::connect(config)
-                .await
-                .map_err(|e| ProxyError::Config(e.to_string()))?;
+            let config = valkey_config(url, config.valkey_timeout)?.write_queue_bytes(queue_bytes);
+            let l2 = ValkeyTier::connect(config).await.map_err(valkey_error)?;
             builder = builder.l2(l2);
         }
         let engine = builder
@@ -323,6 +321,29 @@ fn http_layer(
         .map(|t| header("--target", t))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(layer.targeted_fields(targets))
+}
+
+/// The Valkey settings of `--valkey URL --valkey-timeout T`, checked
+/// (without connecting).
+pub fn valkey_config(url: &str, timeout: Duration) -> Result<ValkeyConfig, ProxyError> {
+    let config = ValkeyConfig::from_url(url)
+        .map_err(valkey_error)?
+        .command_timeout(timeout);
+    config.validate().map_err(valkey_error)?;
+    Ok(config)
+}
+
+fn valkey_error(e: ValkeyError) -> ProxyError {
+    match e {
+        // Named as the user wrote it, not as the tier calls it.
+        ValkeyError::Config {
+            field: "command_timeout",
+            allowed,
+        } => ProxyError::Config(format!(
+            "`--valkey-timeout` (`valkey_timeout` in a config file): {allowed}"
+        )),
+        e => ProxyError::Config(e.to_string()),
+    }
 }
 
 async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), ProxyError> {

@@ -60,6 +60,11 @@ struct Args {
     /// Valkey as the shared L2: redis://[user:password@]host:port[/db], rediss:// for TLS.
     #[arg(long)]
     valkey: Option<String>,
+    /// How long one Valkey command may take before the request goes on
+    /// without it (to the origin, or without its L2 write); also the fleet
+    /// lock's. Valkey slow never holds a request longer than this.
+    #[arg(long, value_parser = parse_duration)]
+    valkey_timeout: Option<Duration>,
     /// Serve an expired entry for this long while one background refresh runs.
     #[arg(long, default_value = "0s", value_parser = parse_duration)]
     stale_while_revalidate: Duration,
@@ -194,10 +199,16 @@ fn settings(args: &Args, matches: &ArgMatches) -> Result<ProxyConfig, String> {
     if let Some(url) = &args.valkey {
         config.valkey = Some(url.clone());
     }
+    if let Some(timeout) = args.valkey_timeout {
+        config.valkey_timeout = timeout;
+    }
     if let Some(admin) = args.admin {
         config.admin = Some(admin);
     }
     config.policy().map_err(|e| e.to_string())?;
+    if let Some(url) = &config.valkey {
+        tiercache_proxy::valkey_config(url, config.valkey_timeout).map_err(|e| e.to_string())?;
+    }
     Ok(config)
 }
 

@@ -180,6 +180,16 @@ async fn check_config_validates_and_exits() {
         text.contains("line 4") && text.contains("`jitter` is 0.7"),
         "{text}"
     );
+    // The Valkey settings are checked too, without connecting.
+    let refused = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"))
+        .args(["--upstream", "http://127.0.0.1:9", "--check-config"])
+        .args(["--valkey", "redis://127.0.0.1:9", "--valkey-timeout", "0ms"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&refused.stderr);
+    assert!(text.contains("`--valkey-timeout`"), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -301,4 +311,24 @@ async fn a_zero_budget_with_valkey_is_refused_by_name() {
     config.l1_capacity = 0;
     let err = Proxy::start(config).await.unwrap_err().to_string();
     assert!(err.contains("l1_capacity"), "{err}");
+}
+
+#[tokio::test]
+async fn the_valkey_timeout_comes_from_the_file_and_a_bad_one_is_refused_by_name() {
+    let text = "upstream = \"http://127.0.0.1:9\"\nvalkey_timeout = \"2s\"\n";
+    let config = config_file::parse(text, "tiercache.toml").unwrap().config;
+    assert_eq!(config.valkey_timeout, std::time::Duration::from_secs(2));
+    let default = ProxyConfig::new("http://127.0.0.1:9".parse().unwrap());
+    assert_eq!(
+        default.valkey_timeout,
+        tiercache_valkey::ValkeyConfig::DEFAULT_COMMAND_TIMEOUT
+    );
+
+    // Refused before any connection is tried, named as the user wrote it.
+    let mut config = default.valkey_timeout(std::time::Duration::ZERO);
+    config.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    config.valkey = Some("redis://127.0.0.1:9".into());
+    let err = Proxy::start(config).await.unwrap_err().to_string();
+    assert!(err.contains("--valkey-timeout"), "{err}");
+    assert!(err.contains("at most 60 s"), "{err}");
 }

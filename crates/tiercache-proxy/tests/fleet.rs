@@ -67,6 +67,10 @@ impl ProxyProcess {
             .args(["--listen", &addr.to_string()])
             .args(["--admin", &admin.to_string()])
             .args(["--valkey", &valkey.url()])
+            // These tests count upstream calls, not timeouts: a loaded
+            // machine must not turn a slow lock command (50 ms by default)
+            // into a second upstream call.
+            .args(["--valkey-timeout", "1s"])
             .args(["--ttl", "60s"])
             .args(extra)
             .stdin(Stdio::null())

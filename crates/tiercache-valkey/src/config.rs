@@ -128,7 +128,20 @@ impl ValkeyConfig {
         self
     }
 
-    pub(crate) fn validate(&self) -> Result<(), ValkeyError> {
+    /// Checks every setting, as [`ValkeyTier::connect`](crate::ValkeyTier::connect)
+    /// does before it connects (for a configuration check that connects to
+    /// nothing).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tiercache_valkey::ValkeyConfig;
+    ///
+    /// let config = ValkeyConfig::from_url("redis://127.0.0.1:6379").unwrap();
+    /// assert!(config.clone().validate().is_ok());
+    /// let err = config.command_timeout(Duration::ZERO).validate().unwrap_err();
+    /// assert!(err.to_string().contains("command_timeout"));
+    /// ```
+    pub fn validate(&self) -> Result<(), ValkeyError> {
         let bad = |field: &'static str, allowed: &'static str| {
             Err(ValkeyError::Config { field, allowed })
         };
