@@ -63,9 +63,7 @@ impl Server {
         }
         Duration::from_secs_f64(total as f64 / tick)
     }
-}
 
-impl Server {
     /// Pins the process and every descendant's threads to `cpu` (with
     /// `taskset`), so a load generator pinned to another core never shares
     /// one with it; false when `taskset` is missing or refused.

@@ -9,7 +9,7 @@ use tiercache_core::{Policy, PolicyError};
 use tiercache_http::ResponseCacheLayer;
 use tiercache_valkey::ValkeyConfig;
 
-use crate::routes;
+use crate::{ProxyError, routes, valkey_error};
 
 /// The proxy's settings (the command-line flags).
 #[derive(Debug, Clone)]
@@ -172,6 +172,19 @@ impl ProxyConfig {
             policy = policy.tag(tag.clone());
         }
         policy.override_origin(self.override_origin).build()
+    }
+
+    /// The Valkey settings (`--valkey`, `--valkey-timeout`), checked
+    /// without connecting; `None` without Valkey.
+    pub fn valkey_config(&self) -> Result<Option<ValkeyConfig>, ProxyError> {
+        let Some(url) = &self.valkey else {
+            return Ok(None);
+        };
+        let config = ValkeyConfig::from_url(url)
+            .map_err(valkey_error)?
+            .command_timeout(self.valkey_timeout);
+        config.validate().map_err(valkey_error)?;
+        Ok(Some(config))
     }
 
     /// These settings with `settings` laid over them (a route's).

@@ -47,12 +47,11 @@ pub mod units;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::Router;
 use tiercache_core::{Policy, TieredCache};
 use tiercache_http::ResponseCacheLayer;
-use tiercache_valkey::{ValkeyConfig, ValkeyError, ValkeyTier};
+use tiercache_valkey::{ValkeyError, ValkeyTier};
 
 pub use crate::config::ProxyConfig;
 use crate::forward::Forward;
@@ -93,7 +92,7 @@ impl Proxy {
         let mut builder = TieredCache::builder()
             .l1_capacity(config.l1_capacity)
             .max_refreshes(config.max_refreshes);
-        if let Some(url) = &config.valkey {
+        if let Some(valkey) = config.valkey_config()? {
             // Fills waiting to be written to L2 are copies outside L1: a
             // sixteenth of the budget holds them and L1 the rest, so a flood
             // keeps the process near the one budget the user gave.
@@ -101,8 +100,9 @@ impl Proxy {
             let queue_bytes = config.l1_capacity / 16;
             builder = builder.l1_capacity(config.l1_capacity - queue_bytes);
             let queue_bytes = usize::try_from(queue_bytes.max(1)).unwrap_or(usize::MAX);
-            let config = valkey_config(url, config.valkey_timeout)?.write_queue_bytes(queue_bytes);
-            let l2 = ValkeyTier::connect(config).await.map_err(valkey_error)?;
+            let l2 = ValkeyTier::connect(valkey.write_queue_bytes(queue_bytes))
+                .await
+                .map_err(valkey_error)?;
             builder = builder.l2(l2);
         }
         let engine = builder
@@ -323,17 +323,8 @@ fn http_layer(
     Ok(layer.targeted_fields(targets))
 }
 
-/// The Valkey settings of `--valkey URL --valkey-timeout T`, checked
-/// (without connecting).
-pub fn valkey_config(url: &str, timeout: Duration) -> Result<ValkeyConfig, ProxyError> {
-    let config = ValkeyConfig::from_url(url)
-        .map_err(valkey_error)?
-        .command_timeout(timeout);
-    config.validate().map_err(valkey_error)?;
-    Ok(config)
-}
-
-fn valkey_error(e: ValkeyError) -> ProxyError {
+/// A Valkey setting's error, named as the user wrote it.
+pub(crate) fn valkey_error(e: ValkeyError) -> ProxyError {
     match e {
         // Named as the user wrote it, not as the tier calls it.
         ValkeyError::Config {

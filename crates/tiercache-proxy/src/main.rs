@@ -206,9 +206,7 @@ fn settings(args: &Args, matches: &ArgMatches) -> Result<ProxyConfig, String> {
         config.admin = Some(admin);
     }
     config.policy().map_err(|e| e.to_string())?;
-    if let Some(url) = &config.valkey {
-        tiercache_proxy::valkey_config(url, config.valkey_timeout).map_err(|e| e.to_string())?;
-    }
+    config.valkey_config().map_err(|e| e.to_string())?;
     Ok(config)
 }
 
