@@ -47,7 +47,9 @@ pub(crate) fn hit_ratio(ratio: f64) -> HeaderValue {
         }
         Box::leak(all.into_boxed_str())
     });
-    let i = ((ratio.clamp(0.0, 1.0) * 10_000.0).round() as usize).min(10_000);
+    // `+ 0.5` then truncation rounds a non-negative value without a call
+    // to libm's `round`; NaN casts to 0.
+    let i = ((ratio.clamp(0.0, 1.0) * 10_000.0 + 0.5) as usize).min(10_000);
     HeaderValue::from_static(&all[i * WIDTH..(i + 1) * WIDTH])
 }
 
@@ -69,12 +71,9 @@ pub(crate) fn age(seconds: u64) -> HeaderValue {
 }
 
 /// `cache-status` of a plain L1 hit with `ttl` seconds left: from the table
-/// below an hour, else written out by hand (no `fmt` machinery, which cost
-/// ~500 instructions a hit for the long ttls many sites use).
+/// below an hour, else from a small per-thread table of the last ones built.
 pub(crate) fn l1_hit_status(ttl: u64) -> HeaderValue {
     static TABLE: OnceLock<Vec<HeaderValue>> = OnceLock::new();
-    const HEAD: &[u8] = b"tiercache; hit; ttl=";
-    const TAIL: &[u8] = b"; detail=l1";
     if let Some(i) = usize::try_from(ttl).ok().filter(|&i| i < TABLE_SECONDS) {
         let table = TABLE.get_or_init(|| {
             table(
@@ -86,6 +85,32 @@ pub(crate) fn l1_hit_status(ttl: u64) -> HeaderValue {
         });
         return table[i].clone();
     }
+    // Longer ttls (a day is common) are built once a second per thread: a
+    // hot entry's hits within that second share the value.
+    thread_local! {
+        static LONG: std::cell::RefCell<[Option<(u64, HeaderValue)>; 8]> =
+            const { std::cell::RefCell::new([const { None }; 8]) };
+    }
+    let slot = (ttl % 8) as usize;
+    LONG.try_with(|long| {
+        let mut long = long.borrow_mut();
+        match &long[slot] {
+            Some((at, value)) if *at == ttl => value.clone(),
+            _ => {
+                let value = long_ttl_status(ttl);
+                long[slot] = Some((ttl, value.clone()));
+                value
+            }
+        }
+    })
+    .unwrap_or_else(|_| long_ttl_status(ttl))
+}
+
+/// `cache-status` of a plain L1 hit with `ttl` seconds left, written out
+/// by hand (no `fmt` machinery, which cost ~500 instructions a hit).
+fn long_ttl_status(ttl: u64) -> HeaderValue {
+    const HEAD: &[u8] = b"tiercache; hit; ttl=";
+    const TAIL: &[u8] = b"; detail=l1";
     let mut digits = [0u8; 20];
     let mut at = digits.len();
     let mut n = ttl;
@@ -128,5 +153,21 @@ mod tests {
             l1_hit_status(u64::MAX),
             format!("tiercache; hit; ttl={}; detail=l1", u64::MAX)
         );
+        assert_eq!(hit_ratio(0.000_05), "0.0001", "half rounds up");
+        assert_eq!(hit_ratio(-1.0), "0.0000");
+    }
+
+    #[test]
+    fn long_ttls_share_slots_without_mixing_values() {
+        // 3600 + 8k all land in one slot: each must still read its own ttl.
+        for round in 0..2 {
+            for ttl in (0..5).map(|k| 3600 + 8 * k).chain([86_400, 86_399]) {
+                assert_eq!(
+                    l1_hit_status(ttl),
+                    format!("tiercache; hit; ttl={ttl}; detail=l1"),
+                    "round {round}"
+                );
+            }
+        }
     }
 }
