@@ -597,3 +597,55 @@ async fn an_instance_that_started_without_valkey_drops_l1_once_it_hears() {
     })
     .await;
 }
+
+/// Issue 14's open seam: instance A's fill is on its way to Valkey (a slow
+/// link) when instance B invalidates the key. B's `DEL` lands first and A's
+/// `SET` after it, so without more the old version sits in L2, served to
+/// the whole fleet until its TTL. Once B's message reaches A, A takes its
+/// copy out again, and a fill still queued then is never sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fill_that_lands_after_another_instances_invalidation_is_taken_out_again() {
+    let server = ValkeyServer::start();
+    let link = FaultProxy::start(server.addr()).await;
+    let slow = ValkeyConfig::from_url(&link.redis_url())
+        .unwrap()
+        .command_timeout(Duration::from_secs(3));
+    let a_tier = connect(slow).await;
+    let a = engine(a_tier.clone());
+    let b = engine(tier(&server.url(), "tc").await);
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    a.put(
+        &CacheKey::new("warm"),
+        Fill::new(Value::from_body("w")),
+        &policy,
+    );
+    wait_for_keys(&server, "tc:*:e", 1).await;
+
+    link.set(Fault::Latency(Duration::from_millis(300)));
+    let in_flight = CacheKey::new("in flight");
+    let queued = CacheKey::new("queued");
+    a.put(&in_flight, Fill::new(Value::from_body("old")), &policy);
+    // Queued behind the pipeline in flight (or in it): sent after B's
+    // message has reached A, unless A holds it back.
+    a.put(&queued, Fill::new(Value::from_body("old")), &policy);
+    b.invalidate_keys(&[in_flight.clone(), queued.clone()])
+        .await
+        .unwrap();
+    // B's message takes 300 ms to reach A; the `SET` of `in_flight` lands
+    // 300 ms after it left, after B's `DEL`.
+    eventually("A hears B's invalidation", || {
+        a.stats().l2.invalidations_received >= 1
+    })
+    .await;
+    bounded("A's write queue", a_tier.flush()).await;
+    link.set(Fault::Pass);
+    assert_eq!(a.stats().l2.fills_overtaken, 2, "{:?}", a.stats().l2);
+    for key in [&in_flight, &queued] {
+        b.forget_local(key);
+        assert_eq!(
+            b.get(key).await.map(|v| v.body),
+            None,
+            "L2 kept a fill that another instance's invalidation overtook"
+        );
+    }
+}

@@ -122,6 +122,9 @@ pub struct TierReport {
     /// Lock releases sent again after a failure (they are retried until
     /// they land or the lock would have expired anyway).
     pub release_retries: u64,
+    /// Fills kept out of L2, or deleted from it again, because another
+    /// instance's invalidation overtook them on their way to Valkey.
+    pub fills_overtaken: u64,
 }
 
 /// A shared tier failed (unreachable, timed out, refused).

@@ -18,6 +18,8 @@ use fred::prelude::{ClientLike, PubsubInterface};
 use tiercache_core::{Invalidation, InvalidationSink, KeyHash, KeyPattern, Unlocked};
 use tokio::sync::{broadcast, watch};
 
+use crate::overtaken::{Overtaken, Scope};
+
 /// A prefix ban: entries matching `pattern` created at or before `at` are
 /// gone, wherever they are read from.
 #[derive(Debug, Clone, PartialEq)]
@@ -108,6 +110,9 @@ pub(crate) struct Bus {
     /// This instance's random id.
     pub(crate) instance: String,
     pub(crate) channel: String,
+    prefix: String,
+    /// Told of every invalidation heard (see [`crate::overtaken`]).
+    overtaken: Arc<Overtaken>,
     waiters: Mutex<HashMap<String, Arc<watch::Sender<Option<Unlocked>>>>>,
     sink: Mutex<Option<Weak<dyn InvalidationSink>>>,
     bans: RwLock<Vec<Ban>>,
@@ -151,11 +156,19 @@ impl Hearing {
 }
 
 impl Bus {
-    pub(crate) fn new(subscriber: SubscriberClient, instance: String, channel: String) -> Self {
+    /// The bus of the tier under `prefix` (its channel is `PREFIX:inv`).
+    pub(crate) fn new(
+        subscriber: SubscriberClient,
+        instance: String,
+        prefix: String,
+        overtaken: Arc<Overtaken>,
+    ) -> Self {
         Self {
             subscriber,
             instance,
-            channel,
+            channel: format!("{prefix}:inv"),
+            prefix,
+            overtaken,
             waiters: Mutex::default(),
             sink: Mutex::default(),
             bans: RwLock::default(),
@@ -204,6 +217,8 @@ impl Bus {
         if let Some(sink) = self.sink() {
             sink.resync();
         }
+        self.overtaken
+            .heard(Scope::Everything, std::time::Instant::now());
         // Counted once L1 is dropped: whoever sees the count sees it done.
         self.resyncs.fetch_add(1, Relaxed);
     }
@@ -286,6 +301,20 @@ impl Bus {
         }
         if let Some(sink) = self.sink() {
             sink.apply(&decoded.invalidation);
+        }
+        // After the engine's journal has it: a fill whose journal check came
+        // first was queued before this (see `crate::overtaken`).
+        let scope = match decoded.invalidation {
+            Invalidation::Keys(hashes) => Some(Scope::Keys(hashes)),
+            Invalidation::Tag(tag, hashes) => Some(Scope::Tag(
+                crate::tier::tag_key_in(&self.prefix, &tag),
+                hashes,
+            )),
+            // A ban outlives every older fill, wherever it lands.
+            _ => None,
+        };
+        if let Some(scope) = scope {
+            self.overtaken.heard(scope, std::time::Instant::now());
         }
     }
 }

@@ -36,6 +36,7 @@ pub mod codec;
 mod config;
 mod invalidate;
 mod lock;
+mod overtaken;
 mod tier;
 mod tier_lock;
 mod writer;

@@ -22,6 +22,7 @@ use crate::breaker::Breaker;
 use crate::bus::{self, Ban, Bus};
 use crate::codec;
 use crate::config::{ValkeyConfig, ValkeyError};
+use crate::overtaken::Overtaken;
 use crate::writer::{Command, Write, writer};
 
 /// The L2 tier on Valkey. Cheap to clone.
@@ -57,6 +58,9 @@ pub(crate) struct Inner {
     pub(crate) held: std::sync::Mutex<std::collections::HashMap<Bytes, tokio::time::Instant>>,
     /// Lock releases sent again after a failure.
     pub(crate) release_retries: AtomicU64,
+    /// Other instances' invalidations and this one's fills, lately.
+    pub(crate) overtaken: Arc<Overtaken>,
+    pub(crate) fills_overtaken: AtomicU64,
 }
 
 impl Inner {
@@ -146,13 +150,15 @@ impl ValkeyTier {
             .build_subscriber_client()
             .map_err(|e| ValkeyError::Client(e.to_string()))?;
         let instance = bus::hex(&rand::rng().random::<[u8; 16]>());
+        let (tx, rx) = mpsc::channel(config.write_queue);
+        let overtaken = Arc::new(Overtaken::new(tx.clone()));
         let bus = Arc::new(Bus::new(
             subscriber.clone(),
             instance,
-            format!("{}:inv", config.prefix),
+            config.prefix.clone(),
+            overtaken.clone(),
         ));
         runtime.spawn(bus::dispatch(Arc::downgrade(&bus), subscriber.message_rx()));
-        let (tx, rx) = mpsc::channel(config.write_queue);
         let inner = Arc::new(Inner {
             client,
             bus: bus.clone(),
@@ -170,6 +176,8 @@ impl ValkeyTier {
             releasing: Default::default(),
             held: Default::default(),
             release_retries: AtomicU64::new(0),
+            overtaken,
+            fills_overtaken: AtomicU64::new(0),
         });
         runtime.spawn(writer(Arc::downgrade(&inner), rx));
         let weak = Arc::downgrade(&inner);
@@ -198,8 +206,7 @@ impl ValkeyTier {
     /// expires, trimmed of expired members on every write, so a tag that
     /// every response carries stays the size of what is alive.
     pub fn tag_key(&self, tag: &[u8]) -> String {
-        let hash = CacheKey::builder().part(b"tag").part(tag).finish().hash();
-        slot_key(&self.inner.prefix, &hash, "tags")
+        tag_key_in(&self.inner.prefix, tag)
     }
 
     /// The plain set the previous version kept a tag's keys in (read once
@@ -326,6 +333,8 @@ impl Tier for ValkeyTier {
             px,
             tags: tags.iter().map(|t| self.tag_key(t)).collect(),
             member: key.hash().to_hex(),
+            hash: key.hash(),
+            heard: self.inner.overtaken.mark(),
         });
         if self.inner.writes.try_send(write).is_err() {
             queued.fetch_sub(size, Relaxed);
@@ -400,6 +409,7 @@ impl Tier for ValkeyTier {
         report.locks_acquired = i.bus.locks_acquired.load(Relaxed);
         report.lock_waits = i.bus.lock_waits.load(Relaxed);
         report.release_retries = i.release_retries.load(Relaxed);
+        report.fills_overtaken = i.fills_overtaken.load(Relaxed);
         report
     }
 }
@@ -408,6 +418,12 @@ impl Tier for ValkeyTier {
 /// entry, lock and wake-up channel) on one cluster slot.
 pub(crate) fn slot_key(prefix: &str, hash: &KeyHash, suffix: &str) -> String {
     format!("{prefix}:{{{hash}}}:{suffix}")
+}
+
+/// [`ValkeyTier::tag_key`] under `prefix`.
+pub(crate) fn tag_key_in(prefix: &str, tag: &[u8]) -> String {
+    let hash = CacheKey::builder().part(b"tag").part(tag).finish().hash();
+    slot_key(prefix, &hash, "tags")
 }
 
 /// Reads the recorded prefix bans (on every reconnect).

@@ -9,7 +9,10 @@ use fred::prelude::{Expiration, KeysInterface, SortedSetsInterface, Value};
 use fred::types::ExpireOptions;
 use tokio::sync::mpsc;
 
+use tiercache_core::KeyHash;
+
 use crate::lock::Release;
+use crate::overtaken::Target;
 use crate::tier::Inner;
 
 /// What the writer task does, in queue order.
@@ -29,7 +32,13 @@ pub(crate) enum Command {
         px: i64,
         tags: Vec<String>,
         member: String,
+        hash: KeyHash,
+        /// [`crate::overtaken::Overtaken::mark`] when it was queued.
+        heard: u64,
     },
+    /// Delete these entries again: fills another instance's invalidation
+    /// overtook (see [`crate::overtaken`]).
+    Delete(Vec<String>),
     /// Release a fill lock and announce how the fill ended, after the
     /// writes queued before it (see [`Release`]).
     Unlock(Release),
@@ -74,13 +83,22 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
                 Err(_) => break,
             }
         }
-        let bytes: usize = batch
-            .iter()
-            .map(|c| match c {
-                Command::Set { value, .. } => value.len(),
-                Command::Unlock(_) => 0,
-            })
-            .sum();
+        // Fills another instance's invalidation covers since they were
+        // queued are never sent; the rest go out under this mark.
+        let (sent_under, held) = inner.overtaken.hold_back(&mut batch, |c| match c {
+            Command::Set {
+                hash, tags, heard, ..
+            } => Some((*heard, *hash, tags.as_slice())),
+            _ => None,
+        });
+        if !held.is_empty() {
+            inner.fills_overtaken.fetch_add(held.len() as u64, Relaxed);
+            inner.queued_bytes.fetch_sub(queued_size(&held), Relaxed);
+        }
+        if batch.is_empty() {
+            continue;
+        }
+        let bytes = queued_size(&batch);
         if !inner.breaker.allow() {
             // Fills wait for Valkey no longer; releases are never skipped:
             // small, idempotent, and a lock left behind stalls every
@@ -88,7 +106,7 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
             inner.queued_bytes.fetch_sub(bytes, Relaxed);
             for command in batch {
                 match command {
-                    Command::Set { .. } => {
+                    Command::Set { .. } | Command::Delete(_) => {
                         inner.skipped.fetch_add(1, Relaxed);
                     }
                     Command::Unlock(release) => crate::lock::release(&inner, release).await,
@@ -104,10 +122,24 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
             _ => (vec![false; batch.len()], false),
         };
         let mut failed_fills = 0;
+        // Sent, landed or not (a pipeline that timed out may land yet).
+        let mut sent = Vec::new();
         for (command, landed) in batch.into_iter().zip(&landed) {
             match command {
-                Command::Set { .. } if !landed => failed_fills += 1,
-                Command::Set { .. } => {}
+                Command::Set {
+                    key, tags, hash, ..
+                } => {
+                    if !landed {
+                        failed_fills += 1;
+                    }
+                    sent.push(Target { hash, key, tags });
+                }
+                Command::Delete(keys) => {
+                    inner.fills_overtaken.fetch_add(keys.len() as u64, Relaxed);
+                    if !landed {
+                        failed_fills += 1;
+                    }
+                }
                 Command::Unlock(release) if *landed => inner.released(&release.token),
                 Command::Unlock(release) => {
                     tokio::spawn(crate::lock::release_until_done(
@@ -127,6 +159,39 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
         }
         // Sent or failed: the batch's copies are gone.
         inner.queued_bytes.fetch_sub(bytes, Relaxed);
+        // An invalidation heard while they were in flight: delete again.
+        let again = inner
+            .overtaken
+            .sent(sent_under, sent, std::time::Instant::now());
+        if !again.is_empty() {
+            delete_again(&inner, again).await;
+        }
+    }
+}
+
+/// Bytes the fills among `commands` hold in the queue.
+fn queued_size(commands: &[Command]) -> usize {
+    commands
+        .iter()
+        .map(|c| match c {
+            Command::Set { value, .. } => value.len(),
+            Command::Unlock(_) | Command::Delete(_) => 0,
+        })
+        .sum()
+}
+
+/// Deletes fills an invalidation overtook in flight, before the writer
+/// sends anything else (so a flush waits for it).
+async fn delete_again(inner: &Inner, keys: Vec<String>) {
+    inner.fills_overtaken.fetch_add(keys.len() as u64, Relaxed);
+    let batch = [Command::Delete(keys)];
+    let bound = inner.command_timeout * 2;
+    match tokio::time::timeout(bound, apply_batch(inner, &batch)).await {
+        Ok(Ok((_, true))) => inner.breaker.success(),
+        _ => {
+            inner.write_errors.fetch_add(1, Relaxed);
+            inner.breaker.failure();
+        }
     }
 }
 
@@ -160,6 +225,14 @@ async fn apply_batch(
                 deciding.push(sent + unlock_at..sent + unlock_at + 1);
                 sent += queued;
             }
+            Command::Delete(keys) => {
+                // One `UNLINK` a key: each entry lives in its own slot.
+                for key in keys {
+                    let _: () = pipe.unlink(key).await?;
+                }
+                deciding.push(sent..sent + keys.len());
+                sent += keys.len();
+            }
         }
     }
     let replies: Vec<Result<Value, fred::error::Error>> = pipe.try_all().await;
@@ -184,6 +257,7 @@ async fn pipe_fill(
         px,
         tags,
         member,
+        ..
     } = fill
     else {
         return Ok(0);
