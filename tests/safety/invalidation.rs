@@ -103,3 +103,34 @@ async fn failed_writes_and_cross_origin_locations_invalidate_nothing() {
         );
     }
 }
+
+/// RFC 9111 §4.4: a write invalidates the target URI, which is every
+/// response stored for it, not only the anonymous one and the writer's own:
+/// copies kept per credential (`public` responses to `Authorization`) go too,
+/// and so does what an invalidation by URL names, on another instance too.
+#[tokio::test]
+async fn a_write_invalidates_every_users_copy_of_its_target() {
+    for h in Harness::both().await {
+        let alice = [("authorization", "Bearer alice")];
+        let bob = [("authorization", "Bearer bob")];
+        let target = "/shared?cc=public%2C%20max-age%3D60";
+        for who in [&alice, &bob] {
+            h.get_with(target, who).await;
+            assert_eq!(h.get_with(target, who).await.x_cache(), "HIT", "{}", h.name);
+        }
+        let write = h.request("POST", target).body(Body::from("x")).unwrap();
+        assert_eq!(h.send(write).await.status, StatusCode::OK);
+        for who in [&alice, &bob] {
+            let after = h.get_with(target, who).await;
+            assert_eq!(after.x_cache(), "MISS", "{}: {who:?}", h.name);
+        }
+        // L2 too: the copies another instance stored are reached by tag.
+        let target = "/shared2?cc=public%2C%20max-age%3D60";
+        h.get_with(target, &alice).await;
+        h.stored_in_valkey().await;
+        h.send(h.request("POST", target).body(Body::empty()).unwrap())
+            .await;
+        let fresh_eyes = h.sibling().await.get_with(target, &alice).await;
+        assert_eq!(fresh_eyes.h("x-cache-tier"), "origin", "{}", h.name);
+    }
+}

@@ -494,3 +494,27 @@ async fn the_proxy_without_ttl_stores_only_explicit_freshness() {
     }
     assert_eq!(h.calls(), 8);
 }
+
+/// Two `Authorization` fields: the origin may read either, so the key holds
+/// both; a request with only the first never gets that answer.
+#[tokio::test]
+async fn every_authorization_field_is_in_the_key() {
+    for h in Harness::both().await {
+        let target = "/two-auth?cc=public%2C%20max-age%3D60";
+        let both = [
+            ("authorization", "Bearer alice"),
+            ("authorization", "Bearer mallory"),
+        ];
+        h.get_with(target, &both).await;
+        assert_eq!(
+            h.get_with(target, &both).await.x_cache(),
+            "HIT",
+            "{}",
+            h.name
+        );
+        let alice = h
+            .get_with(target, &[("authorization", "Bearer alice")])
+            .await;
+        assert_eq!(alice.x_cache(), "MISS", "{}", h.name);
+    }
+}

@@ -119,6 +119,31 @@ impl CacheKey {
         builder.finish()
     }
 
+    /// The key made of this key's first `n` parts (this key itself when it
+    /// has no more), or `None` when it has fewer.
+    ///
+    /// ```
+    /// use tiercache_core::CacheKey;
+    ///
+    /// let url = CacheKey::builder().part(b"GET").part(b"/a").finish();
+    /// let alices = url.with_part(b"alice");
+    /// assert_eq!(alices.first_parts(2), Some(url.clone()));
+    /// assert_eq!(url.first_parts(2), Some(url.clone()));
+    /// assert_eq!(url.first_parts(3), None);
+    /// ```
+    pub fn first_parts(&self, n: usize) -> Option<CacheKey> {
+        let mut end = 0usize;
+        for _ in 0..n {
+            let len = u32::from_le_bytes(self.full.get(end..end + 4)?.try_into().ok()?) as usize;
+            end = end.checked_add(4 + len).filter(|&e| e <= self.full.len())?;
+        }
+        Some(if end == self.full.len() {
+            self.clone()
+        } else {
+            CacheKey::from_full(self.full.slice(..end))
+        })
+    }
+
     /// The full, length-prefixed key.
     pub fn full(&self) -> &Bytes {
         &self.full

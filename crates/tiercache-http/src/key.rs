@@ -119,9 +119,24 @@ fn origin_pattern(uri: &Uri) -> KeyPattern {
     }
 }
 
-/// The internal tag every variant of a URL is stored under (with its
-/// primary entry), so invalidating the URL reaches the variants other
-/// instances stored too.
+/// The parts of a URL's own key (see [`uri_key`]); a request keyed on more
+/// (credentials, cookies, headers) or a `Vary` variant adds parts after them.
+const URL_PARTS: usize = 6;
+
+/// The URL key whose family `key` belongs to when `key` is not that URL key
+/// itself, or when `varied` (a `Vary`ing URL's primary entry joins its
+/// family too): invalidating the URL reaches the family by its tag (see
+/// [`family_tag`]), whichever instance stored it. `None` for a plain URL
+/// key, which is invalidated by itself.
+pub(crate) fn family_of(key: &CacheKey, varied: bool) -> Option<CacheKey> {
+    let url = key.first_parts(URL_PARTS)?;
+    (varied || url != *key).then_some(url)
+}
+
+/// The internal tag every response stored for a URL under a key other than
+/// the URL's own (its `Vary` variants, copies kept per credential, cookie or
+/// header) is stored under, with a `Vary`ing URL's primary entry, so
+/// invalidating the URL reaches what other instances stored too.
 pub(crate) fn family_tag(primary: &CacheKey) -> Bytes {
     Bytes::from(format!("tc-url:{}", primary.hash()))
 }

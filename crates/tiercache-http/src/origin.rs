@@ -28,7 +28,7 @@ use crate::cacheable::{
 };
 use crate::freshness::OriginFreshness;
 use crate::headers::{self, strip_hop_by_hop};
-use crate::key::{family_tag, variant_for, variant_key};
+use crate::key::{family_of, family_tag, variant_for, variant_key};
 use crate::route::Route;
 
 /// A response the origin gave this request alone, and why it was not stored.
@@ -191,7 +191,8 @@ impl Load<'_> {
         };
         let took = self.started.elapsed();
         route.metrics.origin(took);
-        let tags = tags_for(route, &parts.headers, varied.as_ref().map(|_| self.primary));
+        let family = family_of(self.primary, varied.is_some());
+        let tags = tags_for(route, &parts.headers, family.as_ref());
         let value = headers::to_value(parts.status, &parts.headers, concat(body, total));
         // δ (the origin's time, for XFetch) is measured by the engine.
         let validator =
@@ -418,12 +419,15 @@ fn renew(route: &Route, stale: &Entry, not_modified: &HeaderMap) -> Fill {
         Err(_) => Fill::new(value).lifetime(Lifetime::Declared(Duration::from_millis(1))),
     };
     // Renewed where it was stored (its primary or its variant key).
-    let tags = tags_for(route, &merged, None);
+    let key = CacheKey::from_full(stale.key().clone());
+    // In its URL's family as when it was filled (see `family_of`).
+    let family = family_of(&key, !stale.variant().is_empty());
+    let tags = tags_for(route, &merged, family.as_ref());
     let validator = merged.contains_key(ETAG) || merged.contains_key(LAST_MODIFIED);
     fill.variant(stale.variant().clone())
         .tags(tags)
         .validator(validator)
-        .store_under(CacheKey::from_full(stale.key().clone()))
+        .store_under(key)
 }
 
 /// The tags a response is recorded under: the route's, those its

@@ -108,16 +108,17 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
     }
     let mut key = target_key(parts);
     let headers = &mut parts.headers;
-    let credential = if scan.authorization {
-        headers.get(AUTHORIZATION)
-    } else {
-        None
-    };
-    if let Some(credential) = credential {
-        key.push(b"authorization");
-        key.push_secret(credential.as_bytes());
+    let mut credentialed = false;
+    if scan.authorization {
+        // Every field: an origin may read any of them.
+        for credential in headers.get_all(AUTHORIZATION) {
+            if !credentialed {
+                key.push(b"authorization");
+                credentialed = true;
+            }
+            key.push_secret(credential.as_bytes());
+        }
     }
-    let credentialed = credential.is_some();
     match &config.cookies {
         Cookies::Bypass => {}
         Cookies::Ignore if !scan.cookie => {}
