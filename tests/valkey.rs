@@ -649,3 +649,39 @@ async fn a_fill_that_lands_after_another_instances_invalidation_is_taken_out_aga
         );
     }
 }
+
+/// The delete again is conditional: when a newer fill has replaced the
+/// overtaken one in Valkey by the time it lands, the newer one stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_again_leaves_a_newer_fill_in_place() {
+    let server = ValkeyServer::start();
+    let link = FaultProxy::start(server.addr()).await;
+    let slow = ValkeyConfig::from_url(&link.redis_url())
+        .unwrap()
+        .command_timeout(Duration::from_secs(3));
+    let a_tier = connect(slow).await;
+    let a = engine(a_tier.clone());
+    let b_tier = tier(&server.url(), "tc").await;
+    let b = engine(b_tier.clone());
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    link.set(Fault::Latency(Duration::from_millis(300)));
+    let key = CacheKey::new("replaced");
+    a.put(&key, Fill::new(Value::from_body("old")), &policy);
+    // A's `SET` has landed (its answer is still on its way back to A).
+    wait_for_keys(&server, "tc:*:e", 1).await;
+    b.invalidate(&key).await.unwrap();
+    b.put(&key, Fill::new(Value::from_body("new")), &policy);
+    bounded("B's write queue", b_tier.flush()).await;
+    eventually("A hears B's invalidation", || {
+        a.stats().l2.invalidations_received >= 1
+    })
+    .await;
+    bounded("A's write queue", a_tier.flush()).await;
+    link.set(Fault::Pass);
+    b.forget_local(&key);
+    assert_eq!(
+        b.get(&key).await.map(|v| v.body),
+        Some("new".into()),
+        "the newer fill was deleted"
+    );
+}

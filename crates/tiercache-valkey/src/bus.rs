@@ -289,7 +289,6 @@ impl Bus {
         if decoded.from == self.instance {
             return;
         }
-        self.received.fetch_add(1, Relaxed);
         if let (Invalidation::Prefix(pattern), Some(at)) = (&decoded.invalidation, decoded.at) {
             self.add_ban(
                 Ban {
@@ -310,12 +309,14 @@ impl Bus {
                 crate::tier::tag_key_in(&self.prefix, &tag),
                 hashes,
             )),
-            // A ban outlives every older fill, wherever it lands.
+            Invalidation::Prefix(pattern) => Some(Scope::Prefix(pattern)),
             _ => None,
         };
         if let Some(scope) = scope {
             self.overtaken.heard(scope, std::time::Instant::now());
         }
+        // Counted once applied: whoever sees the count sees it done.
+        self.received.fetch_add(1, Relaxed);
     }
 }
 

@@ -151,7 +151,10 @@ impl ValkeyTier {
             .map_err(|e| ValkeyError::Client(e.to_string()))?;
         let instance = bus::hex(&rand::rng().random::<[u8; 16]>());
         let (tx, rx) = mpsc::channel(config.write_queue);
-        let overtaken = Arc::new(Overtaken::new(tx.clone()));
+        // The heartbeat finds a lagging subscription within a second and
+        // its timeout: a message later than that is a resync anyway.
+        let grace = Duration::from_secs(2).max(Duration::from_secs(1) + 2 * config.command_timeout);
+        let overtaken = Arc::new(Overtaken::new(tx.clone(), grace));
         let bus = Arc::new(Bus::new(
             subscriber.clone(),
             instance,
@@ -334,6 +337,7 @@ impl Tier for ValkeyTier {
             tags: tags.iter().map(|t| self.tag_key(t)).collect(),
             member: key.hash().to_hex(),
             hash: key.hash(),
+            full: key.full().clone(),
             heard: self.inner.overtaken.mark(),
         });
         if self.inner.writes.try_send(write).is_err() {

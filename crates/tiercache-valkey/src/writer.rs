@@ -2,17 +2,19 @@
 //! off the request path.
 
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use fred::clients::{Client, Pipeline};
-use fred::prelude::{Expiration, KeysInterface, SortedSetsInterface, Value};
-use fred::types::ExpireOptions;
+use fred::prelude::{ClientLike, Expiration, KeysInterface, SortedSetsInterface, Value};
+use fred::types::{ClusterHash, CustomCommand, ExpireOptions};
 use tokio::sync::mpsc;
 
 use tiercache_core::KeyHash;
 
 use crate::lock::Release;
-use crate::overtaken::Target;
+use crate::overtaken::{STAMP_HEAD, STAMP_TAIL, Stamp, Target, Undo};
 use crate::tier::Inner;
 
 /// What the writer task does, in queue order.
@@ -33,12 +35,15 @@ pub(crate) enum Command {
         tags: Vec<String>,
         member: String,
         hash: KeyHash,
+        /// The full key (for prefix invalidations).
+        full: Bytes,
         /// [`crate::overtaken::Overtaken::mark`] when it was queued.
         heard: u64,
     },
-    /// Delete these entries again: fills another instance's invalidation
-    /// overtook (see [`crate::overtaken`]).
-    Delete(Vec<String>),
+    /// Delete these entries again, each only while it still holds the
+    /// stamped fill: fills another instance's invalidation overtook (see
+    /// [`crate::overtaken`]).
+    Delete(Vec<Undo>),
     /// Release a fill lock and announce how the fill ended, after the
     /// writes queued before it (see [`Release`]).
     Unlock(Release),
@@ -87,8 +92,12 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
         // queued are never sent; the rest go out under this mark.
         let (sent_under, held) = inner.overtaken.hold_back(&mut batch, |c| match c {
             Command::Set {
-                hash, tags, heard, ..
-            } => Some((*heard, *hash, tags.as_slice())),
+                hash,
+                full,
+                tags,
+                heard,
+                ..
+            } => Some((*heard, *hash, &full[..], tags.as_slice())),
             _ => None,
         });
         if !held.is_empty() {
@@ -106,8 +115,12 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
             inner.queued_bytes.fetch_sub(bytes, Relaxed);
             for command in batch {
                 match command {
-                    Command::Set { .. } | Command::Delete(_) => {
+                    Command::Set { .. } => {
                         inner.skipped.fetch_add(1, Relaxed);
+                    }
+                    // Like a release: never skipped, retried until it lands.
+                    Command::Delete(undo) => {
+                        tokio::spawn(delete_until_done(Arc::downgrade(&inner), undo));
                     }
                     Command::Unlock(release) => crate::lock::release(&inner, release).await,
                 }
@@ -127,18 +140,30 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
         for (command, landed) in batch.into_iter().zip(&landed) {
             match command {
                 Command::Set {
-                    key, tags, hash, ..
+                    key,
+                    tags,
+                    hash,
+                    full,
+                    value,
+                    ..
                 } => {
                     if !landed {
                         failed_fills += 1;
                     }
-                    sent.push(Target { hash, key, tags });
+                    let stamp = Stamp::of(&value);
+                    sent.push(Target {
+                        hash,
+                        full,
+                        key,
+                        tags,
+                        stamp,
+                    });
                 }
-                Command::Delete(keys) => {
-                    inner.fills_overtaken.fetch_add(keys.len() as u64, Relaxed);
-                    if !landed {
-                        failed_fills += 1;
-                    }
+                Command::Delete(undo) if *landed => {
+                    inner.fills_overtaken.fetch_add(undo.len() as u64, Relaxed);
+                }
+                Command::Delete(undo) => {
+                    tokio::spawn(delete_until_done(Arc::downgrade(&inner), undo));
                 }
                 Command::Unlock(release) if *landed => inner.released(&release.token),
                 Command::Unlock(release) => {
@@ -160,11 +185,9 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
         // Sent or failed: the batch's copies are gone.
         inner.queued_bytes.fetch_sub(bytes, Relaxed);
         // An invalidation heard while they were in flight: delete again.
-        let again = inner
-            .overtaken
-            .sent(sent_under, sent, std::time::Instant::now());
-        if !again.is_empty() {
-            delete_again(&inner, again).await;
+        let again = inner.overtaken.sent(sent_under, sent, Instant::now());
+        if !again.is_empty() && !delete_once(&inner, &again).await {
+            tokio::spawn(delete_until_done(Arc::downgrade(&inner), again));
         }
     }
 }
@@ -180,20 +203,49 @@ fn queued_size(commands: &[Command]) -> usize {
         .sum()
 }
 
-/// Deletes fills an invalidation overtook in flight, before the writer
-/// sends anything else (so a flush waits for it).
-async fn delete_again(inner: &Inner, keys: Vec<String>) {
-    inner.fills_overtaken.fetch_add(keys.len() as u64, Relaxed);
-    let batch = [Command::Delete(keys)];
+/// Deletes again fills an invalidation overtook (each only while Valkey
+/// still holds its envelope); whether that landed. The writer runs it
+/// inline for a pipeline it has just sent, so a flush waits for it.
+async fn delete_once(inner: &Inner, undo: &[Undo]) -> bool {
+    let batch = [Command::Delete(undo.to_vec())];
     let bound = inner.command_timeout * 2;
-    match tokio::time::timeout(bound, apply_batch(inner, &batch)).await {
-        Ok(Ok((_, true))) => inner.breaker.success(),
-        _ => {
-            inner.write_errors.fetch_add(1, Relaxed);
-            inner.breaker.failure();
+    let landed = matches!(
+        tokio::time::timeout(bound, apply_batch(inner, &batch)).await,
+        Ok(Ok((_, true)))
+    );
+    if landed {
+        inner.fills_overtaken.fetch_add(undo.len() as u64, Relaxed);
+    }
+    landed
+}
+
+/// Retries a delete again until it lands, for as long as the entries could
+/// live (a conditional delete is harmless however late: a newer fill's
+/// envelope does not match).
+async fn delete_until_done(inner: Weak<Inner>, undo: Vec<Undo>) {
+    let until = Instant::now() + DELETE_RETRY_FOR;
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let Some(live) = inner.upgrade() else {
+            return;
+        };
+        if delete_once(&live, &undo).await || Instant::now() >= until {
+            return;
         }
+        drop(live);
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
     }
 }
+
+/// How long a failed delete again is retried.
+const DELETE_RETRY_FOR: Duration = Duration::from_secs(600);
+
+/// Deletes `KEYS[1]` only while it still holds the envelope whose first
+/// bytes are `ARGV[1]` and last bytes `ARGV[2]` (see `Stamp`).
+const DELETE_IF_STAMPED: &str = "if redis.call('GETRANGE', KEYS[1], 0, ARGV[3]) == ARGV[1] \
+     and redis.call('GETRANGE', KEYS[1], ARGV[4], -1) == ARGV[2] then \
+     return redis.call('UNLINK', KEYS[1]) else return 0 end";
 
 /// Sends a batch in one pipeline, in order: each fill's `SET … PX` and its
 /// tag sets; each release's shared answer, token-checked unlock and
@@ -225,13 +277,23 @@ async fn apply_batch(
                 deciding.push(sent + unlock_at..sent + unlock_at + 1);
                 sent += queued;
             }
-            Command::Delete(keys) => {
-                // One `UNLINK` a key: each entry lives in its own slot.
-                for key in keys {
-                    let _: () = pipe.unlink(key).await?;
+            Command::Delete(undo) => {
+                // One script a key: each entry lives in its own slot.
+                for (key, stamp) in undo {
+                    let eval = CustomCommand::new_static("EVAL", ClusterHash::Offset(2), false);
+                    let args = vec![
+                        Value::from(DELETE_IF_STAMPED),
+                        Value::from(1),
+                        Value::from(key.as_str()),
+                        Value::from(Bytes::copy_from_slice(&stamp.head)),
+                        Value::from(Bytes::copy_from_slice(&stamp.tail)),
+                        Value::from((STAMP_HEAD - 1) as i64),
+                        Value::from(-(STAMP_TAIL as i64)),
+                    ];
+                    let _: () = pipe.custom(eval, args).await?;
                 }
-                deciding.push(sent..sent + keys.len());
-                sent += keys.len();
+                deciding.push(sent..sent + undo.len());
+                sent += undo.len();
             }
         }
     }
