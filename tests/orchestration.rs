@@ -505,6 +505,62 @@ async fn a_hung_leader_is_taken_over_by_one_request_at_a_time() {
     assert_eq!(layer.engine().stats().lock_timeouts, 19 + 18);
 }
 
+/// A leader slower than `lock_timeout` but alive: the request that took its
+/// flight over loads too, but the answer the first leader stores reaches
+/// every request still waiting, on whichever flight (found by a black-box
+/// audit: each waiter in turn went to the origin, and 50 clients of an 8 s
+/// origin took 4 minutes).
+#[tokio::test(start_paused = true)]
+async fn a_slow_leaders_answer_reaches_the_waiters_of_the_flight_that_took_it_over() {
+    let calls = Counter::new();
+    let layer = ResponseCacheLayer::new(engine());
+    let route = layer
+        .route(policy().lock_timeout(Duration::from_millis(200)))
+        .unwrap();
+    let app = Router::new().route(
+        "/slow",
+        get({
+            let calls = calls.clone();
+            move || {
+                let calls = calls.clone();
+                async move {
+                    let n = calls.bump();
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                    format!("v{n}")
+                }
+            }
+        })
+        .layer(route),
+    );
+    let t0 = tokio::time::Instant::now();
+    let requests: Vec<_> = (0..20)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move {
+                let (status, _, body) = send(&app, "GET", "/slow").await;
+                (status, body, t0.elapsed())
+            })
+        })
+        .collect();
+    let mut late = 0;
+    for r in requests {
+        let (status, body, took) = r.await.unwrap();
+        assert_eq!(status, StatusCode::OK);
+        if body != "v1" {
+            late += 1;
+        } else {
+            assert_eq!(took, Duration::from_millis(250), "answered when v1 was");
+        }
+    }
+    // The first leader (0-250 ms) and the one request that took its flight
+    // over at 200 ms; nobody after.
+    assert_eq!(calls.get(), 2);
+    assert_eq!(
+        late, 1,
+        "only the request that took over waits for its own load"
+    );
+}
+
 /// A follower that arrives late waits only for what is left of the flight's
 /// `lock_timeout`, not a whole one from its own arrival.
 #[tokio::test(start_paused = true)]

@@ -144,12 +144,29 @@ impl Flights {
     }
 
     fn finish(&self, key: &KeyHash, slot: &Arc<Slot>, result: FlightResult) {
-        {
+        let newer = {
             // Only our own flight: a new one may already hold the key.
             let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
-            if map.get(key).is_some_and(|s| Arc::ptr_eq(s, slot)) {
-                map.remove(key);
+            match map.get(key) {
+                Some(s) if Arc::ptr_eq(s, slot) => {
+                    map.remove(key);
+                    None
+                }
+                other => other.cloned(),
             }
+        };
+        // A leader that was only slow, not stalled: what it stored answers
+        // the requests waiting on the flight that took its over too (that
+        // flight's leader still finishes its own load, and later joiners
+        // get this answer at once), instead of each waiter taking the
+        // flight over in turn.
+        if let (Some(newer), FlightResult::Shared(..)) = (newer, &result) {
+            newer.tx.send_if_modified(|value| {
+                value.is_none() && {
+                    *value = Some(result.clone());
+                    true
+                }
+            });
         }
         slot.tx.send_replace(Some(result));
     }
@@ -361,5 +378,53 @@ mod tests {
         assert_eq!(flights.in_flight(), 1);
         new.complete(FlightResult::Released);
         assert_eq!(flights.in_flight(), 0);
+    }
+
+    /// A slow leader's stored answer reaches the followers of the flight
+    /// that took it over, and whoever joins that flight later; an answer
+    /// that may not be shared does not.
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_leaders_shared_answer_reaches_the_newer_flight() {
+        let flights = Arc::new(Flights::default());
+        let wait = Duration::from_millis(100);
+        let key = CacheKey::new("k").hash();
+        let Join::Leader(slow) = flights.join(key, wait) else {
+            panic!()
+        };
+        tokio::time::sleep(wait).await;
+        let Join::Leader(new) = flights.join(key, wait) else {
+            panic!()
+        };
+        let Join::Follower(waiting) = flights.join(key, wait) else {
+            panic!()
+        };
+        slow.complete(FlightResult::Shared(entry(), Source::Origin));
+        assert!(matches!(
+            waiting.wait().await,
+            Waited::Done(FlightResult::Shared(..))
+        ));
+        let Join::Follower(later) = flights.join(key, wait) else {
+            panic!("the newer flight is still its leader's")
+        };
+        assert!(matches!(
+            later.wait().await,
+            Waited::Done(FlightResult::Shared(..))
+        ));
+        new.complete(FlightResult::Released);
+        assert_eq!(flights.in_flight(), 0);
+
+        // Released (not shareable): the newer flight's followers wait on.
+        let Join::Leader(slow) = flights.join(key, wait) else {
+            panic!()
+        };
+        tokio::time::sleep(wait).await;
+        let Join::Leader(_new) = flights.join(key, wait) else {
+            panic!()
+        };
+        let Join::Follower(waiting) = flights.join(key, wait) else {
+            panic!()
+        };
+        slow.complete(FlightResult::Released);
+        assert!(matches!(waiting.wait().await, Waited::TimedOut));
     }
 }
