@@ -174,10 +174,32 @@ impl ProxyConfig {
         policy.override_origin(self.override_origin).build()
     }
 
+    /// Checks every setting without binding or connecting (what
+    /// `--check-config` and [`Proxy::start`](crate::Proxy::start) refuse),
+    /// with a message that names the setting.
+    pub fn check(&self) -> Result<(), ProxyError> {
+        self.policy()
+            .map_err(|e| ProxyError::Config(e.to_string()))?;
+        crate::forward::check_upstream(&self.upstream).map_err(ProxyError::Config)?;
+        if self.max_body == 0 {
+            return Err(ProxyError::Config(
+                "`--max-body` (`max_body` in a config file): at least 1 byte (0 would store no body at all)"
+                    .into(),
+            ));
+        }
+        self.valkey_config()?;
+        Ok(())
+    }
+
     /// The Valkey settings (`--valkey`, `--valkey-timeout`), checked
     /// without connecting; `None` without Valkey.
     pub fn valkey_config(&self) -> Result<Option<ValkeyConfig>, ProxyError> {
         let Some(url) = &self.valkey else {
+            // Checked all the same: a bad value is a mistake either way.
+            ValkeyConfig::from_fred(Default::default())
+                .command_timeout(self.valkey_timeout)
+                .validate()
+                .map_err(valkey_error)?;
             return Ok(None);
         };
         let config = ValkeyConfig::from_url(url)

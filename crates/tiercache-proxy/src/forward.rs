@@ -24,6 +24,28 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
+/// Whether `upstream` is something the proxy can forward to: `http://`, a
+/// host, and no path or query (requests keep their own; a base path would
+/// be dropped silently).
+pub(crate) fn check_upstream(upstream: &Uri) -> Result<(), String> {
+    if upstream.scheme().is_some_and(|s| *s != Scheme::HTTP) {
+        return Err(format!(
+            "upstream `{upstream}`: only http:// upstreams are supported"
+        ));
+    }
+    if upstream.authority().is_none() {
+        return Err(format!(
+            "upstream `{upstream}` has no host: write http://HOST:PORT"
+        ));
+    }
+    if !matches!(upstream.path(), "" | "/") || upstream.query().is_some() {
+        return Err(format!(
+            "upstream `{upstream}`: a path or query is not supported (each request keeps its own): write http://HOST:PORT"
+        ));
+    }
+    Ok(())
+}
+
 /// Forwards each request to `upstream`, as a reverse proxy should: hop-by-hop
 /// fields (and those named in `Connection`) removed both ways, `Host` kept,
 /// `X-Forwarded-For/Host/Proto` set by the proxy itself (what a client sent in
@@ -36,14 +58,10 @@ pub struct Forward {
 }
 
 impl Forward {
-    /// A forwarder to `upstream` (`http://host:port`; a path in it is ignored).
+    /// A forwarder to `upstream` (`http://host:port`; see `check_upstream`).
     pub fn new(upstream: &Uri) -> Result<Self, String> {
+        check_upstream(upstream)?;
         let scheme = upstream.scheme().cloned().unwrap_or(Scheme::HTTP);
-        if scheme != Scheme::HTTP {
-            return Err(format!(
-                "upstream `{upstream}`: only http:// upstreams are supported"
-            ));
-        }
         let authority = upstream
             .authority()
             .cloned()

@@ -89,6 +89,7 @@ impl std::fmt::Debug for routes::Table {
 impl Proxy {
     /// Binds the listen (and admin) addresses and starts serving.
     pub async fn start(config: ProxyConfig) -> Result<Self, ProxyError> {
+        config.check()?;
         let mut builder = TieredCache::builder()
             .l1_capacity(config.l1_capacity)
             .max_refreshes(config.max_refreshes);

@@ -205,8 +205,7 @@ fn settings(args: &Args, matches: &ArgMatches) -> Result<ProxyConfig, String> {
     if let Some(admin) = args.admin {
         config.admin = Some(admin);
     }
-    config.policy().map_err(|e| e.to_string())?;
-    config.valkey_config().map_err(|e| e.to_string())?;
+    config.check().map_err(|e| e.to_string())?;
     Ok(config)
 }
 

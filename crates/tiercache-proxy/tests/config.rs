@@ -190,6 +190,47 @@ async fn check_config_validates_and_exits() {
     assert_eq!(refused.status.code(), Some(2));
     let text = String::from_utf8_lossy(&refused.stderr);
     assert!(text.contains("`--valkey-timeout`"), "{text}");
+    // Settings that were taken silently before (a black-box audit): each is
+    // refused naming what is wrong.
+    for (args, names) in [
+        (&["--upstream", "http://127.0.0.1:9/base"][..], "a path"),
+        (
+            &["--upstream", "http://127.0.0.1:9/?x=1"][..],
+            "a path or query",
+        ),
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--valkey",
+                "http://127.0.0.1:9",
+            ][..],
+            "the scheme must be redis://",
+        ),
+        (
+            &["--upstream", "http://127.0.0.1:9", "--max-body", "0"][..],
+            "`--max-body`",
+        ),
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--valkey-timeout",
+                "0ms",
+            ][..],
+            "`--valkey-timeout`",
+        ),
+    ] {
+        let refused = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"))
+            .args(args)
+            .arg("--check-config")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&refused.stderr);
+        assert_eq!(refused.status.code(), Some(2), "{args:?}: {text}");
+        assert!(text.contains(names), "{args:?}: {text}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -47,6 +47,31 @@ impl ValkeyConfig {
     /// A standalone server from `redis://[user:pass@]host:port[/db]`, or
     /// `rediss://` for TLS (also `valkey://`, `valkeys://`).
     pub fn from_url(url: &str) -> Result<Self, ValkeyError> {
+        // fred reads any other scheme (`http://`) as a plain server: refuse
+        // it rather than guess what was meant.
+        const SCHEMES: [&str; 14] = [
+            "redis://",
+            "rediss://",
+            "valkey://",
+            "valkeys://",
+            "redis-cluster://",
+            "rediss-cluster://",
+            "valkey-cluster://",
+            "valkeys-cluster://",
+            "redis-sentinel://",
+            "rediss-sentinel://",
+            "valkey-sentinel://",
+            "valkeys-sentinel://",
+            "redis+unix://",
+            "valkey+unix://",
+        ];
+        if !SCHEMES.iter().any(|s| url.starts_with(s)) {
+            return Err(ValkeyError::Url {
+                url: url.to_owned(),
+                reason: "the scheme must be redis:// or rediss:// (or valkey://, valkeys://)"
+                    .into(),
+            });
+        }
         let normalised = url
             .strip_prefix("valkeys://")
             .map(|rest| format!("rediss://{rest}"))
