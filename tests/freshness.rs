@@ -18,6 +18,8 @@ enum Mode {
     Status(u16),
     Fail,
     Held(Gate),
+    /// A 200 with these fields, conditional requests or not.
+    Always(&'static [(&'static str, &'static str)]),
 }
 
 #[derive(Clone)]
@@ -61,6 +63,13 @@ impl Origin {
                         .status(code)
                         .body(Body::from(format!("status {code}")))
                         .unwrap()),
+                    Mode::Always(headers) => {
+                        let mut b = Response::builder();
+                        for (k, v) in headers {
+                            b = b.header(*k, *v);
+                        }
+                        Ok(b.body(Body::from(format!("body {n}"))).unwrap())
+                    }
                     Mode::Held(gate) => {
                         gate.passed().await;
                         Ok(Response::new(Body::from(format!("body {n}"))))
@@ -214,6 +223,39 @@ async fn futures_join<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
     .await;
     out.extend(done.into_iter().map(Option::unwrap));
     out
+}
+
+/// A refresh answered with what may no longer be stored or shared
+/// (`private`, `Set-Cookie`) outdates the entry it refreshed: the entry is
+/// dropped, not served stale for the rest of its window with a refresh on
+/// every request (found by a black-box audit: 5 requests, 5 refreshes).
+#[tokio::test]
+async fn a_refresh_answered_private_drops_the_stale_entry() {
+    for fields in [
+        &[("cache-control", "private")][..],
+        &[("set-cookie", "session=1")][..],
+    ] {
+        let t = Harness::new(
+            Policy::ttl(secs(1))
+                .jitter(0.0)
+                .stale_while_revalidate(secs(30))
+                .build()
+                .unwrap(),
+        );
+        t.get("/p").await;
+        t.advance(1500);
+        t.origin.set(Mode::Always(fields));
+        let (_, h, body) = t.get("/p").await;
+        assert_eq!((x_cache(&h), body.as_str()), ("STALE", "body 1"));
+        let engine = t.engine.clone();
+        eventually("the refresh", || engine.in_flight() == 0).await;
+        for n in 3..6 {
+            let (_, h, body) = t.get("/p").await;
+            assert_ne!(x_cache(&h), "STALE", "{fields:?}");
+            assert_eq!(body, format!("body {n}"), "{fields:?}");
+        }
+        assert_eq!(t.origin.calls.get(), 5);
+    }
 }
 
 #[tokio::test]

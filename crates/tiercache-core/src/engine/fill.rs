@@ -268,6 +268,14 @@ impl TieredCache {
                 if uncacheable {
                     self.mark_uncacheable(&keys.requested, &policy);
                 }
+                // A refresh answered with what may not be stored or shared
+                // (`private`, `Set-Cookie`): the entry it refreshed is out of
+                // date, everywhere. Serving it stale for the rest of its
+                // window would start another refresh on every request.
+                if let Some(outdated) = current.as_ref().filter(|_| !failed) {
+                    let key = CacheKey::from_full(outdated.key().clone());
+                    let _ = self.invalidate(&key).await;
+                }
                 leader.complete(FlightResult::Released);
                 Ok(Filled::Passed(output))
             }
