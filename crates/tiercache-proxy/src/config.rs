@@ -38,6 +38,9 @@ pub struct ProxyConfig {
     /// How long one Valkey command may take before the request goes on
     /// without it (the origin, or no L2 write); also the fleet lock's.
     pub valkey_timeout: Duration,
+    /// How long the upstream may take to start its answer (its head) before
+    /// the proxy answers 504 itself (a failure: stale-if-error applies).
+    pub origin_timeout: Duration,
     /// Stale-while-revalidate window.
     pub stale_while_revalidate: Duration,
     /// Stale-if-error window.
@@ -82,6 +85,9 @@ pub struct ProxyConfig {
 }
 
 impl ProxyConfig {
+    /// The default `origin_timeout`: 60 s, as nginx's `proxy_read_timeout`.
+    pub const DEFAULT_ORIGIN_TIMEOUT: Duration = Duration::from_secs(60);
+
     /// Defaults: listen on `127.0.0.1:8080`, explicit freshness only (no
     /// ttl), jitter 0.1, max body 8 MiB, L1 256 MiB.
     pub fn new(upstream: Uri) -> Self {
@@ -96,6 +102,7 @@ impl ProxyConfig {
             max_refreshes: tiercache_core::TieredCacheBuilder::DEFAULT_MAX_REFRESHES,
             valkey: None,
             valkey_timeout: ValkeyConfig::DEFAULT_COMMAND_TIMEOUT,
+            origin_timeout: Self::DEFAULT_ORIGIN_TIMEOUT,
             stale_while_revalidate: Duration::ZERO,
             stale_if_error: Duration::ZERO,
             negative_ttl: None,
@@ -181,6 +188,11 @@ impl ProxyConfig {
         self.policy()
             .map_err(|e| ProxyError::Config(e.to_string()))?;
         crate::forward::check_upstream(&self.upstream).map_err(ProxyError::Config)?;
+        if self.origin_timeout.is_zero() {
+            return Err(ProxyError::Config(
+                "`--origin-timeout` (`origin_timeout` in a config file): greater than 0".into(),
+            ));
+        }
         if self.max_body == 0 {
             return Err(ProxyError::Config(
                 "`--max-body` (`max_body` in a config file): at least 1 byte (0 would store no body at all)"
@@ -242,6 +254,12 @@ impl ProxyConfig {
     /// Uses Valkey at `url` as the shared L2.
     pub fn valkey(mut self, url: impl Into<String>) -> Self {
         self.valkey = Some(url.into());
+        self
+    }
+
+    /// Sets how long the upstream may take to start its answer (default 60 s).
+    pub fn origin_timeout(mut self, timeout: Duration) -> Self {
+        self.origin_timeout = timeout;
         self
     }
 

@@ -7,6 +7,7 @@
 //! admin    = "127.0.0.1:8081"
 //! valkey   = "redis://127.0.0.1:6379"      # optional
 //! valkey_timeout = "50ms"                   # one Valkey command at most
+//! origin_timeout = "60s"                    # the upstream's head at most, else 504
 //! l1_capacity = "256MiB"
 //!
 //! [defaults]                                # any policy field or safety option
@@ -131,6 +132,8 @@ struct File {
     valkey: Option<String>,
     #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
     valkey_timeout: Option<Duration>,
+    #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
+    origin_timeout: Option<Duration>,
     #[serde(default, deserialize_with = "size")]
     l1_capacity: Option<u64>,
     max_refreshes: Option<usize>,
@@ -216,6 +219,9 @@ pub fn parse(text: &str, name: &str) -> Result<FileConfig, ProxyError> {
     config.valkey = file.valkey;
     if let Some(timeout) = file.valkey_timeout {
         config.valkey_timeout = timeout;
+    }
+    if let Some(timeout) = file.origin_timeout {
+        config.origin_timeout = timeout;
     }
     if let Some(bytes) = file.l1_capacity {
         config.l1_capacity = bytes;

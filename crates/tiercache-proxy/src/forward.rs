@@ -5,6 +5,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::ConnectInfo;
@@ -55,6 +56,8 @@ pub struct Forward {
     client: Client<HttpConnector, Body>,
     scheme: Scheme,
     authority: http::uri::Authority,
+    /// How long the upstream may take to send its head.
+    timeout: Duration,
 }
 
 impl Forward {
@@ -73,7 +76,15 @@ impl Forward {
             client,
             scheme,
             authority,
+            timeout: Duration::from_secs(60),
         })
+    }
+
+    /// Sets how long the upstream may take to send its head before the
+    /// answer is a 504 of the proxy's own (default 60 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
     }
 
     fn upstream_request(&self, req: Request<Body>) -> Request<Body> {
@@ -126,8 +137,17 @@ impl tower::Service<Request<Body>> for Forward {
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let upstream = self.upstream_request(req);
         let client = self.client.clone();
+        let timeout = self.timeout;
         Box::pin(async move {
-            match client.request(upstream).await {
+            let answered = tokio::time::timeout(timeout, client.request(upstream)).await;
+            let Ok(answered) = answered else {
+                let mut res = Response::new(http_body_util::Either::Right(Body::from(format!(
+                    "tiercache-proxy: upstream sent no answer within {timeout:?}\n"
+                ))));
+                *res.status_mut() = StatusCode::GATEWAY_TIMEOUT;
+                return Ok(res);
+            };
+            match answered {
                 Ok(res) => {
                     let (mut parts, body) = res.into_parts();
                     strip_hop_by_hop(&mut parts.headers);

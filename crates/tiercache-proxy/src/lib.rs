@@ -113,7 +113,9 @@ impl Proxy {
         // handles from it (several proxies in one process stay apart).
         let recorder = prometheus::recorder();
         let prometheus = recorder.handle();
-        let forward = Forward::new(&config.upstream).map_err(ProxyError::Config)?;
+        let forward = Forward::new(&config.upstream)
+            .map_err(ProxyError::Config)?
+            .timeout(config.origin_timeout);
         let recorder: SharedRecorder = Arc::new(recorder);
         let (table, layer) = route_table(&config, &engine, &forward, &recorder)?;
         let table = Arc::new(std::sync::RwLock::new(Arc::new(table)));

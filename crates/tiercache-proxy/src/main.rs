@@ -65,6 +65,10 @@ struct Args {
     /// lock's. Valkey slow never holds a request longer than this.
     #[arg(long, value_parser = parse_duration)]
     valkey_timeout: Option<Duration>,
+    /// How long the upstream may take to start its answer before the proxy
+    /// answers 504 itself (stale-if-error applies) [default: 60s]
+    #[arg(long, value_parser = parse_duration)]
+    origin_timeout: Option<Duration>,
     /// Serve an expired entry for this long while one background refresh runs.
     #[arg(long, default_value = "0s", value_parser = parse_duration)]
     stale_while_revalidate: Duration,
@@ -201,6 +205,9 @@ fn settings(args: &Args, matches: &ArgMatches) -> Result<ProxyConfig, String> {
     }
     if let Some(timeout) = args.valkey_timeout {
         config.valkey_timeout = timeout;
+    }
+    if let Some(timeout) = args.origin_timeout {
+        config.origin_timeout = timeout;
     }
     if let Some(admin) = args.admin {
         config.admin = Some(admin);

@@ -373,3 +373,42 @@ async fn the_valkey_timeout_comes_from_the_file_and_a_bad_one_is_refused_by_name
     assert!(err.contains("--valkey-timeout"), "{err}");
     assert!(err.contains("at most 60 s"), "{err}");
 }
+
+/// An upstream that never answers: past `--origin-timeout` the proxy
+/// answers 504 itself, and with stale-if-error the stale copy answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_upstream_is_a_504_after_the_origin_timeout() {
+    let calls = Counter::new();
+    let app = Router::new()
+        .route(
+            "/{*path}",
+            get(|State(c): State<Counter>| async move {
+                if c.bump() > 1 {
+                    std::future::pending::<()>().await;
+                }
+                ([("cache-control", "max-age=1")], "first")
+            }),
+        )
+        .with_state(calls.clone());
+    let server = Server::start(app).await;
+    let mut config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .origin_timeout(Duration::from_millis(300));
+    config.stale_if_error = Duration::from_secs(60);
+    let proxy = Proxy::start(config).await.unwrap();
+    assert_eq!(fetch(proxy.addr(), "/a").await.2, "first");
+    // Stale after its second; the upstream now hangs: the stale copy answers.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let started = std::time::Instant::now();
+    let (status, headers, body) = bounded("a stale answer", fetch(proxy.addr(), "/a")).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "first"));
+    assert_eq!(h(&headers, "x-cache"), "STALE");
+    // A key with nothing stale: the proxy's own 504.
+    let (status, _, body) = bounded("a 504", fetch(proxy.addr(), "/b")).await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{body}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}
