@@ -685,3 +685,47 @@ async fn a_delete_again_leaves_a_newer_fill_in_place() {
         "the newer fill was deleted"
     );
 }
+
+/// `expire_at` and `touch` read the entry, then store it again: an
+/// invalidation while the read is on its way wins (the journal refuses the
+/// read). The store is now checked under the journal's lock too, closing
+/// the few instructions between the two that a review pointed at (not
+/// reproduced: this test passes on the code before that change too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalidation_during_expire_at_or_touch_wins() {
+    let server = ValkeyServer::start();
+    let link = FaultProxy::start(server.addr()).await;
+    let slow = ValkeyConfig::from_url(&link.redis_url())
+        .unwrap()
+        .command_timeout(Duration::from_secs(3));
+    let a_tier = connect(slow).await;
+    let a = engine(a_tier.clone());
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    for touch in [false, true] {
+        let key = CacheKey::new(format!("renewed {touch}"));
+        a.put(&key, Fill::new(Value::from_body("old")), &policy);
+        bounded("the fill", a_tier.flush()).await;
+        // The read goes to L2, over a slow link.
+        a.forget_local(&key);
+        link.set(Fault::Latency(Duration::from_millis(300)));
+        let gets = server.command_calls("get");
+        let renewing = {
+            let (a, key, policy) = (a.clone(), key.clone(), policy.clone());
+            tokio::spawn(async move {
+                if touch {
+                    a.touch(&key, &policy).await
+                } else {
+                    let at = std::time::SystemTime::now() + Duration::from_secs(30);
+                    a.expire_at(&key, at).await
+                }
+            })
+        };
+        // The read has reached Valkey (its answer is on the way back).
+        eventually("the read", || server.command_calls("get") > gets).await;
+        a.invalidate(&key).await.unwrap();
+        bounded("the renewal", renewing).await.unwrap();
+        bounded("A's write queue", a_tier.flush()).await;
+        link.set(Fault::Pass);
+        assert_eq!(a.get(&key).await.map(|v| v.body), None, "touch: {touch}");
+    }
+}

@@ -11,6 +11,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::TieredCache;
+use super::journal::Footprint;
 use crate::{
     CacheKey, Entry, FetchError, Fetched, Fill, Freshness, Loaded, Origin, Policy, Select, Times,
     Value,
@@ -367,6 +368,8 @@ impl TieredCache {
     /// ```
     pub async fn expire_at(&self, key: &CacheKey, at: SystemTime) -> bool {
         let now = self.now();
+        // Before the read: an invalidation after it keeps the renewal out.
+        let epoch = self.inner.journal.epoch();
         let Some(entry) = self.current(key).await else {
             return false;
         };
@@ -377,7 +380,7 @@ impl TieredCache {
             return true;
         }
         let times = Times::fresh(entry.times().created_at.min(now), at);
-        self.renew(key, &entry, times, ttl);
+        self.renew(key, &entry, times, ttl, epoch);
         true
     }
 
@@ -385,6 +388,8 @@ impl TieredCache {
     /// ttl and jitter), as if it had just been stored. Returns whether there
     /// was a fresh value to touch.
     pub async fn touch(&self, key: &CacheKey, policy: &Policy) -> bool {
+        // Before the read: an invalidation after it keeps the touch out.
+        let epoch = self.inner.journal.epoch();
         let Some(entry) = self.current(key).await else {
             return false;
         };
@@ -392,7 +397,7 @@ impl TieredCache {
             .variant(entry.variant().clone())
             .origin_latency(entry.origin_latency())
             .tags(policy.tags().to_vec());
-        self.store_now(key, fill, policy);
+        self.store_since(key, fill, policy, epoch);
         true
     }
 
@@ -416,7 +421,9 @@ impl TieredCache {
         self.lookup_l2(key, epoch, |_| true).await
     }
 
-    fn renew(&self, key: &CacheKey, entry: &Entry, times: Times, ttl: Duration) {
+    /// Stores `entry` again with new `times`, unless an invalidation since
+    /// `epoch` (taken before `entry` was read) covers it.
+    fn renew(&self, key: &CacheKey, entry: &Entry, times: Times, ttl: Duration, epoch: u64) {
         let renewed = Entry::new(
             entry.key().clone(),
             entry.variant().clone(),
@@ -424,6 +431,13 @@ impl TieredCache {
             times,
             entry.origin_latency(),
         );
-        self.insert(key, renewed, ttl, &[]);
+        let footprint = Footprint {
+            hashes: &[key.hash()],
+            fulls: &[key.full().as_ref()],
+            tags: &[],
+        };
+        self.inner
+            .journal
+            .unless_overtaken(epoch, &footprint, || self.insert(key, renewed, ttl, &[]));
     }
 }
