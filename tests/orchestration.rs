@@ -537,17 +537,20 @@ async fn a_slow_leaders_answer_reaches_the_waiters_of_the_flight_that_took_it_ov
         .map(|_| {
             let app = app.clone();
             tokio::spawn(async move {
-                let (status, _, body) = send(&app, "GET", "/slow").await;
-                (status, body, t0.elapsed())
+                let (status, headers, body) = send(&app, "GET", "/slow").await;
+                let status_field = header(&headers, "cache-status").to_owned();
+                (status, body, t0.elapsed(), status_field)
             })
         })
         .collect();
     let mut late = 0;
     for r in requests {
-        let (status, body, took) = r.await.unwrap();
+        let (status, body, took, cache_status) = r.await.unwrap();
         assert_eq!(status, StatusCode::OK);
         if body != "v1" {
             late += 1;
+            // Its own load, after a wait: not labelled collapsed.
+            assert!(!cache_status.contains("collapsed"), "{cache_status}");
         } else {
             assert_eq!(took, Duration::from_millis(250), "answered when v1 was");
         }

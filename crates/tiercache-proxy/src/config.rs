@@ -193,11 +193,21 @@ impl ProxyConfig {
                 "`--origin-timeout` (`origin_timeout` in a config file): greater than 0".into(),
             ));
         }
+        let zero_body = |at: &str| {
+            ProxyError::Config(format!(
+                "`--max-body` (`max_body` in a config file's `[defaults]` or a route{at}): at least 1 byte (0 would store no body at all)"
+            ))
+        };
         if self.max_body == 0 {
-            return Err(ProxyError::Config(
-                "`--max-body` (`max_body` in a config file): at least 1 byte (0 would store no body at all)"
-                    .into(),
-            ));
+            return Err(zero_body(""));
+        }
+        for route in &self.routes {
+            if route.cache && self.with(&route.settings).max_body == 0 {
+                return Err(zero_body(&format!(
+                    "; here: route `{}`",
+                    route.path.as_str()
+                )));
+            }
         }
         self.valkey_config()?;
         Ok(())

@@ -412,3 +412,15 @@ async fn a_hung_upstream_is_a_504_after_the_origin_timeout() {
         started.elapsed()
     );
 }
+
+/// A route's own `max_body = 0` is refused too, naming the route.
+#[test]
+fn a_route_storing_no_body_is_refused_by_name() {
+    let text = "upstream = \"http://127.0.0.1:9\"\n\n[[route]]\npath = \"/a/*\"\nmax_body = 0\n";
+    let config = config_file::parse(text, "tiercache.toml").unwrap().config;
+    let err = config.check().unwrap_err().to_string();
+    assert!(
+        err.contains("`--max-body`") && err.contains("route `/a/*`"),
+        "{err}"
+    );
+}

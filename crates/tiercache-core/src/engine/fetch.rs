@@ -363,7 +363,7 @@ impl Miss {
                         revalidate,
                         current: None,
                     };
-                    return engine.lead(lead, origin, collapsed).await;
+                    return engine.lead(lead, origin).await;
                 }
                 Join::Follower(follower) => follower,
             };

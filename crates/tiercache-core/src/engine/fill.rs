@@ -82,12 +82,14 @@ impl TieredCache {
     /// Leads the flight: the fill runs in a task of its own (a caller that
     /// goes away strands nobody); with a usable stale entry and a soft
     /// timeout, the caller gets the stale entry once the timeout passes.
+    /// Its answer is never labelled collapsed, even when the caller waited
+    /// on another flight first: it is the caller's own load.
     pub(super) async fn lead<O: Origin>(
         &self,
         lead: Lead,
         origin: O,
-        collapsed: bool,
     ) -> Result<Fetched<O::Output>, FetchError<O::Error>> {
+        let collapsed = false;
         let usable = lead.stale.clone().filter(|e| self.stale_usable(e));
         let soft = lead.policy.soft_timeout();
         let stale_answer = |entry: Entry, why| Answer {
