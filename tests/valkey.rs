@@ -598,6 +598,18 @@ async fn an_instance_that_started_without_valkey_drops_l1_once_it_hears() {
     .await;
 }
 
+/// An instance reaching `server` through a fault proxy (passing for now),
+/// with a command timeout long enough for the latency the tests add.
+async fn behind_a_link(server: &ValkeyServer) -> (FaultProxy, ValkeyTier, TieredCache) {
+    let link = FaultProxy::start(server.addr()).await;
+    let config = ValkeyConfig::from_url(&link.redis_url())
+        .unwrap()
+        .command_timeout(Duration::from_secs(3));
+    let tier = connect(config).await;
+    let cache = engine(tier.clone());
+    (link, tier, cache)
+}
+
 /// Issue 14's open seam: instance A's fill is on its way to Valkey (a slow
 /// link) when instance B invalidates the key. B's `DEL` lands first and A's
 /// `SET` after it, so without more the old version sits in L2, served to
@@ -606,12 +618,7 @@ async fn an_instance_that_started_without_valkey_drops_l1_once_it_hears() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fill_that_lands_after_another_instances_invalidation_is_taken_out_again() {
     let server = ValkeyServer::start();
-    let link = FaultProxy::start(server.addr()).await;
-    let slow = ValkeyConfig::from_url(&link.redis_url())
-        .unwrap()
-        .command_timeout(Duration::from_secs(3));
-    let a_tier = connect(slow).await;
-    let a = engine(a_tier.clone());
+    let (link, a_tier, a) = behind_a_link(&server).await;
     let b = engine(tier(&server.url(), "tc").await);
     let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
     a.put(
@@ -655,12 +662,7 @@ async fn a_fill_that_lands_after_another_instances_invalidation_is_taken_out_aga
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delete_again_leaves_a_newer_fill_in_place() {
     let server = ValkeyServer::start();
-    let link = FaultProxy::start(server.addr()).await;
-    let slow = ValkeyConfig::from_url(&link.redis_url())
-        .unwrap()
-        .command_timeout(Duration::from_secs(3));
-    let a_tier = connect(slow).await;
-    let a = engine(a_tier.clone());
+    let (link, a_tier, a) = behind_a_link(&server).await;
     let b_tier = tier(&server.url(), "tc").await;
     let b = engine(b_tier.clone());
     let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
@@ -694,12 +696,7 @@ async fn a_delete_again_leaves_a_newer_fill_in_place() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalidation_during_expire_at_or_touch_wins() {
     let server = ValkeyServer::start();
-    let link = FaultProxy::start(server.addr()).await;
-    let slow = ValkeyConfig::from_url(&link.redis_url())
-        .unwrap()
-        .command_timeout(Duration::from_secs(3));
-    let a_tier = connect(slow).await;
-    let a = engine(a_tier.clone());
+    let (link, a_tier, a) = behind_a_link(&server).await;
     let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
     for touch in [false, true] {
         let key = CacheKey::new(format!("renewed {touch}"));

@@ -132,11 +132,11 @@ impl CacheKey {
     /// assert_eq!(url.first_parts(3), None);
     /// ```
     pub fn first_parts(&self, n: usize) -> Option<CacheKey> {
-        let mut end = 0usize;
+        let mut parts = Parts { rest: &self.full };
         for _ in 0..n {
-            let len = u32::from_le_bytes(self.full.get(end..end + 4)?.try_into().ok()?) as usize;
-            end = end.checked_add(4 + len).filter(|&e| e <= self.full.len())?;
+            parts.next()?;
         }
+        let end = self.full.len() - parts.rest.len();
         Some(if end == self.full.len() {
             self.clone()
         } else {

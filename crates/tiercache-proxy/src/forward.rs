@@ -10,7 +10,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use http::header::{HOST, HeaderName, HeaderValue};
-use http::uri::{PathAndQuery, Scheme};
+use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
@@ -25,26 +25,27 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
-/// Whether `upstream` is something the proxy can forward to: `http://`, a
-/// host, and no path or query (requests keep their own; a base path would
-/// be dropped silently).
-pub(crate) fn check_upstream(upstream: &Uri) -> Result<(), String> {
-    if upstream.scheme().is_some_and(|s| *s != Scheme::HTTP) {
+/// The scheme and host of `upstream`, if it is something the proxy can
+/// forward to: `http://`, a host, and no path or query (requests keep their
+/// own; a base path would be dropped silently).
+pub(crate) fn check_upstream(upstream: &Uri) -> Result<(Scheme, Authority), String> {
+    let scheme = upstream.scheme().cloned().unwrap_or(Scheme::HTTP);
+    if scheme != Scheme::HTTP {
         return Err(format!(
             "upstream `{upstream}`: only http:// upstreams are supported"
         ));
     }
-    if upstream.authority().is_none() {
+    let Some(authority) = upstream.authority().cloned() else {
         return Err(format!(
             "upstream `{upstream}` has no host: write http://HOST:PORT"
         ));
-    }
+    };
     if !matches!(upstream.path(), "" | "/") || upstream.query().is_some() {
         return Err(format!(
             "upstream `{upstream}`: a path or query is not supported (each request keeps its own): write http://HOST:PORT"
         ));
     }
-    Ok(())
+    Ok((scheme, authority))
 }
 
 /// Forwards each request to `upstream`, as a reverse proxy should: hop-by-hop
@@ -55,7 +56,7 @@ pub(crate) fn check_upstream(upstream: &Uri) -> Result<(), String> {
 pub struct Forward {
     client: Client<HttpConnector, Body>,
     scheme: Scheme,
-    authority: http::uri::Authority,
+    authority: Authority,
     /// How long the upstream may take to send its head.
     timeout: Duration,
 }
@@ -63,12 +64,7 @@ pub struct Forward {
 impl Forward {
     /// A forwarder to `upstream` (`http://host:port`; see `check_upstream`).
     pub fn new(upstream: &Uri) -> Result<Self, String> {
-        check_upstream(upstream)?;
-        let scheme = upstream.scheme().cloned().unwrap_or(Scheme::HTTP);
-        let authority = upstream
-            .authority()
-            .cloned()
-            .ok_or_else(|| format!("upstream `{upstream}` has no host: write http://HOST:PORT"))?;
+        let (scheme, authority) = check_upstream(upstream)?;
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         let client = Client::builder(TokioExecutor::new()).build(connector);
@@ -76,7 +72,7 @@ impl Forward {
             client,
             scheme,
             authority,
-            timeout: Duration::from_secs(60),
+            timeout: crate::ProxyConfig::DEFAULT_ORIGIN_TIMEOUT,
         })
     }
 

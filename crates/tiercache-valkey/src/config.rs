@@ -48,24 +48,18 @@ impl ValkeyConfig {
     /// `rediss://` for TLS (also `valkey://`, `valkeys://`).
     pub fn from_url(url: &str) -> Result<Self, ValkeyError> {
         // fred reads any other scheme (`http://`) as a plain server: refuse
-        // it rather than guess what was meant.
-        const SCHEMES: [&str; 14] = [
-            "redis://",
-            "rediss://",
-            "valkey://",
-            "valkeys://",
-            "redis-cluster://",
-            "rediss-cluster://",
-            "valkey-cluster://",
-            "valkeys-cluster://",
-            "redis-sentinel://",
-            "rediss-sentinel://",
-            "valkey-sentinel://",
-            "valkeys-sentinel://",
-            "redis+unix://",
-            "valkey+unix://",
-        ];
-        if !SCHEMES.iter().any(|s| url.starts_with(s)) {
+        // it rather than guess what was meant. Its own: `redis`, `rediss`,
+        // `valkey`, `valkeys`, each also with `-cluster` or `-sentinel`,
+        // and `redis+unix`, `valkey+unix`.
+        let known = url.split_once("://").is_some_and(|(scheme, _)| {
+            let base = scheme
+                .strip_suffix("-cluster")
+                .or_else(|| scheme.strip_suffix("-sentinel"))
+                .unwrap_or(scheme);
+            matches!(base, "redis" | "rediss" | "valkey" | "valkeys")
+                || matches!(scheme, "redis+unix" | "valkey+unix")
+        });
+        if !known {
             return Err(ValkeyError::Url {
                 url: url.to_owned(),
                 reason: "the scheme must be redis:// or rediss:// (or valkey://, valkeys://)"

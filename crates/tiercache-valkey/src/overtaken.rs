@@ -20,7 +20,7 @@
 //! after the ban); a resync (messages may have been missed) covers every
 //! fill. (Memcache's leases solve the same race on the server.)
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::time::{Duration, Instant};
@@ -53,11 +53,11 @@ pub(crate) enum Scope {
 
 impl Scope {
     /// Whether it covers the fill of the full key `full` (hashed `hash`)
-    /// stored with the tag sets `tags`.
+    /// stored with the tag sets `tags` (its hashes sorted: see `heard`).
     fn covers(&self, hash: &KeyHash, full: &[u8], tags: &[String]) -> bool {
         match self {
-            Scope::Keys(hashes) => hashes.contains(hash),
-            Scope::Tag(tag, hashes) => tags.contains(tag) || hashes.contains(hash),
+            Scope::Keys(hashes) => hashes.binary_search(hash).is_ok(),
+            Scope::Tag(tag, hashes) => tags.contains(tag) || hashes.binary_search(hash).is_ok(),
             Scope::Prefix(pattern) => pattern.matches_full(full),
             Scope::Everything => true,
         }
@@ -182,7 +182,12 @@ impl Overtaken {
 
     /// Another instance invalidated `scope`: fills sent within the grace that
     /// it covers are deleted again (queued behind the writes before).
-    pub(crate) fn heard(&self, scope: Scope, now: Instant) {
+    pub(crate) fn heard(&self, mut scope: Scope, now: Instant) {
+        // Sorted once, searched by every fill it is checked against (a big
+        // tag's page names thousands of keys).
+        if let Scope::Keys(hashes) | Scope::Tag(_, hashes) = &mut scope {
+            hashes.sort_unstable();
+        }
         let again: Vec<Undo> = {
             let mut state = self.lock();
             let n = self.heard.fetch_add(1, SeqCst) + 1;
@@ -196,24 +201,10 @@ impl Overtaken {
             {
                 state.sent.pop_front();
             }
-            // A big tag's page names thousands of keys: look them up.
-            let many: Option<HashSet<KeyHash>> = match &scope {
-                Scope::Keys(h) | Scope::Tag(_, h) if h.len() > 16 => {
-                    Some(h.iter().copied().collect())
-                }
-                _ => None,
-            };
-            let covered = |fill: &Target| match (&many, &scope) {
-                (Some(hashes), Scope::Tag(tag, _)) => {
-                    fill.tags.contains(tag) || hashes.contains(&fill.hash)
-                }
-                (Some(hashes), _) => hashes.contains(&fill.hash),
-                (None, scope) => fill.covered_by(scope),
-            };
             // Taken out: each fill is deleted again once at most.
             let mut again = Vec::new();
             state.sent.retain(|(_, fill)| {
-                let hit = covered(fill);
+                let hit = fill.covered_by(&scope);
                 if hit {
                     again.push((fill.key.clone(), fill.stamp.clone()));
                 }
@@ -250,7 +241,13 @@ impl Overtaken {
     ) -> (u64, Vec<T>) {
         let state = self.lock();
         let heard = self.heard.load(SeqCst);
-        if state.log.is_empty() {
+        // Nothing heard since these fills were queued (the usual case): no
+        // walk, no allocation.
+        let last = state.log.back().map_or(0, |(n, _)| *n);
+        if !fills
+            .iter()
+            .any(|f| target(f).is_some_and(|(since, ..)| since < last))
+        {
             return (heard, Vec::new());
         }
         let mut held = Vec::new();

@@ -335,7 +335,6 @@ impl Tier for ValkeyTier {
             value,
             px,
             tags: tags.iter().map(|t| self.tag_key(t)).collect(),
-            member: key.hash().to_hex(),
             hash: key.hash(),
             full: key.full().clone(),
             heard: self.inner.overtaken.mark(),

@@ -33,7 +33,6 @@ pub(crate) enum Command {
         value: Bytes,
         px: i64,
         tags: Vec<String>,
-        member: String,
         hash: KeyHash,
         /// The full key (for prefix invalidations).
         full: Bytes,
@@ -318,7 +317,7 @@ async fn pipe_fill(
         value,
         px,
         tags,
-        member,
+        hash,
         ..
     } = fill
     else {
@@ -327,6 +326,12 @@ async fn pipe_fill(
     let _: () = pipe
         .set(key, value.clone(), Some(Expiration::PX(*px)), None, false)
         .await?;
+    // A tag set's member is the key's hash.
+    let member = if tags.is_empty() {
+        String::new()
+    } else {
+        hash.to_hex()
+    };
     for set in tags {
         let score = ((now + px) as f64, member.as_str());
         let _: () = pipe.zadd(set, None, None, false, false, score).await?;

@@ -89,14 +89,13 @@ impl TieredCache {
         lead: Lead,
         origin: O,
     ) -> Result<Fetched<O::Output>, FetchError<O::Error>> {
-        let collapsed = false;
         let usable = lead.stale.clone().filter(|e| self.stale_usable(e));
         let soft = lead.policy.soft_timeout();
         let stale_answer = |entry: Entry, why| Answer {
             entry,
             source: Source::L1,
             served: Served::Stale(why),
-            collapsed,
+            collapsed: false,
         };
         let mut task = tokio::spawn(self.clone().fill(lead, origin));
         let joined = match (usable, soft) {
@@ -124,7 +123,7 @@ impl TieredCache {
                 entry,
                 source,
                 served,
-                collapsed,
+                collapsed: false,
             };
             self.count(&answer);
             Fetched::Entry(answer)
@@ -148,7 +147,7 @@ impl TieredCache {
                 bump(&self.inner.counters.misses);
                 Fetched::Passed {
                     output,
-                    collapsed,
+                    collapsed: false,
                     hit_for_miss: false,
                 }
             }
