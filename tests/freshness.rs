@@ -20,6 +20,29 @@ enum Mode {
     Held(Gate),
     /// A 200 with these fields, conditional requests or not.
     Always(&'static [(&'static str, &'static str)]),
+    /// A 200 whose body breaks off after a few bytes (a reset or a stalled
+    /// upstream cut by its timeout).
+    BrokenBody,
+}
+
+/// A body that sends a few bytes, then fails.
+struct Broken(bool);
+
+impl axum::body::HttpBody for Broken {
+    type Data = bytes::Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let sent = std::mem::replace(&mut self.0, true);
+        std::task::Poll::Ready(Some(if sent {
+            Err(std::io::Error::other("upstream reset"))
+        } else {
+            Ok(http_body::Frame::data(bytes::Bytes::from_static(b"bod")))
+        }))
+    }
 }
 
 #[derive(Clone)]
@@ -70,6 +93,7 @@ impl Origin {
                         }
                         Ok(b.body(Body::from(format!("body {n}"))).unwrap())
                     }
+                    Mode::BrokenBody => Ok(Response::new(Body::new(Broken(false)))),
                     Mode::Held(gate) => {
                         gate.passed().await;
                         Ok(Response::new(Body::from(format!("body {n}"))))
@@ -136,12 +160,11 @@ impl Harness {
             Err(e) => return (StatusCode::BAD_GATEWAY, HeaderMap::new(), e.to_string()),
         };
         let (parts, body) = res.into_parts();
-        let body = body.collect().await.unwrap().to_bytes();
-        (
-            parts.status,
-            parts.headers,
-            String::from_utf8_lossy(&body).into_owned(),
-        )
+        let body = match body.collect().await {
+            Ok(body) => String::from_utf8_lossy(&body.to_bytes()).into_owned(),
+            Err(e) => format!("body error: {e}"),
+        };
+        (parts.status, parts.headers, body)
     }
 
     fn advance(&self, ms: u64) {
@@ -258,31 +281,64 @@ async fn a_refresh_answered_private_drops_the_stale_entry() {
     }
 }
 
+/// A refresh that fails, by its status or by a body that breaks off
+/// midway, leaves the entry to be served stale for the rest of its window:
+/// a broken body is the origin failing, not an answer that outdates it.
 #[tokio::test]
 async fn a_failed_refresh_keeps_the_stale_entry_until_the_window_ends() {
-    let t = Harness::new(
-        Policy::ttl(secs(1))
-            .jitter(0.0)
-            .stale_while_revalidate(secs(10))
-            .build()
-            .unwrap(),
-    );
-    t.get("/r").await;
-    t.advance(1500);
-    t.origin.set(Mode::Status(503));
-    for _ in 0..3 {
-        let (_, h, body) = t.get("/r").await;
-        assert_eq!((x_cache(&h), body.as_str()), ("STALE", "body 1"));
-        let engine = t.engine.clone();
-        eventually("the refresh", || engine.in_flight() == 0).await;
+    for mode in [Mode::Status(503), Mode::BrokenBody] {
+        let t = Harness::new(
+            Policy::ttl(secs(1))
+                .jitter(0.0)
+                .stale_while_revalidate(secs(10))
+                .build()
+                .unwrap(),
+        );
+        t.get("/r").await;
+        t.advance(1500);
+        t.origin.set(mode.clone());
+        for _ in 0..3 {
+            let (_, h, body) = t.get("/r").await;
+            assert_eq!((x_cache(&h), body.as_str()), ("STALE", "body 1"));
+            let engine = t.engine.clone();
+            eventually("the refresh", || engine.in_flight() == 0).await;
+        }
+        t.advance(10_000);
+        let (status, _, body) = t.get("/r").await;
+        match mode {
+            Mode::Status(_) => assert_eq!(
+                status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "past the window the error shows"
+            ),
+            _ => assert!(body.starts_with("body error"), "{body}"),
+        }
     }
-    t.advance(10_000);
-    let (status, _, _) = t.get("/r").await;
-    assert_eq!(
-        status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "past the window the error shows"
-    );
+}
+
+/// A body that breaks off midway says nothing about the resource: the key
+/// is not remembered as uncacheable (hit-for-miss), so the requests that
+/// follow still share one origin call.
+#[tokio::test]
+async fn a_broken_body_does_not_mark_the_key_uncacheable() {
+    let t = Harness::new(Policy::ttl(secs(60)).jitter(0.0).build().unwrap());
+    t.origin.set(Mode::BrokenBody);
+    let (_, _, body) = t.get("/b").await;
+    assert!(body.starts_with("body error"), "{body}");
+    let gate = Gate::new();
+    t.origin.set(Mode::Held(gate.clone()));
+    // Five requests at once while the origin is held: one loads, four wait
+    // on it (hit-for-miss would send each to the origin).
+    let requests = futures_join((0..5).map(|_| t.get("/b")).collect());
+    let opener = async {
+        t.origin.calls.reached(2).await;
+        gate.open();
+    };
+    let (answers, ()) = tokio::join!(requests, opener);
+    for (_, _, body) in answers {
+        assert_eq!(body, "body 2");
+    }
+    assert_eq!(t.origin.calls.get(), 2, "one origin call for the five");
 }
 
 #[tokio::test]
@@ -293,6 +349,7 @@ async fn stale_if_error_covers_each_error_kind() {
         Mode::Status(503),
         Mode::Status(504),
         Mode::Fail,
+        Mode::BrokenBody,
     ] {
         let t = Harness::new(
             Policy::ttl(secs(1))

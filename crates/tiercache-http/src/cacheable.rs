@@ -49,15 +49,19 @@ pub enum Reason {
     VaryLimit,
     /// The body is larger than `max_body`.
     TooLarge,
-    /// The body failed or carried trailers while it was being read.
+    /// The body carried trailers, which are not stored.
     Body,
+    /// The body broke off while it was being read (the upstream reset it,
+    /// or stalled past its timeout): an origin failure, so stale-if-error
+    /// answers for it and the key is not remembered as uncacheable.
+    BodyFailed,
     /// The origin declared it already stale (`max-age=0`, an `Age` past its lifetime).
     NotFresh,
 }
 
 impl Reason {
     /// Every reason, in declaration order.
-    pub const ALL: [Reason; 18] = [
+    pub const ALL: [Reason; 19] = [
         Reason::Method,
         Reason::Authorization,
         Reason::Cookie,
@@ -75,6 +79,7 @@ impl Reason {
         Reason::VaryLimit,
         Reason::TooLarge,
         Reason::Body,
+        Reason::BodyFailed,
         Reason::NotFresh,
     ];
 
@@ -98,6 +103,7 @@ impl Reason {
             Reason::VaryLimit => "vary-limit",
             Reason::TooLarge => "too-large",
             Reason::Body => "body",
+            Reason::BodyFailed => "body-failed",
             Reason::NotFresh => "not-fresh",
         }
     }

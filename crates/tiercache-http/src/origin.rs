@@ -250,7 +250,7 @@ impl Load<'_> {
                 Err(e) => {
                     return Err((
                         CacheBody::replay(frames, Some(e.into()), None),
-                        Reason::Body,
+                        Reason::BodyFailed,
                     ));
                 }
             }
@@ -282,6 +282,8 @@ impl Load<'_> {
                     failed: is_origin_error(parts.status),
                 }
             }
+            // A body that broke off says so; too large keeps why it was read.
+            Err((body, Reason::BodyFailed)) => self.pass(parts, body, Reason::BodyFailed),
             Err((body, _)) => self.pass(parts, body, reason),
         }
     }
@@ -296,7 +298,8 @@ impl Load<'_> {
         self.route.metrics.not_stored(reason);
         let uncacheable =
             reason.marks_key() && (parts.status.is_success() || parts.status.is_redirection());
-        let failed = is_origin_error(parts.status);
+        // A body that broke off is the origin failing, whatever its status.
+        let failed = is_origin_error(parts.status) || reason == Reason::BodyFailed;
         Loaded::Pass {
             output: (Response::from_parts(parts, body), reason),
             failed,

@@ -39,7 +39,9 @@ pub struct ProxyConfig {
     /// without it (the origin, or no L2 write); also the fleet lock's.
     pub valkey_timeout: Duration,
     /// How long the upstream may take to start its answer (its head) before
-    /// the proxy answers 504 itself (a failure: stale-if-error applies).
+    /// the proxy answers 504 itself (a failure: stale-if-error applies), and
+    /// may then send nothing of its body before the body is cut (a failure
+    /// too, never stored).
     pub origin_timeout: Duration,
     /// Stale-while-revalidate window.
     pub stale_while_revalidate: Duration,
@@ -267,7 +269,8 @@ impl ProxyConfig {
         self
     }
 
-    /// Sets how long the upstream may take to start its answer (default 60 s).
+    /// Sets how long the upstream may take to start its answer, and to go
+    /// quiet within its body (default 60 s).
     pub fn origin_timeout(mut self, timeout: Duration) -> Self {
         self.origin_timeout = timeout;
         self

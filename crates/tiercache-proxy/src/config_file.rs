@@ -7,7 +7,7 @@
 //! admin    = "127.0.0.1:8081"
 //! valkey   = "redis://127.0.0.1:6379"      # optional
 //! valkey_timeout = "50ms"                   # one Valkey command at most
-//! origin_timeout = "60s"                    # the upstream's head at most, else 504
+//! origin_timeout = "60s"                    # for the head (else 504), and each silence in a body
 //! l1_capacity = "256MiB"
 //!
 //! [defaults]                                # any policy field or safety option

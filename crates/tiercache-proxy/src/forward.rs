@@ -9,17 +9,77 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::ConnectInfo;
+use bytes::Bytes;
 use http::header::{HOST, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri};
-use hyper::body::Incoming;
+use hyper::body::{Frame, Incoming, SizeHint};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tiercache_http::headers::strip_hop_by_hop;
 
 /// The upstream's answer: its body streams through, or the proxy's own error page.
-pub type UpstreamBody = http_body_util::Either<Incoming, Body>;
+pub type UpstreamBody = http_body_util::Either<UpstreamStream, Body>;
+
+/// An upstream's body, cut with an error once the upstream has sent nothing
+/// for the origin timeout (as nginx's `proxy_read_timeout`, between two
+/// reads, not over the whole body): a stalled upstream never holds a client,
+/// or the requests waiting on its load, for longer. A cut body is not
+/// stored; the cache counts it as an origin failure.
+#[derive(Debug)]
+pub struct UpstreamStream {
+    body: Incoming,
+    idle: Duration,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl UpstreamStream {
+    fn new(body: Incoming, idle: Duration) -> Self {
+        Self {
+            body,
+            idle,
+            deadline: Box::pin(tokio::time::sleep(idle)),
+        }
+    }
+}
+
+impl hyper::body::Body for UpstreamStream {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.body).poll_frame(cx) {
+            Poll::Ready(frame) => {
+                if frame.is_some() {
+                    let next = tokio::time::Instant::now() + this.idle;
+                    this.deadline.as_mut().reset(next);
+                }
+                Poll::Ready(frame.map(|f| f.map_err(Into::into)))
+            }
+            Poll::Pending => match this.deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Some(Err(format!(
+                    "the upstream sent nothing of its body for {:?}",
+                    this.idle
+                )
+                .into()))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
@@ -57,7 +117,8 @@ pub struct Forward {
     client: Client<HttpConnector, Body>,
     scheme: Scheme,
     authority: Authority,
-    /// How long the upstream may take to send its head.
+    /// How long the upstream may take to send its head, and then may go
+    /// quiet between two reads of its body.
     timeout: Duration,
 }
 
@@ -77,7 +138,8 @@ impl Forward {
     }
 
     /// Sets how long the upstream may take to send its head before the
-    /// answer is a 504 of the proxy's own (default 60 s).
+    /// answer is a 504 of the proxy's own, and how long it may then send
+    /// nothing of its body before the body is cut (default 60 s).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -147,6 +209,7 @@ impl tower::Service<Request<Body>> for Forward {
                 Ok(res) => {
                     let (mut parts, body) = res.into_parts();
                     strip_hop_by_hop(&mut parts.headers);
+                    let body = UpstreamStream::new(body, timeout);
                     Ok(Response::from_parts(
                         parts,
                         http_body_util::Either::Left(body),

@@ -66,7 +66,8 @@ struct Args {
     #[arg(long, value_parser = parse_duration)]
     valkey_timeout: Option<Duration>,
     /// How long the upstream may take to start its answer before the proxy
-    /// answers 504 itself (stale-if-error applies) [default: 60s]
+    /// answers 504 itself (stale-if-error applies), and may then go quiet
+    /// within its body before the body is cut [default: 60s]
     #[arg(long, value_parser = parse_duration)]
     origin_timeout: Option<Duration>,
     /// Serve an expired entry for this long while one background refresh runs.

@@ -424,3 +424,77 @@ fn a_route_storing_no_body_is_refused_by_name() {
         "{err}"
     );
 }
+
+/// An upstream that sends its head and part of its body, then stalls: past
+/// `--origin-timeout` with nothing read the proxy cuts the body (nginx's
+/// `proxy_read_timeout` between two reads), stores nothing, and the next
+/// request loads and stores the whole answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_stalls_is_cut_after_the_origin_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = listener.local_addr().unwrap();
+    let connections = Counter::new();
+    let served = connections.clone();
+    let accept = tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let n = served.bump();
+            let mut head = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match socket.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(read) => head.extend_from_slice(&buf[..read]),
+                }
+            }
+            let head = "HTTP/1.1 200 OK\r\ncontent-length: 10\r\ncache-control: max-age=60\r\n\r\n";
+            // The first answer stops after three bytes and keeps its socket
+            // open; the others are whole.
+            let body = if n == 1 { "abc" } else { "0123456789" };
+            let _ = socket.write_all(format!("{head}{body}").as_bytes()).await;
+            held.push(socket);
+        }
+    });
+    let config = ProxyConfig::new(format!("http://{upstream}").parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .origin_timeout(Duration::from_millis(300));
+    let proxy = Proxy::start(config).await.unwrap();
+
+    let client = Client::builder(TokioExecutor::new()).build_http::<Body>();
+    let req = Request::get(format!("http://{}/s", proxy.addr()))
+        .body(Body::empty())
+        .unwrap();
+    let started = std::time::Instant::now();
+    let stalled = tokio::time::timeout(Duration::from_secs(10), async {
+        let res = client.request(req).await.map_err(|e| e.to_string())?;
+        let body = res.into_body().collect().await.map_err(|e| e.to_string())?;
+        Ok::<_, String>(body.to_bytes())
+    })
+    .await
+    .expect("the stalled body was not cut within 10 s");
+    assert!(
+        stalled.is_err(),
+        "a cut body is not a whole one: {stalled:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let (status, headers, body) = bounded("the next request", fetch(proxy.addr(), "/s")).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "0123456789"));
+    assert_eq!(
+        h(&headers, "x-cache"),
+        "MISS",
+        "the cut body was not stored"
+    );
+    let (_, headers, body) = bounded("a hit", fetch(proxy.addr(), "/s")).await;
+    assert_eq!(
+        (h(&headers, "x-cache"), body.as_str()),
+        ("HIT", "0123456789")
+    );
+    assert_eq!(connections.get(), 2);
+    accept.abort();
+}
