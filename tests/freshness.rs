@@ -20,6 +20,9 @@ enum Mode {
     Held(Gate),
     /// A 200 with these fields, conditional requests or not.
     Always(&'static [(&'static str, &'static str)]),
+    /// Answers a conditional request with a 304 carrying these fields (an
+    /// unconditional one with a 200, `ETag: "v1"`).
+    NotModified(&'static [(&'static str, &'static str)]),
     /// A 200 whose body breaks off after a few bytes (a reset or a stalled
     /// upstream cut by its timeout).
     BrokenBody,
@@ -94,6 +97,19 @@ impl Origin {
                         Ok(b.body(Body::from(format!("body {n}"))).unwrap())
                     }
                     Mode::BrokenBody => Ok(Response::new(Body::new(Broken(false)))),
+                    Mode::NotModified(headers) => {
+                        if !req.headers().contains_key("if-none-match") {
+                            return Ok(Response::builder()
+                                .header("etag", etag)
+                                .body(Body::from(format!("body {n}")))
+                                .unwrap());
+                        }
+                        let mut b = Response::builder().status(304);
+                        for (k, v) in headers {
+                            b = b.header(*k, *v);
+                        }
+                        Ok(b.body(Body::empty()).unwrap())
+                    }
                     Mode::Held(gate) => {
                         gate.passed().await;
                         Ok(Response::new(Body::from(format!("body {n}"))))
@@ -459,6 +475,87 @@ async fn a_304_renews_the_entry_without_a_body() {
         "renewed, same body"
     );
     assert_eq!(h["age"], "0", "the renewal counts as a fresh answer");
+}
+
+/// A 304 is merged into the stored head, and the result is judged like any
+/// response: a 304 that sets a cookie, or says `private`, `no-store` or
+/// `Vary: *`, answers its own request (cookie included) but is never stored
+/// or shared (a black-box audit saw Alice's `Set-Cookie` served to Bob from
+/// L2), whether the revalidation is the request's own or a refresh.
+#[tokio::test]
+async fn a_304_that_may_not_be_shared_is_not_stored() {
+    const FIELDS: [&[(&str, &str)]; 4] = [
+        &[("set-cookie", "session=alice")],
+        &[("cache-control", "private, max-age=60")],
+        &[("cache-control", "no-store")],
+        &[("vary", "*")],
+    ];
+    for swr in [false, true] {
+        for fields in FIELDS {
+            let mut policy = Policy::ttl(secs(1)).jitter(0.0);
+            if swr {
+                policy = policy.stale_while_revalidate(secs(30));
+            }
+            let t = Harness::new(policy.build().unwrap());
+            t.get("/p").await;
+            t.advance(1500);
+            t.origin.set(Mode::NotModified(fields));
+            let (status, h, body) = t.get("/p").await;
+            assert_eq!((status, body.as_str()), (StatusCode::OK, "body 1"));
+            if !swr {
+                let (name, value) = fields[0];
+                assert_eq!(h[name], value, "the 304's own request gets its fields");
+            }
+            let engine = t.engine.clone();
+            eventually("the revalidation", || engine.in_flight() == 0).await;
+            // Another user, once the origin answers plainly again.
+            t.origin.set(Mode::Ok(&[]));
+            let (_, h, _) = t.get("/p").await;
+            assert!(h.get("set-cookie").is_none(), "{fields:?} swr={swr}: {h:?}");
+            let cc = h.get("cache-control").map(|v| v.to_str().unwrap());
+            assert!(
+                !cc.is_some_and(|v| v.contains("private") || v.contains("no-store")),
+                "{fields:?} swr={swr}: {h:?}"
+            );
+            assert_ne!(h.get("vary").map(|v| v.as_bytes()), Some(&b"*"[..]));
+        }
+    }
+}
+
+/// A 304 whose validator is not the stored response's does not renew it
+/// (RFC 9111 §4.3.4: no stored response is selected): the old body is never
+/// served under the new validator. The entry is dropped and the next
+/// request loads the current version.
+#[tokio::test]
+async fn a_304_with_another_validator_does_not_renew_the_old_body() {
+    for swr in [false, true] {
+        let mut policy = Policy::ttl(secs(1)).jitter(0.0);
+        if swr {
+            policy = policy.stale_while_revalidate(secs(30));
+        }
+        let t = Harness::new(policy.build().unwrap());
+        t.get("/p").await;
+        t.advance(1500);
+        t.origin.set(Mode::NotModified(&[
+            ("etag", "\"v2\""),
+            ("cache-control", "max-age=60"),
+        ]));
+        let (status, h, body) = t.get("/p").await;
+        if !swr {
+            assert_ne!(
+                (status, body.as_str()),
+                (StatusCode::OK, "body 1"),
+                "the old body under the 304's validator: {h:?}"
+            );
+        }
+        let engine = t.engine.clone();
+        eventually("the revalidation", || engine.in_flight() == 0).await;
+        t.origin.set(Mode::Always(&[("etag", "\"v2\"")]));
+        let (status, h, body) = t.get("/p").await;
+        assert_eq!(status, StatusCode::OK, "swr={swr}");
+        assert_ne!(body, "body 1", "swr={swr}: {h:?}");
+        assert_eq!(x_cache(&h), "MISS", "swr={swr}");
+    }
 }
 
 #[tokio::test]

@@ -133,12 +133,25 @@ where
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
             Kind::Stream { body } => body.size_hint(),
-            Kind::Replay { prefix, rest, .. } => {
+            Kind::Replay {
+                prefix,
+                error,
+                rest,
+            } => {
                 let buffered: u64 = prefix
                     .iter()
                     .filter_map(|f| f.data_ref())
                     .map(|d| d.len() as u64)
                     .sum();
+                // A body that broke off has no exact size: an exact hint
+                // would frame what was read as the whole body, and the
+                // server would end the response cleanly without polling the
+                // error (a cut answer would reach the client as complete).
+                if error.is_some() {
+                    let mut hint = SizeHint::new();
+                    hint.set_lower(buffered);
+                    return hint;
+                }
                 let inner = rest
                     .as_ref()
                     .map(|r| r.size_hint())

@@ -29,6 +29,7 @@ use crate::cacheable::{
 use crate::freshness::OriginFreshness;
 use crate::headers::{self, strip_hop_by_hop};
 use crate::key::{family_of, family_tag, variant_for, variant_key};
+use crate::request::opaque;
 use crate::route::Route;
 
 /// A response the origin gave this request alone, and why it was not stored.
@@ -140,7 +141,7 @@ impl Load<'_> {
         {
             let took = self.started.elapsed();
             route.metrics.origin(took);
-            return Loaded::Store(renew(route, stale, &parts.headers));
+            return self.renewed(parts, stale).await;
         }
         // An origin failure with a stale entry at hand that may stand in
         // for it (stale-if-error): the stale entry answers, nothing is stored.
@@ -209,6 +210,50 @@ impl Load<'_> {
             fill = fill.store_under(key);
         }
         Loaded::Store(fill)
+    }
+
+    /// A 304 to a revalidation of `stale`. It renews the stored response
+    /// only when its validators select it (RFC 9111 §4.3.4), and the merged
+    /// head is judged as any response is: one that sets a cookie, or says
+    /// `private`, `no-store` or `Vary: *`, answers this request alone
+    /// (with the stored body) and is never stored or shared. Either way the
+    /// stored response is outdated and dropped everywhere.
+    async fn renewed<ResB>(
+        &self,
+        mut parts: response::Parts,
+        stale: &Entry,
+    ) -> Loaded<Passed<ResB>> {
+        let route = self.route;
+        let outdated = CacheKey::from_full(stale.key().clone());
+        if !selects(&parts.headers, stale.value()) {
+            // The origin's current version is another, whose body the
+            // cache does not have: neither body may answer under the
+            // other's validator.
+            let _ = route.engine.invalidate(&outdated).await;
+            let mut res = Response::new(CacheBody::full(Bytes::from_static(
+                b"the origin answered 304 Not Modified with a validator the cache did not send\n",
+            )));
+            *res.status_mut() = StatusCode::BAD_GATEWAY;
+            route.metrics.not_stored(Reason::Status);
+            return Loaded::Pass {
+                output: (res, Reason::Status),
+                failed: false,
+                uncacheable: false,
+            };
+        }
+        let merged = merge_not_modified(stale.value(), &parts.headers);
+        let status = StatusCode::from_u16(stale.value().status).unwrap_or(StatusCode::OK);
+        let cache_control = targeted(&merged, &route.config.targets);
+        let storable = response_storable(status, &merged, &cache_control, self.credentialed);
+        drop(cache_control);
+        if let Err(reason) = storable {
+            let _ = route.engine.invalidate(&outdated).await;
+            parts.status = status;
+            parts.headers = merged;
+            let body = CacheBody::full(stale.value().body.clone());
+            return self.pass(parts, body, reason);
+        }
+        Loaded::Store(renew(route, stale, merged))
     }
 
     /// Reads the body within `max_body`; what cannot be stored (too large,
@@ -391,10 +436,30 @@ fn fill_for(route: &Route, headers: &HeaderMap, status: StatusCode) -> Result<Pl
     Ok(Plan { lifetime, origin })
 }
 
-/// A 304 renews `stale`: its headers updated from the 304's (RFC 9111
-/// §4.3.4; framing fields kept), its body unchanged, a new lifetime drawn.
-fn renew(route: &Route, stale: &Entry, not_modified: &HeaderMap) -> Fill {
-    let old = stale.value();
+/// Whether a 304's validators select the stored response (RFC 9111
+/// §4.3.4): its `ETag` matches the stored one (weak comparison); without
+/// one, its `Last-Modified` is the stored one; a 304 with neither selects it.
+fn selects(not_modified: &HeaderMap, stored: &Value) -> bool {
+    let stored_field = |name: &HeaderName| {
+        stored
+            .headers
+            .iter()
+            .find(|(n, _)| n.as_ref() == name.as_str().as_bytes())
+            .map(|(_, v)| v.as_ref())
+    };
+    if let Some(etag) = not_modified.get(ETAG) {
+        return stored_field(&ETAG).is_some_and(|s| opaque(s) == opaque(etag.as_bytes()));
+    }
+    if let Some(modified) = not_modified.get(LAST_MODIFIED) {
+        return stored_field(&LAST_MODIFIED)
+            .is_some_and(|s| s.trim_ascii() == modified.as_bytes().trim_ascii());
+    }
+    true
+}
+
+/// The stored head updated from a 304's (RFC 9111 §4.3.4): each field the
+/// 304 carries replaces the stored one; framing fields are kept.
+fn merge_not_modified(old: &Value, not_modified: &HeaderMap) -> HeaderMap {
     let mut merged = HeaderMap::with_capacity(old.headers.len());
     for (n, v) in &old.headers {
         if let (Ok(n), Ok(v)) = (
@@ -415,6 +480,13 @@ fn renew(route: &Route, stale: &Entry, not_modified: &HeaderMap) -> Fill {
     for (n, v) in update.iter() {
         merged.append(n.clone(), v.clone());
     }
+    merged
+}
+
+/// A 304 renews `stale` with `merged`, its head updated from the 304's
+/// (already checked as storable), its body unchanged, a new lifetime drawn.
+fn renew(route: &Route, stale: &Entry, merged: HeaderMap) -> Fill {
+    let old = stale.value();
     let status = StatusCode::from_u16(old.status).unwrap_or(StatusCode::OK);
     let value = headers::to_value(status, &merged, old.body.clone());
     let fill = match fill_for(route, &targeted(&merged, &route.config.targets), status) {

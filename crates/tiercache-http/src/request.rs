@@ -284,7 +284,7 @@ impl Conditional {
 }
 
 /// An entity tag without its weakness prefix.
-fn opaque(tag: &[u8]) -> &[u8] {
+pub(crate) fn opaque(tag: &[u8]) -> &[u8] {
     let tag = tag.trim_ascii();
     tag.strip_prefix(b"W/").unwrap_or(tag)
 }

@@ -43,6 +43,7 @@ pub mod config_file;
 pub mod forward;
 mod prometheus;
 pub mod routes;
+mod serve;
 pub mod units;
 
 use std::net::SocketAddr;
@@ -124,12 +125,7 @@ impl Proxy {
         });
 
         let (listener, addr) = bind(config.listen).await?;
-        let mut tasks = vec![tokio::spawn(async move {
-            let make = app.into_make_service_with_connect_info::<SocketAddr>();
-            if let Err(e) = axum::serve(listener, make).await {
-                eprintln!("tiercache-proxy: server stopped: {e}");
-            }
-        })];
+        let mut tasks = vec![tokio::spawn(serve::serve(listener, app))];
 
         tasks.push(prometheus::upkeep(prometheus.clone()));
 
@@ -141,11 +137,7 @@ impl Proxy {
                 layer: layer.clone(),
                 prometheus,
             });
-            tasks.push(tokio::spawn(async move {
-                if let Err(e) = axum::serve(listener, router).await {
-                    eprintln!("tiercache-proxy: admin server stopped: {e}");
-                }
-            }));
+            tasks.push(tokio::spawn(serve::serve(listener, router)));
         }
         Ok(Self {
             addr,

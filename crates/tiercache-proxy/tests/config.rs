@@ -498,3 +498,108 @@ async fn a_body_that_stalls_is_cut_after_the_origin_timeout() {
     assert_eq!(connections.get(), 2);
     accept.abort();
 }
+
+/// An upstream body that ends before it is whole (a chunked body closed
+/// without its last chunk; a `Content-Length` longer than what is sent)
+/// reaches the client as cut, never as a complete response, and never holds
+/// a keep-alive client (a black-box audit saw `content-length: 3000` and a
+/// clean end for the first, a connection left open for the second).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_body_that_breaks_off_reaches_the_client_cut() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = listener.local_addr().unwrap();
+    let accept = tokio::spawn(async move {
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match socket.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(read) => head.extend_from_slice(&buf[..read]),
+                    }
+                }
+                let answer: &[u8] = if head.starts_with(b"GET /chunked") {
+                    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncache-control: max-age=60\r\n\r\n5\r\nhello\r\n"
+                } else {
+                    b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\ncache-control: max-age=60\r\n\r\nfifty"
+                };
+                let _ = socket.write_all(answer).await;
+                // Closed here: the body ends before it is whole.
+            });
+        }
+    });
+    let config = ProxyConfig::new(format!("http://{upstream}").parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let proxy = Proxy::start(config).await.unwrap();
+    let client = Client::builder(TokioExecutor::new()).build_http::<Body>();
+    for path in ["/chunked", "/short"] {
+        let req = Request::get(format!("http://{}{path}", proxy.addr()))
+            .body(Body::empty())
+            .unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(10), async {
+            let res = client.request(req).await.map_err(|e| e.to_string())?;
+            let length = res.headers().get("content-length").cloned();
+            let body = res.into_body().collect().await.map_err(|e| e.to_string())?;
+            Ok::<_, String>((length, body.to_bytes()))
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{path}: the client was held past 10 s"));
+        assert!(
+            answer.is_err(),
+            "{path}: a cut body reached the client as whole: {answer:?}"
+        );
+    }
+    accept.abort();
+}
+
+/// A client that sends nothing, or only part of a request's head, is cut
+/// off after the header read timeout (30 s) instead of holding its
+/// connection for ever (a black-box audit: slowloris clients still open
+/// after 150 s, 20,000 idle connections starving the proxy and its admin
+/// port). The clock is paused: tokio moves it on while everything waits.
+#[tokio::test(start_paused = true)]
+async fn a_client_that_sends_no_head_is_cut_off() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (server, _) = upstream().await;
+    let config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .admin(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let proxy = Proxy::start(config).await.unwrap();
+    let admin = proxy.admin_addr().expect("an admin port");
+    let whole = b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n";
+    for (addr, sent) in [
+        (proxy.addr(), &b""[..]),
+        (proxy.addr(), &b"GET /a HTTP/1.1\r\nHo"[..]),
+        (admin, &b""[..]),
+        // A keep-alive connection idle after its first request.
+        (proxy.addr(), &whole[..]),
+    ] {
+        let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        client.write_all(sent).await.unwrap();
+        if sent == whole {
+            let mut head = [0u8; 1024];
+            let n = client.read(&mut head).await.unwrap();
+            assert!(head[..n].starts_with(b"HTTP/1.1 200"));
+        }
+        let started = tokio::time::Instant::now();
+        let mut buf = [0u8; 256];
+        let read = tokio::time::timeout(Duration::from_secs(300), client.read(&mut buf))
+            .await
+            .unwrap_or_else(|_| panic!("{addr} {sent:?}: still open after 300 s"));
+        // Closed (or a 408 then closed): either way the connection ends.
+        if let Ok(n) = read
+            && n > 0
+        {
+            let text = String::from_utf8_lossy(&buf[..n]);
+            assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+        }
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_secs(29) && took <= Duration::from_secs(31),
+            "{addr} {sent:?}: cut off after {took:?}"
+        );
+    }
+}
