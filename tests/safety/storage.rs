@@ -518,3 +518,35 @@ async fn every_authorization_field_is_in_the_key() {
         assert_eq!(alice.x_cache(), "MISS", "{}", h.name);
     }
 }
+
+/// A response passed for its `Set-Cookie` still answers the client's
+/// validator with a 304, and that 304 keeps the cookie: it is this
+/// client's (a black-box audit saw it dropped, the user's session lost).
+#[tokio::test]
+async fn a_304_cut_from_a_passed_response_keeps_its_cookie() {
+    for h in Harness::both().await {
+        let target = "/doc?cc=max-age%3D60&etag=%22v1%22&set_cookie=s%3D1";
+        let r = h.get_with(target, &[("if-none-match", "\"v1\"")]).await;
+        assert_eq!(r.status, StatusCode::NOT_MODIFIED, "{}", h.name);
+        assert_eq!(r.h("set-cookie"), "s=1", "{}", h.name);
+    }
+}
+
+/// A request for a key known not to be stored (hit-for-miss: here its
+/// responses set cookies; a body over `max_body` is the common case) goes
+/// to the origin alone and as sent: its `Range` and `If-Range` reach the
+/// origin, which answers the range (a black-box audit saw every range
+/// request for a large file answered with the whole body).
+#[tokio::test]
+async fn a_range_for_a_key_not_stored_reaches_the_origin() {
+    for h in Harness::both().await {
+        let target = "/file?cc=max-age%3D60&set_cookie=s%3D1";
+        h.get(target).await;
+        let r = h
+            .get_with(target, &[("range", "bytes=0-3"), ("if-range", "\"v1\"")])
+            .await;
+        let seen = r.text();
+        assert!(seen.contains("range: bytes=0-3"), "{}: {seen}", h.name);
+        assert!(seen.contains("if-range: \"v1\""), "{}: {seen}", h.name);
+    }
+}

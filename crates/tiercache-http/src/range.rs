@@ -33,6 +33,8 @@ pub(crate) struct RangeAsk {
     range: ByteRange,
     /// The `If-Range` validator, if any.
     if_range: Option<Vec<u8>>,
+    /// The fields as sent, for a request that goes to the origin alone.
+    sent: (HeaderValue, Option<HeaderValue>),
 }
 
 /// Parses a `Range` field value: `Some` for exactly one valid byte range,
@@ -44,12 +46,19 @@ pub(crate) struct RangeAsk {
 /// assert_eq!(parse_range("bytes=0-99"), Some(ByteRange::FromTo(0, 99)));
 /// assert_eq!(parse_range("bytes=100-"), Some(ByteRange::From(100)));
 /// assert_eq!(parse_range("bytes=-5"), Some(ByteRange::Last(5)));
+/// assert_eq!(parse_range("BYTES=0-3"), Some(ByteRange::FromTo(0, 3)));
 /// assert_eq!(parse_range("bytes=0-1,5-6"), None);
 /// assert_eq!(parse_range("bytes=9-3"), None);
 /// assert_eq!(parse_range("items=0-1"), None);
 /// ```
 pub fn parse_range(value: &str) -> Option<ByteRange> {
-    let spec = value.trim().strip_prefix("bytes=")?.trim();
+    // Range units are case-insensitive (RFC 9110 §14.1).
+    let value = value.trim();
+    let unit = value.get(..6)?;
+    if !unit.eq_ignore_ascii_case("bytes=") {
+        return None;
+    }
+    let spec = value[6..].trim();
     if spec.contains(',') {
         return None;
     }
@@ -82,9 +91,24 @@ impl RangeAsk {
         };
         let range = value.to_str().ok().and_then(parse_range).ok_or(())?;
         let if_range = headers.get(IF_RANGE).map(|v| v.as_bytes().to_vec());
+        let sent = (value.clone(), headers.get(IF_RANGE).cloned());
         headers.remove(RANGE);
         headers.remove(IF_RANGE);
-        Ok(Some(Self { range, if_range }))
+        Ok(Some(Self {
+            range,
+            if_range,
+            sent,
+        }))
+    }
+
+    /// Puts the fields back as sent: a request that goes to the origin
+    /// alone (its key is not stored) lets the origin answer the range.
+    pub(crate) fn restore(&self, headers: &mut HeaderMap) {
+        let (range, if_range) = &self.sent;
+        headers.insert(RANGE, range.clone());
+        if let Some(if_range) = if_range {
+            headers.insert(IF_RANGE, if_range.clone());
+        }
     }
 
     /// Whether `If-Range` lets the range apply to a response with these

@@ -36,7 +36,12 @@ impl Route {
                         .and_then(|v| v.to_str().ok())
                         .and_then(crate::freshness::parse_http_date);
                     if ask.conditional.not_modified(etag, modified) {
-                        let head = headers::not_modified_fields(res.headers());
+                        let mut head = headers::not_modified_fields(res.headers());
+                        // A cookie is this client's own (often why the
+                        // response was passed): its 304 keeps it.
+                        for cookie in res.headers().get_all(http::header::SET_COOKIE) {
+                            head.append(http::header::SET_COOKIE, cookie.clone());
+                        }
                         res = Response::new(CacheBody::empty());
                         *res.status_mut() = StatusCode::NOT_MODIFIED;
                         *res.headers_mut() = head;

@@ -197,6 +197,10 @@ where
         };
         if miss.hit_for_miss() {
             route.metrics.bypass(Reason::HitForMiss);
+            // Alone and unstored: the origin answers the range itself.
+            if let Some(range) = &ask.range {
+                range.restore(&mut parts.headers);
+            }
         }
         let origin = HttpOrigin {
             route: route.clone(),

@@ -193,17 +193,19 @@ impl tower::Service<Request<Body>> for Forward {
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
+        // RFC 9112 §3.2: a server answers 400 to more than one `Host`.
+        if req.headers().get_all(HOST).iter().nth(1).is_some() {
+            let text = "tiercache-proxy: a request may carry one Host field\n";
+            return Box::pin(async move { Ok(own_answer(StatusCode::BAD_REQUEST, text.into())) });
+        }
         let upstream = self.upstream_request(req);
         let client = self.client.clone();
         let timeout = self.timeout;
         Box::pin(async move {
             let answered = tokio::time::timeout(timeout, client.request(upstream)).await;
             let Ok(answered) = answered else {
-                let mut res = Response::new(http_body_util::Either::Right(Body::from(format!(
-                    "tiercache-proxy: upstream sent no answer within {timeout:?}\n"
-                ))));
-                *res.status_mut() = StatusCode::GATEWAY_TIMEOUT;
-                return Ok(res);
+                let text = format!("tiercache-proxy: upstream sent no answer within {timeout:?}\n");
+                return Ok(own_answer(StatusCode::GATEWAY_TIMEOUT, text));
             };
             match answered {
                 Ok(res) => {
@@ -216,13 +218,17 @@ impl tower::Service<Request<Body>> for Forward {
                     ))
                 }
                 Err(e) => {
-                    let mut res = Response::new(http_body_util::Either::Right(Body::from(
-                        format!("tiercache-proxy: upstream unreachable: {e}\n"),
-                    )));
-                    *res.status_mut() = StatusCode::BAD_GATEWAY;
-                    Ok(res)
+                    let text = format!("tiercache-proxy: upstream unreachable: {e}\n");
+                    Ok(own_answer(StatusCode::BAD_GATEWAY, text))
                 }
             }
         })
     }
+}
+
+/// An answer of the proxy's own: `status`, and `text` saying why.
+fn own_answer(status: StatusCode, text: String) -> Response<UpstreamBody> {
+    let mut res = Response::new(http_body_util::Either::Right(Body::from(text)));
+    *res.status_mut() = status;
+    res
 }

@@ -603,3 +603,29 @@ async fn a_client_that_sends_no_head_is_cut_off() {
         );
     }
 }
+
+/// A request with two `Host` fields is refused with a 400 (RFC 9112 §3.2),
+/// not forwarded with both (which one the upstream reads is its business;
+/// a black-box audit saw both sent on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_with_two_hosts_is_a_400() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (server, calls) = upstream().await;
+    let config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let proxy = Proxy::start(config).await.unwrap();
+    let mut client = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
+    client
+        .write_all(
+            b"GET /a HTTP/1.1\r\nhost: a.example\r\nhost: b.example\r\nconnection: close\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    bounded("the answer", client.read_to_end(&mut answer))
+        .await
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert_eq!(calls.get(), 0, "nothing reached the upstream");
+}
