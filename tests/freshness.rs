@@ -23,6 +23,9 @@ enum Mode {
     /// Answers a conditional request with a 304 carrying these fields (an
     /// unconditional one with a 200, `ETag: "v1"`).
     NotModified(&'static [(&'static str, &'static str)]),
+    /// A 416, fresh for a minute, to a request with `Range`; else a 200
+    /// that sets a cookie (so the key is not stored: hit-for-miss).
+    Ranged,
     /// A 200 whose body breaks off after a few bytes (a reset or a stalled
     /// upstream cut by its timeout).
     BrokenBody,
@@ -97,6 +100,16 @@ impl Origin {
                         Ok(b.body(Body::from(format!("body {n}"))).unwrap())
                     }
                     Mode::BrokenBody => Ok(Response::new(Body::new(Broken(false)))),
+                    Mode::Ranged if req.headers().contains_key("range") => Ok(Response::builder()
+                        .status(416)
+                        .header("cache-control", "max-age=60")
+                        .header("content-range", "bytes */7")
+                        .body(Body::empty())
+                        .unwrap()),
+                    Mode::Ranged => Ok(Response::builder()
+                        .header("set-cookie", "s=1")
+                        .body(Body::from(format!("body {n}")))
+                        .unwrap()),
                     Mode::NotModified(headers) => {
                         if !req.headers().contains_key("if-none-match") {
                             return Ok(Response::builder()
@@ -166,11 +179,20 @@ impl Harness {
     }
 
     async fn get(&self, path: &str) -> (StatusCode, HeaderMap, String) {
+        self.get_with(path, &[]).await
+    }
+
+    async fn get_with(
+        &self,
+        path: &str,
+        fields: &[(&str, &str)],
+    ) -> (StatusCode, HeaderMap, String) {
         let svc = self.layer.layer(self.origin.service());
-        let req = Request::get(path)
-            .header("host", "t")
-            .body(Body::empty())
-            .unwrap();
+        let mut req = Request::get(path).header("host", "t");
+        for (name, value) in fields {
+            req = req.header(*name, *value);
+        }
+        let req = req.body(Body::empty()).unwrap();
         let res = match svc.oneshot(req).await {
             Ok(res) => res,
             Err(e) => return (StatusCode::BAD_GATEWAY, HeaderMap::new(), e.to_string()),
@@ -556,6 +578,22 @@ async fn a_304_with_another_validator_does_not_renew_the_old_body() {
         assert_ne!(body, "body 1", "swr={swr}: {h:?}");
         assert_eq!(x_cache(&h), "MISS", "swr={swr}");
     }
+}
+
+/// A request for a key that is not stored goes to the origin with its
+/// `Range`; the origin's 416 answers that request only. Stored under the
+/// URL's key, an anonymous `Range: bytes=999999999-` would have answered
+/// every client's plain GET with a 416 (a review finding).
+#[tokio::test]
+async fn a_416_to_a_range_is_never_stored() {
+    let t = Harness::new(Policy::ttl(secs(60)).jitter(0.0).build().unwrap());
+    t.origin.set(Mode::Ranged);
+    t.get("/f").await;
+    let (status, _, _) = t.get_with("/f", &[("range", "bytes=999999999-")]).await;
+    assert_eq!(status, StatusCode::RANGE_NOT_SATISFIABLE);
+    t.origin.set(Mode::Ok(&[]));
+    let (status, h, _) = t.get("/f").await;
+    assert_eq!(status, StatusCode::OK, "{h:?}");
 }
 
 #[tokio::test]

@@ -224,12 +224,13 @@ pub fn status_heuristic(status: StatusCode) -> bool {
 
 /// Statuses never stored, whatever the headers: partial content, 304,
 /// interim responses, and the errors a request can provoke on its own
-/// (400, 413, 414, 431: one oversized header must not give everyone a
-/// cached error). Origin failures (500, 502, 503, 504) are stored only with
+/// (400, 413, 414, 416, 431: one oversized header, or one odd `Range`,
+/// must not give everyone a cached error). Origin failures (500, 502, 503, 504) are stored only with
 /// explicit freshness, capped by `max_error_ttl`, as Traffic Server, httpd
 /// and nginx do.
 pub fn status_never_stored(status: StatusCode) -> bool {
-    matches!(status.as_u16(), 206 | 304 | 400 | 413 | 414 | 431) || status.is_informational()
+    // 416 answers one request's `Range` (sent on for a key not stored).
+    matches!(status.as_u16(), 206 | 304 | 400 | 413 | 414 | 416 | 431) || status.is_informational()
 }
 
 /// Whether a response may be stored and shared. `cache_control` is the

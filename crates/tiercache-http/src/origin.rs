@@ -139,8 +139,6 @@ impl Load<'_> {
         if parts.status == StatusCode::NOT_MODIFIED
             && let Some(stale) = revalidating
         {
-            let took = self.started.elapsed();
-            route.metrics.origin(took);
             return self.renewed(parts, stale).await;
         }
         // An origin failure with a stale entry at hand that may stand in
@@ -216,8 +214,8 @@ impl Load<'_> {
     /// only when its validators select it (RFC 9111 §4.3.4), and the merged
     /// head is judged as any response is: one that sets a cookie, or says
     /// `private`, `no-store` or `Vary: *`, answers this request alone
-    /// (with the stored body) and is never stored or shared. Either way the
-    /// stored response is outdated and dropped everywhere.
+    /// (with the stored body) and is never stored or shared. When it does
+    /// not renew, the stored response is outdated and dropped everywhere.
     async fn renewed<ResB>(
         &self,
         mut parts: response::Parts,
@@ -234,6 +232,7 @@ impl Load<'_> {
                 b"the origin answered 304 Not Modified with a validator the cache did not send\n",
             )));
             *res.status_mut() = StatusCode::BAD_GATEWAY;
+            route.metrics.origin(self.started.elapsed());
             route.metrics.not_stored(Reason::Status);
             return Loaded::Pass {
                 output: (res, Reason::Status),
@@ -251,8 +250,10 @@ impl Load<'_> {
             parts.status = status;
             parts.headers = merged;
             let body = CacheBody::full(stale.value().body.clone());
+            // (`pass` counts the origin's time.)
             return self.pass(parts, body, reason);
         }
+        route.metrics.origin(self.started.elapsed());
         Loaded::Store(renew(route, stale, merged))
     }
 

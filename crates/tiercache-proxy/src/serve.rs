@@ -3,7 +3,10 @@
 //! sends its head slowly, or nothing at all, is cut off instead of holding a
 //! connection for ever (`axum::serve` sets no timer, so hyper has none).
 
+use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
@@ -14,13 +17,21 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
 use hyper_util::service::TowerToHyperService;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 use tower::ServiceExt;
 
-/// How long a client may take to send a request's head (hyper's default
-/// once a timer is set; nginx's `client_header_timeout` is 60 s), and a new
-/// connection its first byte.
-pub(crate) const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a client may take to send a request's head, how long a
+/// keep-alive connection may sit idle between requests (hyper times both
+/// with one timer), and how long a new connection may take to show which
+/// HTTP it speaks. 75 s as nginx's `keepalive_timeout`: longer than the
+/// idle timeouts of the load balancers usually in front (60 s), which
+/// must close an idle connection first, or a request they send on it as
+/// the proxy closes it fails.
+pub(crate) const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(75);
+
+/// What an HTTP/2 client sends first (RFC 9113 §3.4).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 /// Serves `app` on `listener` until the task is dropped.
 pub(crate) async fn serve(listener: TcpListener, app: Router) {
@@ -31,7 +42,7 @@ pub(crate) async fn serve(listener: TcpListener, app: Router) {
         .header_read_timeout(HEADER_READ_TIMEOUT);
     builder.http2().timer(TokioTimer::new());
     loop {
-        let (stream, remote) = match listener.accept().await {
+        let (mut stream, remote) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(e) => {
                 // Out of file descriptors, or a connection reset before it
@@ -49,18 +60,95 @@ pub(crate) async fn serve(listener: TcpListener, app: Router) {
         });
         let builder = builder.clone();
         tokio::spawn(async move {
-            // hyper's timer starts at a head's first byte: a connection
-            // that sends none is bounded here (`peek`, not `readable`,
-            // which may report readiness before any byte has come).
-            let mut first = [0u8; 1];
-            match tokio::time::timeout(HEADER_READ_TIMEOUT, stream.peek(&mut first)).await {
-                Ok(Ok(n)) if n > 0 => {}
-                _ => return,
-            }
-            let io = TokioIo::new(stream);
+            // hyper reads the first bytes to tell HTTP/1 from HTTP/2 with
+            // no timer (a client sending `P` and no more would be held for
+            // ever): they are read here, within the timeout, and replayed.
+            let read = tokio::time::timeout(HEADER_READ_TIMEOUT, read_version(&mut stream));
+            let Ok(Ok(first)) = read.await else {
+                return;
+            };
+            let io = TokioIo::new(Replayed {
+                first,
+                at: 0,
+                stream,
+            });
             let service = TowerToHyperService::new(service);
             // A connection's error (a reset, a timeout) is that client's.
             let _ = builder.serve_connection_with_upgrades(io, service).await;
         });
+    }
+}
+
+/// Reads until the bytes seen are the whole HTTP/2 preface, or cannot be
+/// (the first byte of an HTTP/1 request is enough, mostly).
+async fn read_version(stream: &mut TcpStream) -> io::Result<Vec<u8>> {
+    let mut seen = Vec::with_capacity(H2_PREFACE.len());
+    let mut buf = [0u8; H2_PREFACE.len()];
+    loop {
+        let n = stream
+            .read(&mut buf[..H2_PREFACE.len() - seen.len()])
+            .await?;
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        seen.extend_from_slice(&buf[..n]);
+        if seen.len() == H2_PREFACE.len() || !H2_PREFACE.starts_with(&seen) {
+            return Ok(seen);
+        }
+    }
+}
+
+/// A connection whose first bytes were already read: they are read again
+/// first, then the stream.
+struct Replayed {
+    first: Vec<u8>,
+    at: usize,
+    stream: TcpStream,
+}
+
+impl AsyncRead for Replayed {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.at < this.first.len() {
+            let n = buf.remaining().min(this.first.len() - this.at);
+            buf.put_slice(&this.first[this.at..this.at + n]);
+            this.at += n;
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Replayed {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
     }
 }
