@@ -227,7 +227,7 @@ impl Load<'_> {
             // The origin's current version is another, whose body the
             // cache does not have: neither body may answer under the
             // other's validator.
-            let _ = route.engine.invalidate(&outdated).await;
+            self.drop_outdated(&outdated).await;
             let mut res = Response::new(CacheBody::full(Bytes::from_static(
                 b"the origin answered 304 Not Modified with a validator the cache did not send\n",
             )));
@@ -246,7 +246,7 @@ impl Load<'_> {
         let storable = response_storable(status, &merged, &cache_control, self.credentialed);
         drop(cache_control);
         if let Err(reason) = storable {
-            let _ = route.engine.invalidate(&outdated).await;
+            self.drop_outdated(&outdated).await;
             parts.status = status;
             parts.headers = merged;
             let body = CacheBody::full(stale.value().body.clone());
@@ -255,6 +255,16 @@ impl Load<'_> {
         }
         route.metrics.origin(self.started.elapsed());
         Loaded::Store(renew(route, stale, merged))
+    }
+
+    /// Drops a stored response a 304 did not renew, everywhere: under its
+    /// own key and, for a `Vary` variant, under the URL's key too, where the
+    /// same fill may have stored it.
+    async fn drop_outdated(&self, outdated: &CacheKey) {
+        let _ = self.route.engine.invalidate(outdated).await;
+        if outdated.full() != self.primary.full() {
+            let _ = self.route.engine.invalidate(self.primary).await;
+        }
     }
 
     /// Reads the body within `max_body`; what cannot be stored (too large,
