@@ -400,7 +400,17 @@ async fn tags_stay_bounded_and_large_ones_are_invalidated_whole() {
     })
     .await;
     let b = instance(&server, &origin).await;
-    a.engine.invalidate_tag("route").await.unwrap();
+    // Whole, or queued when its pages take longer than a command may (a
+    // loaded machine: seen once in CI) and then retried until it lands.
+    if let Err(queued) = a.engine.invalidate_tag("route").await {
+        eprintln!("the tag's invalidation was queued: {queued}");
+        bounded("the queued invalidation lands", async {
+            while !server.keys("tc:*:e").is_empty() || server.cmd(&["EXISTS", &set]) != "0" {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+    }
     assert!(server.keys("tc:*:e").is_empty(), "entries left behind");
     assert_eq!(server.cmd(&["EXISTS", &set]), "0");
     assert!(b.engine.get(&CacheKey::new("k7")).await.is_none());

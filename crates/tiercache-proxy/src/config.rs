@@ -43,6 +43,9 @@ pub struct ProxyConfig {
     /// may then send nothing of its body before the body is cut (a failure
     /// too, never stored).
     pub origin_timeout: Duration,
+    /// How long a client may take to send a request's head, or leave a
+    /// keep-alive connection idle between requests, before it is closed.
+    pub client_timeout: Duration,
     /// Stale-while-revalidate window.
     pub stale_while_revalidate: Duration,
     /// Stale-if-error window.
@@ -90,6 +93,12 @@ impl ProxyConfig {
     /// The default `origin_timeout`: 60 s, as nginx's `proxy_read_timeout`.
     pub const DEFAULT_ORIGIN_TIMEOUT: Duration = Duration::from_secs(60);
 
+    /// The default `client_timeout`: 75 s, as nginx's `keepalive_timeout`,
+    /// longer than the 60 s idle timeout of the load balancers usually in
+    /// front (they must close an idle connection first, or a request sent
+    /// on it as the proxy closes it fails).
+    pub const DEFAULT_CLIENT_TIMEOUT: Duration = Duration::from_secs(75);
+
     /// Defaults: listen on `127.0.0.1:8080`, explicit freshness only (no
     /// ttl), jitter 0.1, max body 8 MiB, L1 256 MiB.
     pub fn new(upstream: Uri) -> Self {
@@ -105,6 +114,7 @@ impl ProxyConfig {
             valkey: None,
             valkey_timeout: ValkeyConfig::DEFAULT_COMMAND_TIMEOUT,
             origin_timeout: Self::DEFAULT_ORIGIN_TIMEOUT,
+            client_timeout: Self::DEFAULT_CLIENT_TIMEOUT,
             stale_while_revalidate: Duration::ZERO,
             stale_if_error: Duration::ZERO,
             negative_ttl: None,
@@ -195,6 +205,11 @@ impl ProxyConfig {
                 "`--origin-timeout` (`origin_timeout` in a config file): greater than 0".into(),
             ));
         }
+        if self.client_timeout.is_zero() {
+            return Err(ProxyError::Config(
+                "`--client-timeout` (`client_timeout` in a config file): greater than 0".into(),
+            ));
+        }
         let zero_body = |at: &str| {
             ProxyError::Config(format!(
                 "`--max-body` (`max_body` in a config file's `[defaults]` or a route{at}): at least 1 byte (0 would store no body at all)"
@@ -273,6 +288,13 @@ impl ProxyConfig {
     /// quiet within its body (default 60 s).
     pub fn origin_timeout(mut self, timeout: Duration) -> Self {
         self.origin_timeout = timeout;
+        self
+    }
+
+    /// Sets how long a client may take to send a request's head, or idle
+    /// between keep-alive requests (default 75 s).
+    pub fn client_timeout(mut self, timeout: Duration) -> Self {
+        self.client_timeout = timeout;
         self
     }
 

@@ -8,6 +8,7 @@
 //! valkey   = "redis://127.0.0.1:6379"      # optional
 //! valkey_timeout = "50ms"                   # one Valkey command at most
 //! origin_timeout = "60s"                    # for the head (else 504), and each silence in a body
+//! client_timeout = "75s"                    # a client's head, or its idle keep-alive connection
 //! l1_capacity = "256MiB"
 //!
 //! [defaults]                                # any policy field or safety option
@@ -134,6 +135,8 @@ struct File {
     valkey_timeout: Option<Duration>,
     #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
     origin_timeout: Option<Duration>,
+    #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
+    client_timeout: Option<Duration>,
     #[serde(default, deserialize_with = "size")]
     l1_capacity: Option<u64>,
     max_refreshes: Option<usize>,
@@ -219,6 +222,9 @@ pub fn parse(text: &str, name: &str) -> Result<FileConfig, ProxyError> {
     config.valkey = file.valkey;
     if let Some(timeout) = file.valkey_timeout {
         config.valkey_timeout = timeout;
+    }
+    if let Some(timeout) = file.client_timeout {
+        config.client_timeout = timeout;
     }
     if let Some(timeout) = file.origin_timeout {
         config.origin_timeout = timeout;

@@ -125,7 +125,8 @@ impl Proxy {
         });
 
         let (listener, addr) = bind(config.listen).await?;
-        let mut tasks = vec![tokio::spawn(serve::serve(listener, app))];
+        let client_timeout = config.client_timeout;
+        let mut tasks = vec![tokio::spawn(serve::serve(listener, app, client_timeout))];
 
         tasks.push(prometheus::upkeep(prometheus.clone()));
 
@@ -137,7 +138,7 @@ impl Proxy {
                 layer: layer.clone(),
                 prometheus,
             });
-            tasks.push(tokio::spawn(serve::serve(listener, router)));
+            tasks.push(tokio::spawn(serve::serve(listener, router, client_timeout)));
         }
         Ok(Self {
             addr,

@@ -70,6 +70,11 @@ struct Args {
     /// within its body before the body is cut [default: 60s]
     #[arg(long, value_parser = parse_duration)]
     origin_timeout: Option<Duration>,
+    /// How long a client may take to send a request's head, or leave a
+    /// keep-alive connection idle, before it is closed; keep it above the
+    /// idle timeout of a load balancer in front [default: 75s]
+    #[arg(long, value_parser = parse_duration)]
+    client_timeout: Option<Duration>,
     /// Serve an expired entry for this long while one background refresh runs.
     #[arg(long, default_value = "0s", value_parser = parse_duration)]
     stale_while_revalidate: Duration,
@@ -206,6 +211,9 @@ fn settings(args: &Args, matches: &ArgMatches) -> Result<ProxyConfig, String> {
     }
     if let Some(timeout) = args.valkey_timeout {
         config.valkey_timeout = timeout;
+    }
+    if let Some(timeout) = args.client_timeout {
+        config.client_timeout = timeout;
     }
     if let Some(timeout) = args.origin_timeout {
         config.origin_timeout = timeout;

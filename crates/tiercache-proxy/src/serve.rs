@@ -21,25 +21,20 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tower::ServiceExt;
 
-/// How long a client may take to send a request's head, how long a
-/// keep-alive connection may sit idle between requests (hyper times both
-/// with one timer), and how long a new connection may take to show which
-/// HTTP it speaks. 75 s as nginx's `keepalive_timeout`: longer than the
-/// idle timeouts of the load balancers usually in front (60 s), which
-/// must close an idle connection first, or a request they send on it as
-/// the proxy closes it fails.
-pub(crate) const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(75);
-
 /// What an HTTP/2 client sends first (RFC 9113 §3.4).
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
-/// Serves `app` on `listener` until the task is dropped.
-pub(crate) async fn serve(listener: TcpListener, app: Router) {
+/// Serves `app` on `listener` until the task is dropped. `timeout` bounds
+/// how long a client may take to send a request's head, how long a
+/// keep-alive connection may sit idle between requests (hyper times both
+/// with one timer), and how long a new connection may take to show which
+/// HTTP it speaks.
+pub(crate) async fn serve(listener: TcpListener, app: Router, timeout: Duration) {
     let mut builder = Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT);
+        .header_read_timeout(timeout);
     builder.http2().timer(TokioTimer::new());
     loop {
         let (mut stream, remote) = match listener.accept().await {
@@ -63,7 +58,7 @@ pub(crate) async fn serve(listener: TcpListener, app: Router) {
             // hyper reads the first bytes to tell HTTP/1 from HTTP/2 with
             // no timer (a client sending `P` and no more would be held for
             // ever): they are read here, within the timeout, and replayed.
-            let read = tokio::time::timeout(HEADER_READ_TIMEOUT, read_version(&mut stream));
+            let read = tokio::time::timeout(timeout, read_version(&mut stream));
             let Ok(Ok(first)) = read.await else {
                 return;
             };
