@@ -205,9 +205,9 @@ impl ProxyConfig {
                 "`--origin-timeout` (`origin_timeout` in a config file): greater than 0".into(),
             ));
         }
-        if self.client_timeout.is_zero() {
+        if self.client_timeout.is_zero() || self.client_timeout > Duration::from_secs(86_400) {
             return Err(ProxyError::Config(
-                "`--client-timeout` (`client_timeout` in a config file): greater than 0".into(),
+                "`--client-timeout` (`client_timeout` in a config file): greater than 0, at most 1 day".into(),
             ));
         }
         let zero_body = |at: &str| {

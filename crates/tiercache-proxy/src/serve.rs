@@ -5,7 +5,9 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -35,10 +37,28 @@ pub(crate) async fn serve(listener: TcpListener, app: Router, timeout: Duration)
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(timeout);
-    builder.http2().timer(TokioTimer::new());
+    // HTTP/2: a ping every `timeout`, and a client that does not answer
+    // one within 20 s is dropped (a dead peer, or one that ignores the
+    // shutdown below).
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(timeout)
+        .keep_alive_timeout(Duration::from_secs(20));
     loop {
         let (mut stream, remote) = match listener.accept().await {
             Ok(accepted) => accepted,
+            // One connection's trouble, not the listener's.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionAborted
+                        | io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::ConnectionRefused
+                ) =>
+            {
+                continue;
+            }
             Err(e) => {
                 // Out of file descriptors, or a connection reset before it
                 // was accepted: wait a little rather than spin.
@@ -47,7 +67,11 @@ pub(crate) async fn serve(listener: TcpListener, app: Router, timeout: Duration)
                 continue;
             }
         };
+        // Requests started on this connection, for HTTP/2's idle watchdog.
+        let started = Arc::new(AtomicU64::new(0));
+        let counter = started.clone();
         let service = app.clone().map_request(move |req: Request<Incoming>| {
+            counter.fetch_add(1, Relaxed);
             let mut req = req.map(Body::new);
             req.extensions_mut()
                 .insert(ConnectInfo::<SocketAddr>(remote));
@@ -62,14 +86,37 @@ pub(crate) async fn serve(listener: TcpListener, app: Router, timeout: Duration)
             let Ok(Ok(first)) = read.await else {
                 return;
             };
+            let h2 = first == H2_PREFACE;
             let io = TokioIo::new(Replayed {
                 first,
                 at: 0,
                 stream,
             });
             let service = TowerToHyperService::new(service);
-            // A connection's error (a reset, a timeout) is that client's.
-            let _ = builder.serve_connection_with_upgrades(io, service).await;
+            let mut conn = pin!(builder.serve_connection_with_upgrades(io, service));
+            if !h2 {
+                // A connection's error (a reset, a timeout) is that client's.
+                let _ = conn.await;
+                return;
+            }
+            // hyper has no idle timeout for HTTP/2 (HTTP/1's is its header
+            // timer): a connection that starts no request for `timeout` is
+            // shut down gracefully (streams in flight finish first).
+            let mut seen = 0;
+            loop {
+                tokio::select! {
+                    _ = conn.as_mut() => return,
+                    () = tokio::time::sleep(timeout) => {
+                        let now = started.load(Relaxed);
+                        if now == seen {
+                            conn.as_mut().graceful_shutdown();
+                            let _ = conn.as_mut().await;
+                            return;
+                        }
+                        seen = now;
+                    }
+                }
+            }
         });
     }
 }

@@ -605,6 +605,28 @@ async fn a_client_that_sends_no_head_is_cut_off() {
             "{addr} {sent:?}: cut off after {took:?}"
         );
     }
+    // An HTTP/2 client that sends its preface and settings, then nothing:
+    // hyper has no idle timeout for HTTP/2; the proxy's watchdog shuts the
+    // connection down (a GOAWAY, then the close).
+    let mut client = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
+    let settings = [0u8, 0, 0, 4, 0, 0, 0, 0, 0];
+    client
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .unwrap();
+    client.write_all(&settings).await.unwrap();
+    let started = tokio::time::Instant::now();
+    tokio::time::timeout(Duration::from_secs(300), async {
+        let mut buf = [0u8; 256];
+        while matches!(client.read(&mut buf).await, Ok(n) if n > 0) {}
+    })
+    .await
+    .expect("an idle HTTP/2 connection still open after 300 s");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_secs(10) && took <= Duration::from_secs(41),
+        "HTTP/2 idle: cut off after {took:?}"
+    );
 }
 
 /// A request with two `Host` fields is refused with a 400 (RFC 9112 §3.2),
