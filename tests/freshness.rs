@@ -220,6 +220,19 @@ fn status_of(h: &HeaderMap) -> &str {
         .unwrap_or("")
 }
 
+/// `/p` stored for a second (with a 30 s stale-while-revalidate window
+/// when `swr`), then stale.
+async fn stale_p(swr: bool) -> Harness {
+    let mut policy = Policy::ttl(secs(1)).jitter(0.0);
+    if swr {
+        policy = policy.stale_while_revalidate(secs(30));
+    }
+    let t = Harness::new(policy.build().unwrap());
+    t.get("/p").await;
+    t.advance(1500);
+    t
+}
+
 /// The cache key of a GET of `path` as `Harness::get` sends it.
 fn key_of(path: &str) -> tiercache::core::CacheKey {
     let req = Request::get(path).header("host", "t").body(()).unwrap();
@@ -520,13 +533,7 @@ async fn a_304_that_may_not_be_shared_is_not_stored() {
     ];
     for swr in [false, true] {
         for fields in FIELDS {
-            let mut policy = Policy::ttl(secs(1)).jitter(0.0);
-            if swr {
-                policy = policy.stale_while_revalidate(secs(30));
-            }
-            let t = Harness::new(policy.build().unwrap());
-            t.get("/p").await;
-            t.advance(1500);
+            let t = stale_p(swr).await;
             t.origin.set(Mode::NotModified(fields));
             let (status, h, body) = t.get("/p").await;
             assert_eq!((status, body.as_str()), (StatusCode::OK, "body 1"));
@@ -561,13 +568,7 @@ async fn a_304_that_may_not_be_shared_is_not_stored() {
 #[tokio::test]
 async fn a_304_with_another_validator_does_not_renew_the_old_body() {
     for swr in [false, true] {
-        let mut policy = Policy::ttl(secs(1)).jitter(0.0);
-        if swr {
-            policy = policy.stale_while_revalidate(secs(30));
-        }
-        let t = Harness::new(policy.build().unwrap());
-        t.get("/p").await;
-        t.advance(1500);
+        let t = stale_p(swr).await;
         t.origin.set(Mode::NotModified(&[
             ("etag", "\"v2\""),
             ("cache-control", "max-age=60"),

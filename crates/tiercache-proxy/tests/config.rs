@@ -431,7 +431,7 @@ fn a_route_storing_no_body_is_refused_by_name() {
 /// request loads and stores the whole answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_stalls_is_cut_after_the_origin_timeout() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream = listener.local_addr().unwrap();
     let connections = Counter::new();
@@ -441,14 +441,7 @@ async fn a_body_that_stalls_is_cut_after_the_origin_timeout() {
         loop {
             let (mut socket, _) = listener.accept().await.unwrap();
             let n = served.bump();
-            let mut head = Vec::new();
-            let mut buf = [0u8; 1024];
-            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                match socket.read(&mut buf).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(read) => head.extend_from_slice(&buf[..read]),
-                }
-            }
+            let _ = read_head(&mut socket).await;
             let head = "HTTP/1.1 200 OK\r\ncontent-length: 10\r\ncache-control: max-age=60\r\n\r\n";
             // The first answer stops after three bytes and keeps its socket
             // open; the others are whole.
@@ -506,21 +499,16 @@ async fn a_body_that_stalls_is_cut_after_the_origin_timeout() {
 /// clean end for the first, a connection left open for the second).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_body_that_breaks_off_reaches_the_client_cut() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream = listener.local_addr().unwrap();
     let accept = tokio::spawn(async move {
         loop {
             let (mut socket, _) = listener.accept().await.unwrap();
             tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 1024];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match socket.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(read) => head.extend_from_slice(&buf[..read]),
-                    }
-                }
+                let Some(head) = read_head(&mut socket).await else {
+                    return;
+                };
                 let answer: &[u8] = if head.starts_with(b"GET /chunked") {
                     b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncache-control: max-age=60\r\n\r\n5\r\nhello\r\n"
                 } else {
@@ -670,4 +658,19 @@ fn the_client_timeout_comes_from_the_file_and_zero_is_refused() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("--client-timeout"), "{err}");
+}
+
+/// Reads a request's head off a raw upstream socket (`None` if the client
+/// goes away first).
+async fn read_head(socket: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match socket.read(&mut buf).await {
+            Ok(0) | Err(_) => return None,
+            Ok(read) => head.extend_from_slice(&buf[..read]),
+        }
+    }
+    Some(head)
 }
