@@ -11,6 +11,10 @@
 //! runs 100,000 requests of one app and nothing else; read the inclusive
 //! count of `hit_path::one` (`callgrind_annotate --inclusive=yes`).
 //!
+//! 2026-12-04, later: the layer's `call` 6,912 → 6,782 instructions (a
+//! target's key is built in an allocation of its exact size, so turning it
+//! into `Bytes` allocates nothing more and dropping it frees once).
+//!
 //! 2026-12-04: layer 13,353 instructions per L1 hit, bare 7,929 (1.68x);
 //! 14,160 before: a hot key's BLAKE3 digest (~600) now comes from a
 //! per-thread table of the 64 last computed, an L1 `cache-status` for a

@@ -85,8 +85,23 @@ pub struct CacheKey {
 impl CacheKey {
     /// Starts a key from parts.
     pub fn builder() -> KeyBuilder {
+        Self::builder_with_capacity(128)
+    }
+
+    /// Starts a key from parts, with room for `bytes` of them (each part
+    /// takes 4 bytes more than its length). A builder filled exactly to its
+    /// capacity finishes without another allocation, and its key is freed
+    /// in one: the hit path builds and drops a key per request.
+    ///
+    /// ```
+    /// use tiercache_core::CacheKey;
+    ///
+    /// let key = CacheKey::builder_with_capacity(4 + 2).part(b"/a").finish();
+    /// assert_eq!(key, CacheKey::new("/a"));
+    /// ```
+    pub fn builder_with_capacity(bytes: usize) -> KeyBuilder {
         KeyBuilder {
-            buf: Vec::with_capacity(128),
+            buf: Vec::with_capacity(bytes),
         }
     }
 

@@ -47,7 +47,8 @@ pub(crate) fn uri_key(
     path: &str,
     query: Option<&str>,
 ) -> KeyBuilder {
-    let mut key = CacheKey::builder();
+    // Sized to the parts, so a key of the target alone needs one allocation.
+    let mut key = CacheKey::builder_with_capacity(uri_key_len(scheme, authority, path, query));
     key.push(b"http/v1");
     // GET and HEAD share one entry; only they are stored.
     key.push(b"GET");
@@ -68,6 +69,12 @@ pub(crate) fn uri_key(
         None => key.push(b""),
     }
     key
+}
+
+/// The length of [`uri_key`]'s parts: six, each with its 4-byte length.
+fn uri_key_len(scheme: &str, authority: &[u8], path: &str, query: Option<&str>) -> usize {
+    let parts = b"http/v1".len() + b"GET".len() + scheme.len() + authority.len() + path.len();
+    6 * 4 + parts + query.map_or(0, |q| 1 + q.len())
 }
 
 /// Every cached response of `uri` (all its `Vary` variants and keyed copies
@@ -280,6 +287,22 @@ mod tests {
     use http::Request;
     use std::time::{Duration, SystemTime};
     use tiercache_core::{Times, Value};
+
+    #[test]
+    fn a_target_key_is_built_in_an_allocation_of_its_size() {
+        for (scheme, authority, path, query) in [
+            ("http", &b"example.com"[..], "/p", None),
+            ("HTTPS", &b"Example.COM:8443"[..], "/a/b", Some("x=1&y=2")),
+            ("http", &b""[..], "/", Some("")),
+        ] {
+            let key = uri_key(scheme, authority, path, query).finish();
+            assert_eq!(
+                key.full().len(),
+                uri_key_len(scheme, authority, path, query),
+                "{scheme}://{authority:?}{path}?{query:?}"
+            );
+        }
+    }
 
     fn parts(uri: &str, host: &str) -> request::Parts {
         Request::get(uri)
