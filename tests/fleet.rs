@@ -295,3 +295,96 @@ async fn an_instance_that_missed_an_invalidation_drops_its_l1_on_reconnect() {
     assert_eq!(body, "product 9 v1", "never the old entry after reconnect");
     assert_eq!(header(&headers, "x-cache"), "MISS");
 }
+
+/// Stale-if-error across the fleet: instance A revalidates its stale copy
+/// and the origin fails with a 500 that sets a cookie. A answers with its
+/// stale copy. B, with no copy of its own that may stand in, waits on A's
+/// fill lock: it must not be handed A's 500 (the cookie is A's client's),
+/// but load its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_that_may_not_be_shared_is_not_handed_to_another_instance() {
+    let server = ValkeyServer::start();
+    let clock = tiercache::core::MockClock::new();
+    let calls = Counter::new();
+    let gate = Gate::new();
+    let origin = Router::new().route(
+        "/e",
+        get({
+            let (calls, gate) = (calls.clone(), gate.clone());
+            move || {
+                let (calls, gate) = (calls.clone(), gate.clone());
+                async move {
+                    let n = calls.bump();
+                    if n == 1 {
+                        return (
+                            StatusCode::OK,
+                            [("cache-control", "max-age=1, stale-if-error=60".to_owned())],
+                            "good".to_owned(),
+                        );
+                    }
+                    gate.passed().await;
+                    (
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        [("set-cookie", format!("session={n}"))],
+                        format!("failed {n}"),
+                    )
+                }
+            }
+        }),
+    );
+    let mut apps = Vec::new();
+    let mut engines = Vec::new();
+    for _ in 0..2 {
+        let config = ValkeyConfig::from_url(&server.url())
+            .unwrap()
+            .connect_timeout(Duration::from_secs(10))
+            .command_timeout(Duration::from_secs(1));
+        let engine = TieredCache::builder()
+            .l2(ValkeyTier::connect(config).await.unwrap())
+            .clock(clock.clone())
+            .sweep_interval(None)
+            .build()
+            .unwrap();
+        let policy = Policy::ttl(Duration::from_secs(60))
+            .lock_timeout(Duration::from_secs(10))
+            .build()
+            .unwrap();
+        let route = ResponseCacheLayer::new(engine.clone())
+            .route(policy)
+            .unwrap();
+        apps.push(origin.clone().layer(route));
+        engines.push(engine);
+    }
+    let (status, _, body) = send(&apps[0], "GET", "/e").await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "good"));
+    clock.advance(Duration::from_secs(2));
+    // A's revalidation is at the origin, holding the fill lock.
+    let a = tokio::spawn({
+        let app = apps[0].clone();
+        async move { send(&app, "GET", "/e").await }
+    });
+    bounded("A at the origin", calls.reached(2)).await;
+    let b = tokio::spawn({
+        let app = apps[1].clone();
+        async move { send(&app, "GET", "/e").await }
+    });
+    bounded("B waits on A's lock", async {
+        eventually("B waits on A's lock", || engines[1].stats().coalesced == 1).await;
+    })
+    .await;
+    gate.open();
+    let (status, _, body) = bounded("A", a).await.unwrap();
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::OK, "good"),
+        "A's stale copy"
+    );
+    let (status, headers, body) = bounded("B", b).await.unwrap();
+    assert_ne!(
+        header(&headers, "set-cookie"),
+        "session=2",
+        "B was handed A's response, cookie and all"
+    );
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(body, "failed 3", "B's own origin call");
+}

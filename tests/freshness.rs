@@ -29,6 +29,8 @@ enum Mode {
     /// A 200 whose body breaks off after a few bytes (a reset or a stalled
     /// upstream cut by its timeout).
     BrokenBody,
+    /// Waits for the gate, then answers with this status.
+    HeldStatus(Gate, u16),
 }
 
 /// A body that sends a few bytes, then fails.
@@ -126,6 +128,13 @@ impl Origin {
                     Mode::Held(gate) => {
                         gate.passed().await;
                         Ok(Response::new(Body::from(format!("body {n}"))))
+                    }
+                    Mode::HeldStatus(gate, code) => {
+                        gate.passed().await;
+                        Ok(Response::builder()
+                            .status(code)
+                            .body(Body::from(format!("status {code}")))
+                            .unwrap())
                     }
                     Mode::Ok(headers) => {
                         if req
@@ -744,4 +753,51 @@ async fn an_expired_entry_with_a_validator_is_revalidated_not_refetched() {
     let third = app.clone().oneshot(get_doc()).await.unwrap();
     assert_eq!(third.headers()["x-cache"], "HIT");
     assert_eq!(asked.lock().unwrap().len(), 2);
+}
+
+/// A flight is keyed by URL, so a request the stale entry does not fit
+/// (gzip, stored without a `Vary` to say so) may wait on the load of one it
+/// fits. When the origin fails, the stale entry stands in for the requests
+/// it fits only: the other gets its own answer, never a body it cannot
+/// decode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_stand_in_answers_only_the_requests_it_fits() {
+    let t = Arc::new(Harness::new(
+        Policy::ttl(secs(1))
+            .jitter(0.0)
+            .stale_if_error(secs(60))
+            .build()
+            .unwrap(),
+    ));
+    t.origin.set(Mode::Always(&[("content-encoding", "gzip")]));
+    let gzip: &[(&str, &str)] = &[("accept-encoding", "gzip")];
+    let (_, h, _) = t.get_with("/z", gzip).await;
+    assert_eq!(x_cache(&h), "MISS");
+    t.advance(1500);
+    let gate = Gate::new();
+    t.origin.set(Mode::HeldStatus(gate.clone(), 500));
+    let zipped = tokio::spawn({
+        let t = t.clone();
+        async move { t.get_with("/z", gzip).await }
+    });
+    bounded("the revalidation at the origin", t.origin.calls.reached(2)).await;
+    let plain = tokio::spawn({
+        let t = t.clone();
+        async move { t.get("/z").await }
+    });
+    eventually("the plain request waits on the load", || {
+        t.engine.stats().coalesced == 1
+    })
+    .await;
+    gate.open();
+    let (status, h, _) = bounded("the gzip request", zipped).await.unwrap();
+    assert_eq!(status, StatusCode::OK, "stale-if-error: {h:?}");
+    assert_eq!(h.get("content-encoding").unwrap(), "gzip");
+    let (status, h, body) = bounded("the plain request", plain).await.unwrap();
+    assert_eq!(
+        h.get("content-encoding"),
+        None,
+        "a request without gzip got the gzip stand-in"
+    );
+    assert_eq!((status.as_u16(), body.as_str()), (500, "status 500"));
 }

@@ -657,6 +657,101 @@ async fn a_fill_that_lands_after_another_instances_invalidation_is_taken_out_aga
     }
 }
 
+/// The same race on one instance: its own fill of the old version is
+/// still queued (behind a pipeline on a slow link) when a write on that
+/// instance invalidates the key. The invalidation's flush does not wait on
+/// a full queue (nor past two command timeouts), so its `UNLINK` can go
+/// out first; the queued `SET` must then never be sent, or the old version
+/// comes back to L2 for the whole fleet after the write was acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fill_queued_before_this_instances_own_invalidation_is_never_sent() {
+    let server = ValkeyServer::start();
+    let link = FaultProxy::start(server.addr()).await;
+    let config = ValkeyConfig::from_url(&link.redis_url())
+        .unwrap()
+        .command_timeout(Duration::from_secs(3))
+        .write_queue(1);
+    let a_tier = connect(config).await;
+    let a = engine(a_tier.clone());
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    a.put(
+        &CacheKey::new("warm"),
+        Fill::new(Value::from_body("w")),
+        &policy,
+    );
+    wait_for_keys(&server, "tc:*:e", 1).await;
+
+    link.set(Fault::Latency(Duration::from_millis(300)));
+    a.put(
+        &CacheKey::new("in flight"),
+        Fill::new(Value::from_body("x")),
+        &policy,
+    );
+    // The writer has taken it and waits on the slow link.
+    eventually("the writer takes the first fill", || {
+        a.stats().l2.write_queue == 0
+    })
+    .await;
+    let key = CacheKey::new("queued");
+    a.put(&key, Fill::new(Value::from_body("old")), &policy);
+    assert_eq!(a.stats().l2.write_queue, 1, "the second fill waits");
+    bounded("the invalidation", a.invalidate(&key))
+        .await
+        .unwrap();
+    bounded("A's write queue", a_tier.flush()).await;
+    link.set(Fault::Pass);
+    bounded("A's write queue", a_tier.flush()).await;
+    a.forget_local(&key);
+    assert_eq!(
+        a.get(&key).await.map(|v| v.body),
+        None,
+        "L2 kept a fill its own instance's invalidation overtook"
+    );
+}
+
+/// A lock's holder that finds the entry stored after all (its second L2
+/// read) lets go without loading: the instances waiting on it must read
+/// L2, not go to the origin. Its release was announced as "passed".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_let_go_because_the_entry_is_there_does_not_send_waiters_to_the_origin() {
+    use tiercache::core::{LockAttempt, Tier, Unlocked};
+    let server = ValkeyServer::start();
+    let a = tier(&server.url(), "gone").await;
+    let b = tier(&server.url(), "gone").await;
+    let key = CacheKey::new("stored meanwhile");
+    let Ok(LockAttempt::Acquired(token)) = a.try_lock(&key, Duration::from_secs(5)).await else {
+        panic!("A did not get the lock");
+    };
+    let waiting = {
+        let (b, key, holder) = (b.clone(), key.clone(), token.clone());
+        tokio::spawn(async move {
+            b.wait_unlock(&key, Some(&holder), Duration::from_secs(5))
+                .await
+        })
+    };
+    // B listens on the key's channel before A lets go.
+    let channel = format!("gone:{{{}}}:done", key.hash());
+    bounded("B's subscription", async {
+        loop {
+            let reply: Vec<fred::prelude::Value> =
+                fred::prelude::PubsubInterface::pubsub_shardnumsub(a.client(), &channel)
+                    .await
+                    .unwrap();
+            if reply.get(1).and_then(fred::prelude::Value::as_i64) == Some(1) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    a.unlock(&key, &token, Unlocked::Gone);
+    let how = bounded("B's wait", waiting).await.unwrap().unwrap();
+    assert!(
+        !matches!(how, Unlocked::Passed),
+        "a waiter was sent to the origin: {how:?}"
+    );
+}
+
 /// The delete again is conditional: when a newer fill has replaced the
 /// overtaken one in Valkey by the time it lands, the newer one stays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

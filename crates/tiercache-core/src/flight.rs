@@ -130,6 +130,24 @@ impl Flights {
         })
     }
 
+    /// Leads the flight for `key` if nobody is loading it, not even a load
+    /// past its deadline: a background refresh never waits on another load,
+    /// and never takes one over (nobody waits on a refresh, and taking a
+    /// slow one over at each deadline would call the origin again and again
+    /// while stale hits go on; once the entry is dead, a request's miss
+    /// takes a stalled load over).
+    pub(crate) fn try_lead_idle(self: &Arc<Self>, key: KeyHash, wait: Duration) -> Option<Leader> {
+        if self
+            .map
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&key)
+        {
+            return None;
+        }
+        self.try_lead(key, wait)
+    }
+
     /// Leads the flight for `key` if nobody is loading it (a background
     /// refresh never waits on another load).
     pub(crate) fn try_lead(self: &Arc<Self>, key: KeyHash, wait: Duration) -> Option<Leader> {

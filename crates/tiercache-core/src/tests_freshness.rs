@@ -349,3 +349,73 @@ fn max_refreshes_of_zero_is_refused_naming_the_field() {
         .unwrap_err();
     assert!(err.to_string().contains("max_refreshes"), "{err}");
 }
+
+/// A refresh nobody waits on is never taken over: a slow one past its
+/// flight's deadline used to be replaced by a second at the next stale hit
+/// (and a third at the next deadline...), each an origin call and each
+/// holding one of `max_refreshes`. Once the entry is dead, a request's miss
+/// takes a stalled load over, as before.
+#[tokio::test]
+async fn a_slow_refresh_is_not_taken_over_at_its_deadline() {
+    let clock = MockClock::new();
+    let cache = engine(&clock, 1);
+    let key = CacheKey::new("k");
+    let policy = Policy::ttl(Duration::from_secs(1))
+        .jitter(0.0)
+        .xfetch_beta(0.0)
+        .stale_while_revalidate(Duration::from_secs(60))
+        .lock_timeout(Duration::from_millis(20))
+        .build()
+        .unwrap();
+    cache.store_now(&key, Fill::new(Value::from_body("v1")), &policy);
+    clock.advance(Duration::from_secs(2));
+    let Begin::Hit(first) = cache.begin(&key, &policy, ANY) else {
+        panic!("a stale entry answers")
+    };
+    // Held, not run: the refresh's load is as slow as can be.
+    let slow = first.refresh.expect("the first stale hit refreshes");
+    // A flight's deadline is on the machine's clock (it bounds real waits).
+    std::thread::sleep(Duration::from_millis(40));
+    let Begin::Hit(second) = cache.begin(&key, &policy, ANY) else {
+        panic!("a stale entry answers")
+    };
+    assert!(
+        second.refresh.is_none(),
+        "a second refresh took the slow one over"
+    );
+    // Dead: a request's miss takes the stalled load over.
+    clock.advance(Duration::from_secs(120));
+    assert!(matches!(cache.begin(&key, &policy, ANY), Begin::Miss(_)));
+    drop(slow);
+}
+
+/// `get_or_load_as` answers a stale hit at once: its loader, moved into
+/// the background refresh, is not waited for.
+#[tokio::test(start_paused = true)]
+async fn a_stale_hit_of_get_or_load_as_does_not_wait_for_its_refresh() {
+    let clock = MockClock::new();
+    let cache = engine(&clock, 1);
+    let key = CacheKey::new("price");
+    let policy = Policy::ttl(Duration::from_secs(1))
+        .jitter(0.0)
+        .xfetch_beta(0.0)
+        .stale_while_revalidate(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let loaded: u64 = cache
+        .get_or_load_as(&key, &policy, || async {
+            Ok::<_, std::convert::Infallible>(1)
+        })
+        .await
+        .unwrap();
+    assert_eq!(loaded, 1);
+    clock.advance(Duration::from_secs(2));
+    let hung = || std::future::pending::<Result<u64, std::convert::Infallible>>();
+    let answered = tokio::time::timeout(
+        Duration::from_secs(5),
+        cache.get_or_load_as(&key, &policy, hung),
+    )
+    .await
+    .expect("a stale hit waited for its refresh's loader");
+    assert_eq!(answered.unwrap(), 1);
+}

@@ -141,8 +141,12 @@ impl Load<'_> {
         {
             return self.renewed(parts, stale).await;
         }
+        let cache_control = targeted(&parts.headers, &route.config.targets);
         // An origin failure with a stale entry at hand that may stand in
-        // for it (stale-if-error): the stale entry answers, nothing is stored.
+        // for it (stale-if-error): the stale entry answers, nothing is
+        // stored. The failure is still handed to the instances waiting on
+        // this load (they may have no stale copy) only if any client may
+        // see it; else they each load their own.
         if is_origin_error(parts.status)
             && revalidating.is_some_and(|stale| {
                 matches!(
@@ -151,9 +155,18 @@ impl Load<'_> {
                 )
             })
         {
+            let shareable = response_shareable(
+                parts.status,
+                &parts.headers,
+                &cache_control,
+                self.credentialed,
+            );
+            drop(cache_control);
+            if !shareable {
+                return self.pass(parts, CacheBody::stream(body), Reason::Status);
+            }
             return self.share(parts, body, Reason::Status).await;
         }
-        let cache_control = targeted(&parts.headers, &route.config.targets);
         let safe = response_storable(
             parts.status,
             &parts.headers,

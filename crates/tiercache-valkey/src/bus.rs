@@ -303,16 +303,7 @@ impl Bus {
         }
         // After the engine's journal has it: a fill whose journal check came
         // first was queued before this (see `crate::overtaken`).
-        let scope = match decoded.invalidation {
-            Invalidation::Keys(hashes) => Some(Scope::Keys(hashes)),
-            Invalidation::Tag(tag, hashes) => Some(Scope::Tag(
-                crate::tier::tag_key_in(&self.prefix, &tag),
-                hashes,
-            )),
-            Invalidation::Prefix(pattern) => Some(Scope::Prefix(pattern)),
-            _ => None,
-        };
-        if let Some(scope) = scope {
+        if let Some(scope) = Scope::of(&decoded.invalidation, &self.prefix) {
             self.overtaken.heard(scope, std::time::Instant::now());
         }
         // Counted once applied: whoever sees the count sees it done.

@@ -1,7 +1,7 @@
 //! Invalidation in Valkey: deletes, tag sets, prefix bans, and the
 //! message that tells the other instances.
 
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
 use bytes::Bytes;
 use fred::prelude::{
@@ -11,6 +11,7 @@ use tiercache_core::{Invalidation, KeyHash, TierError};
 
 use crate::bans::{BAN_RETENTION, bans_key};
 use crate::bus::{self, Ban};
+use crate::overtaken::Scope;
 use crate::tier::{ValkeyTier, fred_error};
 use crate::writer::Write;
 
@@ -146,6 +147,12 @@ impl ValkeyTier {
         &self,
         invalidation: Invalidation,
     ) -> Result<(), TierError> {
+        // This instance's own fills of what it invalidates, still queued
+        // (or just sent), must not land after the delete: the flush waits
+        // on them, but not on a full queue nor past its bound.
+        if let Some(scope) = Scope::of(&invalidation, &self.inner.prefix) {
+            self.inner.overtaken.heard(scope, Instant::now());
+        }
         self.flush().await;
         match invalidation {
             Invalidation::Keys(hashes) => {

@@ -164,12 +164,14 @@ pub(crate) const SHARED_ANSWER_TTL: Duration = Duration::from_secs(1);
 const MAX_SHARED_MESSAGE: usize = 256 * 1024;
 
 /// The message a lock's release sends on the key's done channel: `1`
-/// filled (read L2), `0` passed (load), or `2`/`3` followed by the shared
+/// filled or gone (read L2, then try the lock), `0` passed (load), or `2`/`3` followed by the shared
 /// answer's envelope (`2`: an origin failure), which waiting instances
 /// answer with instead of calling the origin again.
 pub(crate) fn unlock_message(how: &Unlocked) -> Bytes {
     match how {
-        Unlocked::Filled => Bytes::from_static(b"1"),
+        // A waiter does the same for both; "passed" would send it to the
+        // origin past an entry that may be there.
+        Unlocked::Filled | Unlocked::Gone => Bytes::from_static(b"1"),
         Unlocked::Shared(entry, failed) if entry.value().body.len() <= MAX_SHARED_MESSAGE => {
             let envelope = codec::encode(entry);
             let mut message = Vec::with_capacity(1 + envelope.len());

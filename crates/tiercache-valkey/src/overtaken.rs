@@ -19,6 +19,11 @@
 //! compares the time an entry was stored, which for an overtaken fill is
 //! after the ban); a resync (messages may have been missed) covers every
 //! fill. (Memcache's leases solve the same race on the server.)
+//!
+//! This instance's own invalidations are heard here too, before their
+//! delete goes out: a fill of the old version still queued behind a slow
+//! pipeline (the delete's flush waits at most two command timeouts, and not
+//! at all on a full queue) would otherwise land after the delete.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
@@ -26,7 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tiercache_core::{KeyHash, KeyPattern};
+use tiercache_core::{Invalidation, KeyHash, KeyPattern};
 use tokio::sync::mpsc;
 
 use crate::writer::{Command, Write};
@@ -52,6 +57,20 @@ pub(crate) enum Scope {
 }
 
 impl Scope {
+    /// What `invalidation` covers, a tag named by its set's Valkey key
+    /// under `prefix`; `None` for what names no key, tag or prefix.
+    pub(crate) fn of(invalidation: &Invalidation, prefix: &str) -> Option<Self> {
+        match invalidation {
+            Invalidation::Keys(hashes) => Some(Scope::Keys(hashes.clone())),
+            Invalidation::Tag(tag, hashes) => Some(Scope::Tag(
+                crate::tier::tag_key_in(prefix, tag),
+                hashes.clone(),
+            )),
+            Invalidation::Prefix(pattern) => Some(Scope::Prefix(pattern.clone())),
+            _ => None,
+        }
+    }
+
     /// Whether it covers the fill of the full key `full` (hashed `hash`)
     /// stored with the tag sets `tags` (its hashes sorted: see `heard`).
     fn covers(&self, hash: &KeyHash, full: &[u8], tags: &[String]) -> bool {
@@ -180,8 +199,10 @@ impl Overtaken {
         self.heard.load(SeqCst)
     }
 
-    /// Another instance invalidated `scope`: fills sent within the grace that
-    /// it covers are deleted again (queued behind the writes before).
+    /// An instance (another, or this one about to send its delete)
+    /// invalidated `scope`: fills still queued that it covers are never
+    /// sent, and fills sent within the grace that it covers are deleted
+    /// again (queued behind the writes before).
     pub(crate) fn heard(&self, mut scope: Scope, now: Instant) {
         // Sorted once, searched by every fill it is checked against (a big
         // tag's page names thousands of keys).

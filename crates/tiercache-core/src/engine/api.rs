@@ -304,7 +304,7 @@ impl TieredCache {
     {
         // The loader's own value comes back as is: decoding it again could
         // only fail where encoding did.
-        let (tx, rx) = tokio::sync::oneshot::channel::<T>();
+        let (tx, mut rx) = tokio::sync::oneshot::channel::<T>();
         let origin = LoaderOrigin {
             load: || async move {
                 let value = loader().await?;
@@ -319,7 +319,10 @@ impl TieredCache {
             accepts: |e: &Entry| decode::<T>(e.value()).is_some(),
         };
         let fetched = self.fetch(key, policy, origin).await?;
-        if let Ok(own) = rx.await {
+        // Sent already when this call's load answered it; a load that went
+        // on in the background (a refresh, or past the soft timeout) is not
+        // waited for: the answer is the entry.
+        if let Ok(own) = rx.try_recv() {
             return Ok(own);
         }
         match fetched {

@@ -265,7 +265,7 @@ impl TieredCache {
         let leader = self
             .inner
             .flights
-            .try_lead(keys.flight.hash(), policy.lock_wait())?;
+            .try_lead_idle(keys.flight.hash(), policy.lock_wait())?;
         Some(Refresh(Box::new(RefreshState {
             engine: self.clone(),
             keys,

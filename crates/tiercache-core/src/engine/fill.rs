@@ -219,10 +219,13 @@ impl TieredCache {
                 FleetJoin::Filled(entry) => {
                     return Ok(self.filled_from_l2(leader, entry));
                 }
-                FleetJoin::Shared(entry, failed) => {
+                FleetJoin::Shared(entry, failed) if origin.accepts(&entry) => {
                     let usable = stale.filter(|e| self.stale_usable(e));
                     return Ok(self.shared(leader, entry, failed, usable));
                 }
+                // Another instance's answer that does not fit this request
+                // (its encoding): this one loads it.
+                FleetJoin::Shared(..) => FleetLock::local(),
                 FleetJoin::Lead(lock) => lock,
             }
         };
@@ -352,11 +355,16 @@ impl TieredCache {
             }
             FlightResult::Transient(entry, failed) => match stale(fallback.filter(|_| failed)) {
                 Some(stand_in) => stand_in,
-                None => answer(entry, Source::Origin, Served::Shared),
+                None if origin.accepts(&entry) => answer(entry, Source::Origin, Served::Shared),
+                None => Followed::Alone,
             },
-            FlightResult::Stale(entry) => {
+            // The leader's stale entry, when it fits this request (a flight
+            // is keyed by URL: a reload, or a request the entry's `Vary` or
+            // encoding does not fit, may share it); else this request's own.
+            FlightResult::Stale(entry) if origin.accepts(&entry) => {
                 answer(entry, Source::L1, Served::Stale(StaleReason::OriginError))
             }
+            FlightResult::Stale(_) => stale(fallback).unwrap_or(Followed::Alone),
             FlightResult::Failed(FlightError::Panicked) => {
                 Followed::Error(FetchError::Panicked(Panic(None)))
             }

@@ -37,7 +37,9 @@ impl TieredCache {
                 // between our L2 read and this lock: look once more, one
                 // round trip against an origin call.
                 if let Some(entry) = self.lookup_l2(key, epoch, &accept).await {
-                    l2.unlock(key, &token, Unlocked::Gone);
+                    // Filled, for the instances that began waiting on this
+                    // lock meanwhile: the entry is there to read.
+                    l2.unlock(key, &token, Unlocked::Filled);
                     return FleetJoin::Filled(entry);
                 }
                 return FleetJoin::Lead(FleetLock::held(l2, key.clone(), token));
