@@ -800,4 +800,9 @@ async fn a_stale_stand_in_answers_only_the_requests_it_fits() {
         "a request without gzip got the gzip stand-in"
     );
     assert_eq!((status.as_u16(), body.as_str()), (500, "status 500"));
+    assert_eq!(
+        t.origin.calls.get(),
+        2,
+        "the failure, which any client may see, answers it: no call of its own"
+    );
 }

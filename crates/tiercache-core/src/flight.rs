@@ -32,8 +32,10 @@ pub(crate) enum FlightResult {
     /// An answer that may be shared but was not stored (an error page, a
     /// value the loader chose not to keep); `true` for an origin failure.
     Transient(Entry, bool),
-    /// The origin failed and this stale entry answers (stale-if-error).
-    Stale(Entry),
+    /// The origin failed and this stale entry answers (stale-if-error),
+    /// with the failure when any client may see it: the answer of the
+    /// followers the stale entry does not fit.
+    Stale(Entry, Option<Entry>),
     /// The leader's answer may not be shared: go to the origin alone.
     Released,
     /// The load ended without an answer to share.
@@ -90,6 +92,10 @@ pub(crate) enum Join {
     Follower(Follower),
 }
 
+/// How many waits past its deadline a load must be before a background
+/// refresh takes it over (a request's miss does at the deadline).
+const REFRESH_TAKES_OVER_AFTER: u32 = 4;
+
 impl Flights {
     pub(crate) const DEFAULT_CAP: usize = 65_536;
 
@@ -130,19 +136,20 @@ impl Flights {
         })
     }
 
-    /// Leads the flight for `key` if nobody is loading it, not even a load
-    /// past its deadline: a background refresh never waits on another load,
-    /// and never takes one over (nobody waits on a refresh, and taking a
-    /// slow one over at each deadline would call the origin again and again
-    /// while stale hits go on; once the entry is dead, a request's miss
-    /// takes a stalled load over).
+    /// Leads the flight for `key` if nobody is loading it: a background
+    /// refresh never waits on another load, and takes over one past its
+    /// deadline only [`REFRESH_TAKES_OVER_AFTER`] waits later (nobody waits
+    /// on a refresh, and taking a slow one over at each deadline called the
+    /// origin again at every stale hit past it; a hung one is still
+    /// replaced, so the entry does not stay frozen for a long window).
     pub(crate) fn try_lead_idle(self: &Arc<Self>, key: KeyHash, wait: Duration) -> Option<Leader> {
-        if self
+        let stalled = self
             .map
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .contains_key(&key)
-        {
+            .get(&key)
+            .map(|slot| slot.deadline + wait.saturating_mul(REFRESH_TAKES_OVER_AFTER));
+        if stalled.is_some_and(|since| since > Instant::now()) {
             return None;
         }
         self.try_lead(key, wait)

@@ -196,3 +196,19 @@ pub(crate) fn read_unlock_message(message: &[u8]) -> Unlocked {
         _ => Unlocked::Passed,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A holder that lets go because the entry is there after all (its
+    /// second L2 read) must not send its waiters to the origin: "gone" is
+    /// carried as "read L2", not as "passed".
+    #[test]
+    fn a_release_as_gone_tells_waiters_to_read_l2_not_to_load() {
+        let heard = |how: Unlocked| read_unlock_message(&unlock_message(&how));
+        assert!(matches!(heard(Unlocked::Gone), Unlocked::Filled));
+        assert!(matches!(heard(Unlocked::Filled), Unlocked::Filled));
+        assert!(matches!(heard(Unlocked::Passed), Unlocked::Passed));
+    }
+}

@@ -1,4 +1,5 @@
-//! Fills that another instance's invalidation overtook on their way to Valkey.
+//! Fills that an invalidation (another instance's, or this one's) overtook
+//! on their way to Valkey.
 //!
 //! The engine's journal keeps a fill out of both tiers once an invalidation
 //! covers it, but only up to the moment it is stored: the L2 write then
@@ -43,7 +44,7 @@ const HEARD_CAP: usize = 1024;
 /// flood the oldest are forgotten before the grace is up.
 const SENT_CAP: usize = 4096;
 
-/// What one invalidation heard from another instance covers.
+/// What one invalidation heard (another instance's, or this one's) covers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Scope {
     /// These keys.
@@ -159,8 +160,8 @@ impl State {
     }
 }
 
-/// The invalidations other instances sent lately and the fills this one
-/// sent lately; see the module's doc.
+/// The invalidations heard lately (other instances', and this one's own)
+/// and the fills this one sent lately; see the module's doc.
 pub(crate) struct Overtaken {
     /// How many invalidations have been heard: a fill notes it when queued,
     /// a pipeline when sent, and each checks what was heard after. Read

@@ -87,8 +87,9 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
                 Err(_) => break,
             }
         }
-        // Fills another instance's invalidation covers since they were
-        // queued are never sent; the rest go out under this mark.
+        // Fills an invalidation (another instance's, or this one's) covers
+        // since they were queued are never sent; the rest go out under this
+        // mark.
         let (sent_under, held) = inner.overtaken.hold_back(&mut batch, |c| match c {
             Command::Set {
                 hash,

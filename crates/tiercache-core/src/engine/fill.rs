@@ -219,13 +219,16 @@ impl TieredCache {
                 FleetJoin::Filled(entry) => {
                     return Ok(self.filled_from_l2(leader, entry));
                 }
-                FleetJoin::Shared(entry, failed) if origin.accepts(&entry) => {
-                    let usable = stale.filter(|e| self.stale_usable(e));
-                    return Ok(self.shared(leader, entry, failed, usable));
+                FleetJoin::Shared(entry, failed) => {
+                    let usable = stale.clone().filter(|e| self.stale_usable(e));
+                    // Another instance's answer that fits this request, or
+                    // a failure this one's own stale copy stands in for;
+                    // else (its encoding does not fit) this one loads it.
+                    if origin.accepts(&entry) || (failed && usable.is_some()) {
+                        return Ok(self.shared(leader, entry, failed, usable));
+                    }
+                    FleetLock::local()
                 }
-                // Another instance's answer that does not fit this request
-                // (its encoding): this one loads it.
-                FleetJoin::Shared(..) => FleetLock::local(),
                 FleetJoin::Lead(lock) => lock,
             }
         };
@@ -237,7 +240,7 @@ impl TieredCache {
         let delta = self.delta_since(began, took);
         self.inner.counters.origin_load(took);
         let stand_in = |leader: Leader, stale: Entry| {
-            leader.complete(FlightResult::Stale(stale.clone()));
+            leader.complete(FlightResult::Stale(stale.clone(), None));
             Filled::Stale(stale)
         };
         match loaded {
@@ -308,7 +311,7 @@ impl TieredCache {
     ) -> Filled<T> {
         match usable.filter(|_| failed) {
             Some(stale) => {
-                leader.complete(FlightResult::Stale(stale.clone()));
+                leader.complete(FlightResult::Stale(stale.clone(), Some(entry)));
                 Filled::Stale(stale)
             }
             None => {
@@ -361,10 +364,16 @@ impl TieredCache {
             // The leader's stale entry, when it fits this request (a flight
             // is keyed by URL: a reload, or a request the entry's `Vary` or
             // encoding does not fit, may share it); else this request's own.
-            FlightResult::Stale(entry) if origin.accepts(&entry) => {
+            FlightResult::Stale(entry, _) if origin.accepts(&entry) => {
                 answer(entry, Source::L1, Served::Stale(StaleReason::OriginError))
             }
-            FlightResult::Stale(_) => stale(fallback).unwrap_or(Followed::Alone),
+            FlightResult::Stale(_, failure) => match stale(fallback) {
+                Some(stand_in) => stand_in,
+                None => match failure.filter(|f| origin.accepts(f)) {
+                    Some(failure) => answer(failure, Source::Origin, Served::Shared),
+                    None => Followed::Alone,
+                },
+            },
             FlightResult::Failed(FlightError::Panicked) => {
                 Followed::Error(FetchError::Panicked(Panic(None)))
             }
