@@ -14,6 +14,7 @@ use tiercache_testkit::{ValkeySentinel, bounded};
 
 struct Instance {
     tier: ValkeyTier,
+    engine: TieredCache,
     app: Router,
 }
 
@@ -25,13 +26,13 @@ async fn instance(group: &ValkeySentinel) -> Instance {
         .sweep_interval(None)
         .build()
         .unwrap();
-    let layer = ResponseCacheLayer::new(engine);
+    let layer = ResponseCacheLayer::new(engine.clone());
     let route = layer.route(Policy::ttl(Duration::from_secs(60))).unwrap();
     let app = Router::new().route(
         "/p/{id}",
         get(|Path(id): Path<String>| async move { format!("product {id}") }).layer(route),
     );
-    Instance { tier, app }
+    Instance { tier, engine, app }
 }
 
 /// What A stores now, B reads from L2 (retried while the group settles).
@@ -65,4 +66,10 @@ async fn a_failover_behind_sentinel_under_load_fails_no_request() {
     let (ok, failed) = load.finish().await;
     assert_eq!(failed, 0, "of {ok} requests");
     l2_serves(&a, &b, "after").await;
+    // Invalidations sent while they were switching over were missed: each
+    // dropped its L1 on reaching the new primary (a server never seen
+    // before, which used to count as a first connection).
+    for (name, i) in [("A", &a), ("B", &b)] {
+        assert!(i.engine.stats().l2.resyncs >= 1, "{name} did not resync");
+    }
 }

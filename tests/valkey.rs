@@ -598,6 +598,59 @@ async fn an_instance_that_started_without_valkey_drops_l1_once_it_hears() {
     .await;
 }
 
+/// Prefix bans are read when the subscriber connects; a read that failed
+/// (here the server refuses `HGETALL` at first) was never tried again, and
+/// the instance answered from L2 the copies a prefix invalidation had
+/// banned until their `PX`. It is retried until it succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_that_could_not_read_the_bans_retries_until_it_can() {
+    let server = ValkeyServer::start();
+    let a = engine(tier(&server.url(), "bans").await);
+    // The copy is B's, and B hears nothing more: a fill of its own sent in
+    // the last 2 s would be deleted again on hearing the invalidation.
+    let link = FaultProxy::start(server.addr()).await;
+    let b_tier = connect(
+        ValkeyConfig::from_url(&link.redis_url())
+            .unwrap()
+            .prefix("bans"),
+    )
+    .await;
+    let b = engine(b_tier.clone());
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    let key = CacheKey::builder().part(b"/p/1").finish();
+    b.put(&key, Fill::new(Value::from_body("old")), &policy);
+    bounded("B's fill", b_tier.flush()).await;
+    wait_for_keys(&server, "bans:*:e", 1).await;
+    link.set(Fault::Blackhole);
+    a.invalidate_prefix(tiercache::core::KeyPattern::new().prefix(b"/p/"))
+        .await
+        .unwrap();
+    server.cmd(&[
+        "ACL", "SETUSER", "late", "on", ">pw", "~*", "&*", "+@all", "-hgetall",
+    ]);
+    let url = format!("redis://late:pw@127.0.0.1:{}", server.port());
+    let c = engine(connect(ValkeyConfig::from_url(&url).unwrap().prefix("bans")).await);
+    assert_eq!(
+        c.get(&key).await.map(|v| v.body),
+        Some("old".into()),
+        "the copy is in L2, and C could not read the ban"
+    );
+    server.cmd(&["ACL", "SETUSER", "late", "+hgetall"]);
+    // Retried within a second or so (the old code learned it only at a
+    // later reconnect, ~60 s here).
+    let learned = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            c.forget_local(&key);
+            if c.get(&key).await.is_none() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(learned.is_ok(), "C answered the banned copy for 10 s");
+}
+
 /// An instance reaching `server` through a fault proxy (passing for now),
 /// with a command timeout long enough for the latency the tests add.
 async fn behind_a_link(server: &ValkeyServer) -> (FaultProxy, ValkeyTier, TieredCache) {

@@ -41,6 +41,11 @@ async fn instance(server: &ValkeyServer, origin: &Origin) -> Instance {
 }
 
 async fn instance_at(url: &str, origin: &Origin) -> Instance {
+    let policy = Policy::ttl(Duration::from_secs(60)).lock_timeout(Duration::from_secs(5));
+    instance_with(url, origin, policy).await
+}
+
+async fn instance_with(url: &str, origin: &Origin, policy: tiercache::PolicyBuilder) -> Instance {
     let tier = ValkeyTier::connect(ValkeyConfig::from_url(url).unwrap())
         .await
         .unwrap();
@@ -50,9 +55,7 @@ async fn instance_at(url: &str, origin: &Origin) -> Instance {
         .build()
         .unwrap();
     let layer = ResponseCacheLayer::new(engine.clone());
-    let route = layer
-        .route(Policy::ttl(Duration::from_secs(60)).lock_timeout(Duration::from_secs(5)))
-        .unwrap();
+    let route = layer.route(policy).unwrap();
     let app = Router::new()
         .route(
             "/v/{k}",
@@ -162,6 +165,52 @@ async fn an_instance_never_answers_from_an_l2_copy_its_pending_invalidation_cove
         "answered from the L2 copy its own write invalidated"
     );
     assert_eq!(header(&headers, "x-cache"), "MISS");
+
+    server.cmd(&["ACL", "SETUSER", "app", "+@all"]);
+    bounded("the invalidation lands", async {
+        eventually("nothing pending", || {
+            a.engine.stats().invalidations.pending == 0
+        })
+        .await;
+    })
+    .await;
+}
+
+/// The same for a tag: the pending invalidation's keys are only those this
+/// instance's own tag index held, and L2 copies carry no tags, so a member
+/// another instance stored (this one never held it) was answered from L2.
+/// Until it lands, no L2 copy older than it answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_tag_invalidation_covers_members_this_instance_never_held() {
+    let server = ValkeyServer::start();
+    server.cmd(&[
+        "ACL", "SETUSER", "app", "on", ">pw", "~*", "&*", "+@all", "-del", "-unlink", "-publish",
+    ]);
+    let url = format!("redis://app:pw@127.0.0.1:{}", server.port());
+    let origin = Origin::default();
+    let tagged = || {
+        Policy::ttl(Duration::from_secs(60))
+            .lock_timeout(Duration::from_secs(5))
+            .tag("versions")
+    };
+    let a = instance_with(&url, &origin, tagged()).await;
+    let b = instance_with(&server.url(), &origin, tagged()).await;
+    assert_eq!(send(&b.app, "GET", "/v/3").await.2, "v0");
+    b.tier.flush().await;
+
+    let queued = a.engine.invalidate_tag("versions").await;
+    assert!(queued.is_err(), "Valkey refuses A's deletes: {queued:?}");
+    // A copy stored after it is not covered: A reads L2.
+    assert_eq!(send(&b.app, "GET", "/v/4").await.2, "v0");
+    b.tier.flush().await;
+    let (_, headers, _) = send(&a.app, "GET", "/v/4").await;
+    assert_eq!(header(&headers, "x-cache-tier"), "l2", "{headers:?}");
+    let (_, headers, _) = send(&a.app, "GET", "/v/3").await;
+    assert_ne!(
+        header(&headers, "x-cache-tier"),
+        "l2",
+        "answered from an L2 copy its pending tag invalidation covers"
+    );
 
     server.cmd(&["ACL", "SETUSER", "app", "+@all"]);
     bounded("the invalidation lands", async {

@@ -237,8 +237,18 @@ impl Bus {
         bans.push(ban);
     }
 
-    pub(crate) fn replace_bans(&self, loaded: Vec<Ban>) {
-        *self.bans.write().unwrap_or_else(|e| e.into_inner()) = loaded;
+    /// Adds the bans read from Valkey to those held (a ban heard while
+    /// they were being read is kept), the later of two for one pattern.
+    pub(crate) fn merge_bans(&self, loaded: Vec<Ban>, retention: Duration) {
+        let mut bans = self.bans.write().unwrap_or_else(|e| e.into_inner());
+        let now = SystemTime::now();
+        for ban in loaded {
+            match bans.iter_mut().find(|b| b.pattern == ban.pattern) {
+                Some(held) => held.at = held.at.max(ban.at),
+                None => bans.push(ban),
+            }
+        }
+        bans.retain(|b| b.at + retention > now);
     }
 
     /// Registers interest in `channel`'s next message; the first waiter for
@@ -366,7 +376,9 @@ pub(crate) async fn on_reconnect<F, Fut>(
     Fut: std::future::Future<Output = Option<Vec<Ban>>>,
 {
     // A server's first connection is no reconnect: nothing was missed on
-    // it (a cluster connects to each node in turn).
+    // it (a cluster connects to each node in turn). Without a cluster there
+    // is one connection: any after the first is a reconnect, also to a
+    // server never seen (the new primary after a Sentinel failover).
     let mut seen = std::collections::HashSet::new();
     loop {
         let event = rx.recv().await;
@@ -374,7 +386,8 @@ pub(crate) async fn on_reconnect<F, Fut>(
             return;
         };
         let first = match event {
-            Ok(server) => seen.insert(server),
+            Ok(server) if live.subscriber.is_clustered() => seen.insert(server),
+            Ok(server) => seen.is_empty() && seen.insert(server),
             Err(broadcast::error::RecvError::Lagged(_)) => false,
             Err(broadcast::error::RecvError::Closed) => return,
         };
@@ -392,13 +405,24 @@ pub(crate) async fn on_reconnect<F, Fut>(
             live.subscribed.send_replace(true);
         }
         drop(live);
-        let bans = reload().await;
+        // Until the bans are read, copies a prefix invalidation banned would
+        // be answered from L2: retried (a new instance's subscriber can come
+        // up before the client that reads them, or on a slow moment).
+        let mut backoff = Duration::from_millis(50);
+        let bans = loop {
+            if let Some(bans) = reload().await {
+                break bans;
+            }
+            if bus.strong_count() == 0 {
+                return;
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+        };
         let Some(live) = bus.upgrade() else {
             return;
         };
-        if let Some(bans) = bans {
-            live.replace_bans(bans);
-        }
+        live.merge_bans(bans, crate::bans::BAN_RETENTION);
         // The first connection counts too when the instance has served
         // without hearing (Valkey was down when it started).
         if !first || served_unheard {

@@ -356,6 +356,11 @@ impl TieredCache {
     /// Sets `key` to expire at `at` (stale windows dropped), in L1 and L2.
     /// Returns whether there was a fresh value to expire.
     ///
+    /// The entry's tags are not known here: in L2 the tag's set keeps its
+    /// first expiry, so a tag invalidation after that misses an entry
+    /// extended past it. Renew a tagged entry with
+    /// [`touch`](Self::touch), which takes the policy and its tags.
+    ///
     /// ```
     /// use std::time::{Duration, SystemTime};
     /// use tiercache_core::{CacheKey, Policy, TieredCache, Value};

@@ -58,9 +58,12 @@ impl Pending {
             return false;
         }
         match &self.invalidation {
-            Invalidation::Keys(hashes) | Invalidation::Tag(_, hashes) => {
-                hashes.contains(&key.hash())
-            }
+            Invalidation::Keys(hashes) => hashes.contains(&key.hash()),
+            // L2 copies carry no tags, and the hashes are only the members
+            // this instance's own index held (copies another instance
+            // stored are members too, named only by the tag's set in
+            // Valkey): every older copy is refused until it lands.
+            Invalidation::Tag(..) => true,
             Invalidation::Prefix(pattern) => pattern.matches(key),
         }
     }
