@@ -806,3 +806,36 @@ async fn a_stale_stand_in_answers_only_the_requests_it_fits() {
         "the failure, which any client may see, answers it: no call of its own"
     );
 }
+
+/// A 304 that leaves no freshness keeps the entry for its validators, under
+/// the stale rules its head states: `must-revalidate` forbids stale answers
+/// also then (the route's stale-if-error window applied to it, and an
+/// outage answered the old body).
+#[tokio::test]
+async fn a_304_without_freshness_keeps_must_revalidate() {
+    let t = Harness::new(
+        Policy::ttl(secs(1))
+            .jitter(0.0)
+            .stale_if_error(secs(60))
+            .build()
+            .unwrap(),
+    );
+    t.origin.set(Mode::NotModified(&[(
+        "cache-control",
+        "max-age=0, must-revalidate",
+    )]));
+    // Stored with `ETag: "v1"` and the route's ttl; then revalidated.
+    let (_, h, _) = t.get("/m").await;
+    assert_eq!(x_cache(&h), "MISS");
+    t.advance(1500);
+    let (status, _, body) = t.get("/m").await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "body 1"));
+    t.advance(1000);
+    t.origin.set(Mode::Status(503));
+    let (status, h, _) = t.get("/m").await;
+    assert_eq!(
+        (status, x_cache(&h)),
+        (StatusCode::SERVICE_UNAVAILABLE, "MISS"),
+        "served stale under must-revalidate: {h:?}"
+    );
+}

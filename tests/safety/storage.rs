@@ -372,6 +372,9 @@ async fn targeted_cache_control_wins_for_this_cache() {
         for refused in [
             "/cdn2?cc=max-age%3D60&cdn=no-store",
             "/cdn3?cc=max-age%3D60&cdn=private",
+            // Qualified, as RFC 9111 allows: no less private.
+            "/cdn4?cc=max-age%3D60&cdn=private%3D%22set-cookie%22%2C%20max-age%3D60",
+            "/cdn5?cc=max-age%3D60&cdn=no-cache%3D%22set-cookie%22%2C%20max-age%3D60",
         ] {
             h.get(refused).await;
             assert_ne!(
@@ -381,7 +384,7 @@ async fn targeted_cache_control_wins_for_this_cache() {
                 h.name
             );
         }
-        assert_eq!(h.calls(), 5, "{}", h.name);
+        assert_eq!(h.calls(), 9, "{}", h.name);
     }
 }
 

@@ -63,7 +63,9 @@ pub fn targeted<'a>(headers: &'a HeaderMap, targets: &[HeaderName]) -> Cow<'a, H
 
 /// A targeted field, parsed as a Structured Field Dictionary, written back
 /// as `Cache-Control` directives: integers as `name=N`, `true` as `name`;
-/// members of other types are dropped. `None` when it does not parse.
+/// `private`, `no-cache` and `no-store` with any other value (field names:
+/// a string, a token or an inner list) as the bare directive, which is
+/// stricter; other members are dropped. `None` when it does not parse.
 fn dictionary_as_cache_control(headers: &HeaderMap, field: &HeaderName) -> Option<String> {
     let mut joined = Vec::new();
     for (i, v) in headers.get_all(field).iter().enumerate() {
@@ -84,6 +86,13 @@ fn dictionary_as_cache_control(headers: &HeaderMap, field: &HeaderName) -> Optio
                 bare_item: sfv::BareItem::Boolean(true),
                 ..
             }) => name,
+            // Dropping `private="set-cookie"` would store and share what
+            // the origin kept private.
+            sfv::ListEntry::Item(sfv::Item {
+                bare_item: sfv::BareItem::Boolean(false),
+                ..
+            }) => continue,
+            _ if matches!(name.as_str(), "private" | "no-cache" | "no-store") => name,
             _ => continue,
         };
         if !out.is_empty() {

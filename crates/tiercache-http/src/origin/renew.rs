@@ -12,6 +12,7 @@ use super::{Load, Passed, fill_for, tags_for};
 use crate::body::CacheBody;
 use crate::cache_control::targeted;
 use crate::cacheable::{Reason, response_storable};
+use crate::freshness::OriginFreshness;
 use crate::headers::{self, strip_hop_by_hop};
 use crate::key::family_of;
 use crate::request::opaque;
@@ -129,10 +130,21 @@ fn renew(route: &Route, stale: &Entry, merged: HeaderMap) -> Fill {
     let old = stale.value();
     let status = StatusCode::from_u16(old.status).unwrap_or(StatusCode::OK);
     let value = headers::to_value(status, &merged, old.body.clone());
-    let fill = match fill_for(route, &targeted(&merged, &route.config.targets), status) {
+    let cache_control = targeted(&merged, &route.config.targets);
+    let fill = match fill_for(route, &cache_control, status) {
         Ok(plan) => plan.fill(value),
-        Err(_) => Fill::new(value).lifetime(Lifetime::Declared(Duration::from_millis(1))),
+        // No freshness left: kept for its validators, under the stale rules
+        // its head states (`must-revalidate` forbids stale answers; without
+        // them the route's windows would serve it stale).
+        Err(_) => {
+            let origin = OriginFreshness::parse(&cache_control, route.engine.now());
+            Fill::new(value)
+                .lifetime(Lifetime::Declared(Duration::from_millis(1)))
+                .stale_windows(origin.stale_while_revalidate, origin.stale_if_error)
+                .no_stale(origin.no_stale)
+        }
     };
+    drop(cache_control);
     // Renewed where it was stored (its primary or its variant key).
     let key = CacheKey::from_full(stale.key().clone());
     // In its URL's family as when it was filled (see `family_of`).
