@@ -46,7 +46,8 @@
 //!
 //! Instructions per hit, which the machine's load does not move:
 //! `benches/support/http_instructions.sh` runs each server under callgrind
-//! (2026-12-04: limit 18,901; layer 21,746, 1.15×; proxy 21,549;
+//! (2026-12-04: limit 18,901; layer 21,746, 1.15×, later 21,658–21,678
+//! against a limit of 18,942, 1.14×, its key in one exact allocation; proxy 21,549;
 //! axum-response-cache 21,850; tower-http-cache 43,822; hitbox 46,007;
 //! http-cache-tower-server 614,092).
 //!

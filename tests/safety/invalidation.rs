@@ -101,6 +101,25 @@ async fn failed_writes_and_cross_origin_locations_invalidate_nothing() {
             "{}: same origin",
             h.name
         );
+        // Its own host over https: what an application behind a TLS
+        // terminator redirects to.
+        assert_eq!(h.get(elsewhere).await.x_cache(), "HIT", "{}", h.name);
+        let secure = h
+            .request("POST", "/orders")
+            .header("x-respond-status", "303")
+            .header(
+                "x-respond-location",
+                format!("https://{HOST}/list?cc=max-age%3D60"),
+            )
+            .body(Body::empty())
+            .unwrap();
+        h.send(secure).await;
+        assert_eq!(
+            h.get(elsewhere).await.x_cache(),
+            "MISS",
+            "{}: its own host over https",
+            h.name
+        );
     }
 }
 

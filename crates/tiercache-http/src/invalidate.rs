@@ -79,7 +79,10 @@ pub(crate) fn invalidation_keys(
 
 /// The keys of a response's `Location` and `Content-Location`, when they
 /// are on the request's own origin (a cross-origin one is never touched:
-/// it would let one site purge another's entries).
+/// it would let one site purge another's entries). The same host over the
+/// other of `http`/`https` (default ports) counts as the request's own: a
+/// cache behind a TLS terminator sees `http` requests, and applications
+/// there redirect to `https://` URLs of their own host.
 pub(crate) fn location_keys(headers: &HeaderMap, target: &Target) -> Vec<CacheKey> {
     let mut keys = Vec::new();
     for name in [LOCATION, CONTENT_LOCATION] {
@@ -87,9 +90,11 @@ pub(crate) fn location_keys(headers: &HeaderMap, target: &Target) -> Vec<CacheKe
             let Ok(text) = value.to_str() else { continue };
             let text = text.trim().split('#').next().unwrap_or("");
             if let Some((path, query)) = resolve(text, target) {
-                keys.push(
-                    uri_key(&target.scheme, &target.authority, &path, query.as_deref()).finish(),
-                );
+                let key =
+                    uri_key(&target.scheme, &target.authority, &path, query.as_deref()).finish();
+                if !keys.contains(&key) {
+                    keys.push(key);
+                }
             }
         }
     }
@@ -104,7 +109,9 @@ fn resolve(text: &str, target: &Target) -> Option<(String, Option<String>)> {
     let authority = std::str::from_utf8(&target.authority).ok()?;
     let base = url::Url::parse(&format!("{}://{authority}{}", target.scheme, target.path)).ok()?;
     let resolved = base.join(text).ok()?;
-    if resolved.origin() != base.origin() {
+    let web = |u: &url::Url| matches!(u.scheme(), "http" | "https") && u.port().is_none();
+    let same_host = web(&resolved) && web(&base) && resolved.host() == base.host();
+    if resolved.origin() != base.origin() && !same_host {
         return None;
     }
     Some((
@@ -148,7 +155,10 @@ mod tests {
             "http://SHOP.example/cart/items/7".parse().unwrap(),
         );
         res.append(LOCATION, "http://other.example/cart".parse().unwrap());
-        res.append(LOCATION, "https://shop.example/cart".parse().unwrap());
+        res.append(LOCATION, "https://other.example/cart".parse().unwrap());
+        res.append(LOCATION, "http://shop.example:8080/cart".parse().unwrap());
+        // The same host over https (a TLS terminator in front): its own.
+        res.append(LOCATION, "https://shop.example/cart/https".parse().unwrap());
         res.append(LOCATION, "summary".parse().unwrap());
         // Dot segments are resolved (RFC 3986 §5.2.4), so the target is hit.
         res.append(
@@ -161,6 +171,7 @@ mod tests {
             keys,
             vec![
                 get("/cart"),
+                get("/cart/https"),
                 get("/cart/summary"),
                 get("/cart/checkout/done?x=2"),
                 get("/account"),
