@@ -364,7 +364,7 @@ async fn a_slow_refresh_is_not_taken_over_at_its_deadline() {
         .jitter(0.0)
         .xfetch_beta(0.0)
         .stale_while_revalidate(Duration::from_secs(60))
-        .lock_timeout(Duration::from_millis(50))
+        .lock_timeout(Duration::from_millis(100))
         .build()
         .unwrap();
     cache.store_now(&key, Fill::new(Value::from_body("v1")), &policy);
@@ -375,7 +375,7 @@ async fn a_slow_refresh_is_not_taken_over_at_its_deadline() {
     // Held, not run: the refresh's load is as slow as can be.
     let slow = first.refresh.expect("the first stale hit refreshes");
     // A flight's deadline is on the machine's clock (it bounds real waits).
-    std::thread::sleep(Duration::from_millis(100));
+    std::thread::sleep(Duration::from_millis(150));
     let Begin::Hit(second) = cache.begin(&key, &policy, ANY) else {
         panic!("a stale entry answers")
     };
@@ -385,7 +385,7 @@ async fn a_slow_refresh_is_not_taken_over_at_its_deadline() {
     );
     // A hung one is replaced, four waits past its deadline: the entry does
     // not stay frozen for the rest of a long window.
-    std::thread::sleep(Duration::from_millis(200));
+    std::thread::sleep(Duration::from_millis(400));
     let Begin::Hit(third) = cache.begin(&key, &policy, ANY) else {
         panic!("a stale entry answers")
     };

@@ -24,12 +24,13 @@ use tiercache_core::{CacheKey, Entry, KeyBuilder, KeyPattern};
 /// assert_eq!(request_key(&a), request_key(&b));
 /// ```
 pub fn request_key(req: &request::Parts) -> CacheKey {
-    target_key(req).finish()
+    target_key(req, 0).finish()
 }
 
-/// The key parts of a request's target; more parts (credentials, keyed
-/// cookies and headers) may follow, each section tagged.
-pub(crate) fn target_key(req: &request::Parts) -> KeyBuilder {
+/// The key parts of a request's target, with room for `more` bytes of
+/// parts to follow (credentials, keyed cookies and headers, each section
+/// tagged).
+pub(crate) fn target_key(req: &request::Parts, more: usize) -> KeyBuilder {
     let authority = req
         .uri
         .authority()
@@ -37,7 +38,15 @@ pub(crate) fn target_key(req: &request::Parts) -> KeyBuilder {
         .or_else(|| req.headers.get(HOST).map(|h| h.as_bytes()))
         .unwrap_or_default();
     let scheme = req.uri.scheme_str().unwrap_or("http");
-    uri_key(scheme, authority, req.uri.path(), req.uri.query())
+    let (path, query) = (req.uri.path(), req.uri.query());
+    let size = uri_key_len(scheme, authority, path, query) + more;
+    push_uri(
+        CacheKey::builder_with_capacity(size),
+        scheme,
+        authority,
+        path,
+        query,
+    )
 }
 
 /// The key parts of a target given piecewise (for invalidating a `Location`).
@@ -48,7 +57,17 @@ pub(crate) fn uri_key(
     query: Option<&str>,
 ) -> KeyBuilder {
     // Sized to the parts, so a key of the target alone needs one allocation.
-    let mut key = CacheKey::builder_with_capacity(uri_key_len(scheme, authority, path, query));
+    let key = CacheKey::builder_with_capacity(uri_key_len(scheme, authority, path, query));
+    push_uri(key, scheme, authority, path, query)
+}
+
+fn push_uri(
+    mut key: KeyBuilder,
+    scheme: &str,
+    authority: &[u8],
+    path: &str,
+    query: Option<&str>,
+) -> KeyBuilder {
     key.push(b"http/v1");
     // GET and HEAD share one entry; only they are stored.
     key.push(b"GET");

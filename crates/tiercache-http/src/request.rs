@@ -106,7 +106,12 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
     if scan.cookie && config.cookies == Cookies::Bypass {
         return Err(Reason::Cookie);
     }
-    let mut key = target_key(parts);
+    // Room for what follows the target on a keyed route (a credential's
+    // or cookies' digest takes 4 + 16 bytes after its 4 + name).
+    let keyed = scan.authorization
+        || matches!(config.cookies, Cookies::Key(_))
+        || !config.keyed_headers.is_empty();
+    let mut key = target_key(parts, if keyed { 96 } else { 0 });
     let headers = &mut parts.headers;
     let mut credentialed = false;
     if scan.authorization {

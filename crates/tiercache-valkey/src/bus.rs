@@ -212,6 +212,15 @@ impl Bus {
             .and_then(Weak::upgrade)
     }
 
+    /// Copies promoted while the bans were unknown may be banned: L1 goes.
+    /// Not a resync: no message was missed, so this instance's recent fills
+    /// stay in L2 (a resync deletes them again, see `crate::overtaken`).
+    fn drop_l1(&self) {
+        if let Some(sink) = self.sink() {
+            sink.resync();
+        }
+    }
+
     /// Messages may have been missed: drop L1.
     fn resync(&self) {
         if let Some(sink) = self.sink() {
@@ -242,10 +251,18 @@ impl Bus {
     pub(crate) fn merge_bans(&self, loaded: Vec<Ban>, retention: Duration) {
         let mut bans = self.bans.write().unwrap_or_else(|e| e.into_inner());
         let now = SystemTime::now();
+        let mut held: HashMap<tiercache_core::KeyPattern, usize> = bans
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (b.pattern.clone(), i))
+            .collect();
         for ban in loaded {
-            match bans.iter_mut().find(|b| b.pattern == ban.pattern) {
-                Some(held) => held.at = held.at.max(ban.at),
-                None => bans.push(ban),
+            match held.get(&ban.pattern) {
+                Some(&i) => bans[i].at = bans[i].at.max(ban.at),
+                None => {
+                    held.insert(ban.pattern.clone(), bans.len());
+                    bans.push(ban);
+                }
             }
         }
         bans.retain(|b| b.at + retention > now);
@@ -372,9 +389,12 @@ pub(crate) async fn on_reconnect<F, Fut>(
     mut rx: broadcast::Receiver<fred::prelude::Server>,
     reload: F,
 ) where
-    F: Fn() -> Fut,
-    Fut: std::future::Future<Output = Option<Vec<Ban>>>,
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Option<Vec<Ban>>> + Send,
 {
+    // A retry of the bans' read running (at most one: when it lands it
+    // serves every reconnect since).
+    let retrying = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // A server's first connection is no reconnect: nothing was missed on
     // it (a cluster connects to each node in turn). Without a cluster there
     // is one connection: any after the first is a reconnect, also to a
@@ -405,29 +425,51 @@ pub(crate) async fn on_reconnect<F, Fut>(
             live.subscribed.send_replace(true);
         }
         drop(live);
-        // Until the bans are read, copies a prefix invalidation banned would
-        // be answered from L2: retried (a new instance's subscriber can come
-        // up before the client that reads them, or on a slow moment).
-        let mut backoff = Duration::from_millis(50);
-        let bans = loop {
-            if let Some(bans) = reload().await {
-                break bans;
-            }
-            if bus.strong_count() == 0 {
-                return;
-            }
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_secs(1));
-        };
-        let Some(live) = bus.upgrade() else {
-            return;
-        };
-        live.merge_bans(bans, crate::bans::BAN_RETENTION);
         // The first connection counts too when the instance has served
         // without hearing (Valkey was down when it started).
-        if !first || served_unheard {
+        let resync = !first || served_unheard;
+        // The bans first, then L1 goes: a copy promoted in between is
+        // checked against them.
+        if let Some(bans) = reload().await {
+            let Some(live) = bus.upgrade() else {
+                return;
+            };
+            live.merge_bans(bans, crate::bans::BAN_RETENTION);
+            if resync {
+                live.resync();
+            }
+            continue;
+        }
+        // Not read (a new instance's subscriber up before the client that
+        // reads them, a slow moment): L1 goes now all the same, and the
+        // read is retried; until it lands, copies a prefix invalidation
+        // banned may be promoted, so L1 (only) goes again once it does.
+        // The retry runs apart, so later reconnects are not held up.
+        if resync && let Some(live) = bus.upgrade() {
             live.resync();
         }
+        if retrying.swap(true, Relaxed) {
+            continue;
+        }
+        let (bus, reload, retrying) = (bus.clone(), reload.clone(), retrying.clone());
+        tokio::spawn(async move {
+            let mut backoff = Duration::from_millis(50);
+            let bans = loop {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+                if bus.strong_count() == 0 {
+                    return;
+                }
+                if let Some(bans) = reload().await {
+                    break bans;
+                }
+            };
+            retrying.store(false, Relaxed);
+            if let Some(live) = bus.upgrade() {
+                live.merge_bans(bans, crate::bans::BAN_RETENTION);
+                live.drop_l1();
+            }
+        });
     }
 }
 

@@ -125,6 +125,7 @@ impl TieredCache {
         }
         bump(&counters.l2_errors);
         bump(&counters.invalidations_queued);
+        outbox.queued(id);
         outbox.drain_in_background(l2, counters.clone());
         Err(Queued {
             pending: outbox.pending(),

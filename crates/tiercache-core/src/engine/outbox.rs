@@ -50,6 +50,9 @@ struct Pending {
     invalidation: Invalidation,
     /// When it was made (the engine's clock): L2 copies created before it are refused.
     at: SystemTime,
+    /// A tag invalidation that missed its first attempt: it covers every
+    /// older copy (see [`Pending::covers`]).
+    queued: bool,
 }
 
 impl Pending {
@@ -62,8 +65,10 @@ impl Pending {
             // L2 copies carry no tags, and the hashes are only the members
             // this instance's own index held (copies another instance
             // stored are members too, named only by the tag's set in
-            // Valkey): every older copy is refused until it lands.
-            Invalidation::Tag(..) => true,
+            // Valkey): once it is queued, every older copy is refused
+            // until it lands. During its first attempt (every write
+            // invalidates its URL's family tag) only the known ones are.
+            Invalidation::Tag(_, hashes) => self.queued || hashes.contains(&key.hash()),
             Invalidation::Prefix(pattern) => pattern.matches(key),
         }
     }
@@ -107,6 +112,7 @@ impl Outbox {
             id,
             invalidation,
             at,
+            queued: false,
         });
         if state.items.len() > Self::CAP {
             let merged: Vec<Pending> = state.items.drain(..Self::CAP / 2).collect();
@@ -118,6 +124,7 @@ impl Outbox {
                 id: state.next_id,
                 invalidation: Invalidation::Prefix(KeyPattern::new()),
                 at: newest,
+                queued: true,
             };
             state.next_id += 1;
             state.items.push_front(everything);
@@ -127,6 +134,13 @@ impl Outbox {
     }
 
     /// Removes item `id` (it landed).
+    /// The first attempt of `id` failed: it is queued for retries.
+    pub(crate) fn queued(&self, id: u64) {
+        if let Some(item) = self.lock().items.iter_mut().find(|p| p.id == id) {
+            item.queued = true;
+        }
+    }
+
     pub(crate) fn landed(&self, id: u64) {
         let mut state = self.lock();
         state.items.retain(|p| p.id != id);
@@ -228,6 +242,32 @@ mod tests {
             "a newer fill"
         );
         assert!(!outbox.covers(&b, before));
+    }
+
+    /// A tag invalidation names only the members this instance's index
+    /// held. While its first attempt runs (every write invalidates its
+    /// URL's family tag), only those are refused, or each write would keep
+    /// this instance off L2; once queued, every older copy is.
+    #[test]
+    fn a_tag_tombstone_covers_every_older_copy_once_queued() {
+        let outbox = Outbox::default();
+        let counters = Counters::default();
+        let now = SystemTime::now();
+        let (known, elsewhere) = (CacheKey::new("known"), CacheKey::new("stored elsewhere"));
+        let id = outbox.push(
+            Invalidation::Tag("family".into(), vec![known.hash()]),
+            now,
+            &counters,
+        );
+        let before = now - Duration::from_secs(1);
+        assert!(outbox.covers(&known, before));
+        assert!(
+            !outbox.covers(&elsewhere, before),
+            "during its first attempt"
+        );
+        outbox.queued(id);
+        assert!(outbox.covers(&elsewhere, before), "once queued");
+        assert!(!outbox.covers(&elsewhere, now + Duration::from_secs(1)));
     }
 
     #[test]
