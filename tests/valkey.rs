@@ -676,6 +676,54 @@ async fn a_reconnect_drops_l1_even_when_the_bans_cannot_be_read() {
     .await;
 }
 
+/// A late read of the bans (the first failed, as it often does while a new
+/// instance's clients come up) must not cost the loads in flight: it used
+/// to drop L1 as a resync does, through the journal, so a fill loading
+/// then was stored nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_read_of_the_bans_does_not_drop_the_loads_in_flight() {
+    let server = ValkeyServer::start();
+    server.cmd(&[
+        "ACL", "SETUSER", "slow", "on", ">pw", "~*", "&*", "+@all", "-hgetall",
+    ]);
+    let url = format!("redis://slow:pw@127.0.0.1:{}", server.port());
+    let c = engine(connect(ValkeyConfig::from_url(&url).unwrap().prefix("lb")).await);
+    let key = CacheKey::new("loading");
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    let gate = tiercache_testkit::Gate::new();
+    let started = Counter::new();
+    let load = {
+        let (c, key, policy, gate, started) = (
+            c.clone(),
+            key.clone(),
+            policy.clone(),
+            gate.clone(),
+            started.clone(),
+        );
+        tokio::spawn(async move {
+            c.get_or_load(&key, &policy, move || async move {
+                started.bump();
+                gate.passed().await;
+                Ok::<_, std::convert::Infallible>(Value::from_body("v"))
+            })
+            .await
+        })
+    };
+    bounded("the load at the origin", started.reached(1)).await;
+    server.cmd(&["ACL", "SETUSER", "slow", "+hgetall"]);
+    bounded("the bans read", async {
+        while server.command_calls("hgetall") == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    // What follows the read (the merge, and what it drops) has run.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    gate.open();
+    bounded("the load", load).await.unwrap().unwrap();
+    assert!(c.l1_contains(&key), "the fill in flight was not stored");
+}
+
 /// An instance reaching `server` through a fault proxy (passing for now),
 /// with a command timeout long enough for the latency the tests add.
 async fn behind_a_link(server: &ValkeyServer) -> (FaultProxy, ValkeyTier, TieredCache) {

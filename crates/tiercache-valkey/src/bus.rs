@@ -212,12 +212,16 @@ impl Bus {
             .and_then(Weak::upgrade)
     }
 
-    /// Copies promoted while the bans were unknown may be banned: L1 goes.
-    /// Not a resync: no message was missed, so this instance's recent fills
-    /// stay in L2 (a resync deletes them again, see `crate::overtaken`).
-    fn drop_l1(&self) {
-        if let Some(sink) = self.sink() {
-            sink.resync();
+    /// Copies promoted while the bans were unknown may be banned: what each
+    /// ban's pattern matches leaves L1. Not a resync (no message was missed:
+    /// L1's other entries, the loads in flight and this instance's recent
+    /// fills in L2 stay), and nothing at all when no ban was read.
+    fn drop_banned(&self, bans: &[Ban]) {
+        let Some(sink) = self.sink() else {
+            return;
+        };
+        for ban in bans {
+            sink.apply(&Invalidation::Prefix(ban.pattern.clone()));
         }
     }
 
@@ -443,7 +447,8 @@ pub(crate) async fn on_reconnect<F, Fut>(
         // Not read (a new instance's subscriber up before the client that
         // reads them, a slow moment): L1 goes now all the same, and the
         // read is retried; until it lands, copies a prefix invalidation
-        // banned may be promoted, so L1 (only) goes again once it does.
+        // banned may be promoted, so what the bans match leaves L1 once it
+        // does.
         // The retry runs apart, so later reconnects are not held up.
         if resync && let Some(live) = bus.upgrade() {
             live.resync();
@@ -466,8 +471,8 @@ pub(crate) async fn on_reconnect<F, Fut>(
             };
             retrying.store(false, Relaxed);
             if let Some(live) = bus.upgrade() {
+                live.drop_banned(&bans);
                 live.merge_bans(bans, crate::bans::BAN_RETENTION);
-                live.drop_l1();
             }
         });
     }
