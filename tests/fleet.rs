@@ -334,16 +334,13 @@ async fn a_failure_that_may_not_be_shared_is_not_handed_to_another_instance() {
     );
     let mut apps = Vec::new();
     let mut engines = Vec::new();
-    let mut tiers = Vec::new();
     for _ in 0..2 {
         let config = ValkeyConfig::from_url(&server.url())
             .unwrap()
             .connect_timeout(Duration::from_secs(10))
             .command_timeout(Duration::from_secs(1));
-        let tier = ValkeyTier::connect(config).await.unwrap();
-        tiers.push(tier.clone());
         let engine = TieredCache::builder()
-            .l2(tier)
+            .l2(ValkeyTier::connect(config).await.unwrap())
             .clock(clock.clone())
             .sweep_interval(None)
             .build()
@@ -375,14 +372,7 @@ async fn a_failure_that_may_not_be_shared_is_not_handed_to_another_instance() {
     // L2 on its own, and never be handed A's answer).
     let channel = format!("tc:{{{}}}:done", key("/e").hash());
     bounded("B waits on A's lock", async {
-        loop {
-            let reply: Vec<fred::prelude::Value> =
-                fred::prelude::PubsubInterface::pubsub_shardnumsub(tiers[0].client(), &channel)
-                    .await
-                    .unwrap();
-            if reply.get(1).and_then(fred::prelude::Value::as_i64) == Some(1) {
-                break;
-            }
+        while server.shard_subscribers(&channel) != 1 {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     })

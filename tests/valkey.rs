@@ -600,6 +600,16 @@ async fn an_instance_that_started_without_valkey_drops_l1_once_it_hears() {
     .await;
 }
 
+/// A tier under prefix `prefix` for a user the server refuses `HGETALL`
+/// (the prefix bans' read) until `ACL SETUSER <user> +hgetall`.
+async fn without_bans_read(server: &ValkeyServer, user: &str, prefix: &str) -> ValkeyTier {
+    server.cmd(&[
+        "ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all", "-hgetall",
+    ]);
+    let url = format!("redis://{user}:pw@127.0.0.1:{}", server.port());
+    connect(ValkeyConfig::from_url(&url).unwrap().prefix(prefix)).await
+}
+
 /// Prefix bans are read when the subscriber connects; a read that failed
 /// (here the server refuses `HGETALL` at first) was never tried again, and
 /// the instance answered from L2 the copies a prefix invalidation had
@@ -627,11 +637,7 @@ async fn an_instance_that_could_not_read_the_bans_retries_until_it_can() {
     a.invalidate_prefix(tiercache::core::KeyPattern::new().prefix(b"/p/"))
         .await
         .unwrap();
-    server.cmd(&[
-        "ACL", "SETUSER", "late", "on", ">pw", "~*", "&*", "+@all", "-hgetall",
-    ]);
-    let url = format!("redis://late:pw@127.0.0.1:{}", server.port());
-    let c = engine(connect(ValkeyConfig::from_url(&url).unwrap().prefix("bans")).await);
+    let c = engine(without_bans_read(&server, "late", "bans").await);
     assert_eq!(
         c.get(&key).await.map(|v| v.body),
         Some("old".into()),
@@ -659,11 +665,7 @@ async fn an_instance_that_could_not_read_the_bans_retries_until_it_can() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reconnect_drops_l1_even_when_the_bans_cannot_be_read() {
     let server = ValkeyServer::start();
-    server.cmd(&[
-        "ACL", "SETUSER", "nobans", "on", ">pw", "~*", "&*", "+@all", "-hgetall",
-    ]);
-    let url = format!("redis://nobans:pw@127.0.0.1:{}", server.port());
-    let c = engine(connect(ValkeyConfig::from_url(&url).unwrap().prefix("nb")).await);
+    let c = engine(without_bans_read(&server, "nobans", "nb").await);
     let key = CacheKey::new("held");
     let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
     c.put(&key, Fill::new(Value::from_body("v")), &policy);
@@ -683,11 +685,7 @@ async fn a_reconnect_drops_l1_even_when_the_bans_cannot_be_read() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_read_of_the_bans_does_not_drop_the_loads_in_flight() {
     let server = ValkeyServer::start();
-    server.cmd(&[
-        "ACL", "SETUSER", "slow", "on", ">pw", "~*", "&*", "+@all", "-hgetall",
-    ]);
-    let url = format!("redis://slow:pw@127.0.0.1:{}", server.port());
-    let c = engine(connect(ValkeyConfig::from_url(&url).unwrap().prefix("lb")).await);
+    let c = engine(without_bans_read(&server, "slow", "lb").await);
     let key = CacheKey::new("loading");
     let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
     let gate = tiercache_testkit::Gate::new();
@@ -858,14 +856,7 @@ async fn a_lock_let_go_because_the_entry_is_there_does_not_send_waiters_to_the_o
     // B listens on the key's channel before A lets go.
     let channel = format!("gone:{{{}}}:done", key.hash());
     bounded("B's subscription", async {
-        loop {
-            let reply: Vec<fred::prelude::Value> =
-                fred::prelude::PubsubInterface::pubsub_shardnumsub(a.client(), &channel)
-                    .await
-                    .unwrap();
-            if reply.get(1).and_then(fred::prelude::Value::as_i64) == Some(1) {
-                break;
-            }
+        while server.shard_subscribers(&channel) != 1 {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     })

@@ -324,6 +324,16 @@ impl ValkeyServer {
         raw_cmd(self.port, args)
     }
 
+    /// How many connections listen on shard channel `channel`
+    /// (`PUBSUB SHARDNUMSUB`).
+    pub fn shard_subscribers(&self, channel: &str) -> i64 {
+        self.cmd(&["PUBSUB", "SHARDNUMSUB", channel])
+            .lines()
+            .nth(1)
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
     /// Runs a command whose arguments are raw bytes (to write foreign values).
     pub fn cmd_bytes(&self, args: &[&[u8]]) -> Result<String, String> {
         raw_cmd_bytes(self.port, args)

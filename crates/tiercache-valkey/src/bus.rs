@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use fred::clients::SubscriberClient;
-use fred::prelude::{ClientLike, PubsubInterface};
+use fred::prelude::PubsubInterface;
 use tiercache_core::{Invalidation, InvalidationSink, KeyHash, KeyPattern, Unlocked};
 use tokio::sync::{broadcast, watch};
 
@@ -121,9 +121,9 @@ pub(crate) struct Bus {
     pub(crate) locks_acquired: AtomicU64,
     pub(crate) lock_waits: AtomicU64,
     /// Whether the invalidation channel has been subscribed once.
-    subscribed: watch::Sender<bool>,
+    pub(crate) subscribed: watch::Sender<bool>,
     /// Whether the instance began serving before it could hear.
-    hearing: Hearing,
+    pub(crate) hearing: Hearing,
 }
 
 /// Whether an instance began serving before its invalidation channel was
@@ -216,7 +216,7 @@ impl Bus {
     /// ban's pattern matches leaves L1. Not a resync (no message was missed:
     /// L1's other entries, the loads in flight and this instance's recent
     /// fills in L2 stay), and nothing at all when no ban was read.
-    fn drop_banned(&self, bans: &[Ban]) {
+    pub(crate) fn drop_banned(&self, bans: &[Ban]) {
         let Some(sink) = self.sink() else {
             return;
         };
@@ -226,7 +226,7 @@ impl Bus {
     }
 
     /// Messages may have been missed: drop L1.
-    fn resync(&self) {
+    pub(crate) fn resync(&self) {
         if let Some(sink) = self.sink() {
             sink.resync();
         }
@@ -381,119 +381,6 @@ pub(crate) async fn dispatch(bus: Weak<Bus>, mut rx: broadcast::Receiver<fred::t
             Ok(message) => bus.on_message(message),
             Err(broadcast::error::RecvError::Lagged(_)) => bus.resync(),
             Err(broadcast::error::RecvError::Closed) => return,
-        }
-    }
-}
-
-/// On every (re)connection of the subscriber: subscribe again, reload the
-/// bans, and (after the first) drop L1, since messages sent while it was
-/// away were missed. `reload` reads the bans from Valkey.
-pub(crate) async fn on_reconnect<F, Fut>(
-    bus: Weak<Bus>,
-    mut rx: broadcast::Receiver<fred::prelude::Server>,
-    reload: F,
-) where
-    F: Fn() -> Fut + Clone + Send + 'static,
-    Fut: std::future::Future<Output = Option<Vec<Ban>>> + Send,
-{
-    // A retry of the bans' read running (at most one: when it lands it
-    // serves every reconnect since).
-    let retrying = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    // A server's first connection is no reconnect: nothing was missed on
-    // it (a cluster connects to each node in turn). Without a cluster there
-    // is one connection: any after the first is a reconnect, also to a
-    // server never seen (the new primary after a Sentinel failover).
-    let mut seen = std::collections::HashSet::new();
-    loop {
-        let event = rx.recv().await;
-        let Some(live) = bus.upgrade() else {
-            return;
-        };
-        let first = match event {
-            Ok(server) if live.subscriber.is_clustered() => seen.insert(server),
-            Ok(server) => seen.is_empty() && seen.insert(server),
-            Err(broadcast::error::RecvError::Lagged(_)) => false,
-            Err(broadcast::error::RecvError::Closed) => return,
-        };
-        let _ = live.subscriber.resubscribe_all().await;
-        // Whether this instance served before it could hear: only a
-        // subscription that went through settles it.
-        let mut served_unheard = false;
-        if live
-            .subscriber
-            .subscribe(live.channel.clone())
-            .await
-            .is_ok()
-        {
-            served_unheard = live.hearing.heard();
-            live.subscribed.send_replace(true);
-        }
-        drop(live);
-        // The first connection counts too when the instance has served
-        // without hearing (Valkey was down when it started).
-        let resync = !first || served_unheard;
-        // The bans first, then L1 goes: a copy promoted in between is
-        // checked against them.
-        if let Some(bans) = reload().await {
-            let Some(live) = bus.upgrade() else {
-                return;
-            };
-            live.merge_bans(bans, crate::bans::BAN_RETENTION);
-            if resync {
-                live.resync();
-            }
-            continue;
-        }
-        // Not read (a new instance's subscriber up before the client that
-        // reads them, a slow moment): L1 goes now all the same, and the
-        // read is retried; until it lands, copies a prefix invalidation
-        // banned may be promoted, so what the bans match leaves L1 once it
-        // does.
-        // The retry runs apart, so later reconnects are not held up.
-        if resync && let Some(live) = bus.upgrade() {
-            live.resync();
-        }
-        if retrying.swap(true, Relaxed) {
-            continue;
-        }
-        let (bus, reload, retrying) = (bus.clone(), reload.clone(), retrying.clone());
-        tokio::spawn(async move {
-            let mut backoff = Duration::from_millis(50);
-            let bans = loop {
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(1));
-                if bus.strong_count() == 0 {
-                    return;
-                }
-                if let Some(bans) = reload().await {
-                    break bans;
-                }
-            };
-            retrying.store(false, Relaxed);
-            if let Some(live) = bus.upgrade() {
-                live.drop_banned(&bans);
-                live.merge_bans(bans, crate::bans::BAN_RETENTION);
-            }
-        });
-    }
-}
-
-/// Pings the subscriber every `every`: a connection that swallows traffic
-/// (no reset, no answer) is closed and reopened, which counts as a resync.
-pub(crate) async fn heartbeat(bus: Weak<Bus>, every: Duration, timeout: Duration) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let Some(bus) = bus.upgrade() else {
-            return;
-        };
-        if !bus.subscriber.is_connected() {
-            continue;
-        }
-        let ping = bus.subscriber.ping::<fred::prelude::Value>(None);
-        if !matches!(tokio::time::timeout(timeout, ping).await, Ok(Ok(_))) {
-            let _ = tokio::time::timeout(timeout, bus.subscriber.force_reconnection()).await;
         }
     }
 }

@@ -37,6 +37,7 @@ mod config;
 mod invalidate;
 mod lock;
 mod overtaken;
+mod reconnect;
 mod tier;
 mod tier_lock;
 mod writer;

@@ -184,12 +184,12 @@ impl ValkeyTier {
         });
         runtime.spawn(writer(Arc::downgrade(&inner), rx));
         let weak = Arc::downgrade(&inner);
-        runtime.spawn(bus::on_reconnect(
+        runtime.spawn(crate::reconnect::on_reconnect(
             Arc::downgrade(&bus),
             subscriber.reconnect_rx(),
             move || load_bans(weak.clone()),
         ));
-        runtime.spawn(bus::heartbeat(
+        runtime.spawn(crate::reconnect::heartbeat(
             Arc::downgrade(&bus),
             Duration::from_secs(1),
             config.command_timeout.max(Duration::from_millis(500)),
