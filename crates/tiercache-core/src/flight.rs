@@ -110,10 +110,16 @@ impl Flights {
     /// current one is past its deadline (the stalled leader is abandoned);
     /// else follows it. A new flight's deadline is `wait` from now.
     pub(crate) fn join(self: &Arc<Self>, key: KeyHash, wait: Duration) -> Join {
+        self.join_after(key, wait, Duration::ZERO)
+    }
+
+    /// [`join`](Self::join), taking a stalled flight over only `grace` past
+    /// its deadline.
+    fn join_after(self: &Arc<Self>, key: KeyHash, wait: Duration, grace: Duration) -> Join {
         let now = Instant::now();
         let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(slot) = map.get(&key)
-            && slot.deadline > now
+            && slot.deadline + grace > now
         {
             return Join::Follower(Follower {
                 rx: slot.tx.subscribe(),
@@ -143,22 +149,8 @@ impl Flights {
     /// origin again at every stale hit past it; a hung one is still
     /// replaced, so the entry does not stay frozen for a long window).
     pub(crate) fn try_lead_idle(self: &Arc<Self>, key: KeyHash, wait: Duration) -> Option<Leader> {
-        let stalled = self
-            .map
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&key)
-            .map(|slot| slot.deadline + wait.saturating_mul(REFRESH_TAKES_OVER_AFTER));
-        if stalled.is_some_and(|since| since > Instant::now()) {
-            return None;
-        }
-        self.try_lead(key, wait)
-    }
-
-    /// Leads the flight for `key` if nobody is loading it (a background
-    /// refresh never waits on another load).
-    pub(crate) fn try_lead(self: &Arc<Self>, key: KeyHash, wait: Duration) -> Option<Leader> {
-        match self.join(key, wait) {
+        let grace = wait.saturating_mul(REFRESH_TAKES_OVER_AFTER);
+        match self.join_after(key, wait, grace) {
             Join::Leader(leader) => Some(leader),
             Join::Follower(_) => None,
         }
