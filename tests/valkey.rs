@@ -659,6 +659,74 @@ async fn an_instance_that_could_not_read_the_bans_retries_until_it_can() {
     assert!(learned.is_ok(), "C answered the banned copy for 10 s");
 }
 
+/// Each prefix invalidation records a ban for a day, and every L2 read
+/// checks them all: sustained purges by prefix grew the bans (in Valkey and
+/// in every instance) without a bound. Past `max_prefix_bans` the oldest
+/// fold into one ban of every key: still no banned copy is read, and a copy
+/// stored after them is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_bans_past_their_bound_fold_and_still_refuse_every_banned_copy() {
+    let server = ValkeyServer::start();
+    let bound = |url: &str| {
+        ValkeyConfig::from_url(url)
+            .unwrap()
+            .prefix("fold")
+            .max_prefix_bans(8)
+    };
+    let a = engine(connect(bound(&server.url())).await);
+    // B stores the copies and then hears nothing (a fill of its own sent in
+    // the last 2 s would be deleted again on hearing the invalidations).
+    let link = FaultProxy::start(server.addr()).await;
+    let b_tier = connect(bound(&link.redis_url())).await;
+    let b = engine(b_tier.clone());
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    let key = |i: usize| {
+        CacheKey::builder()
+            .part(format!("/p/{i}/x").as_bytes())
+            .finish()
+    };
+    for i in 0..20 {
+        b.put(&key(i), Fill::new(Value::from_body("old")), &policy);
+    }
+    bounded("B's fills", b_tier.flush()).await;
+    wait_for_keys(&server, "fold:*:e", 20).await;
+    link.set(Fault::Blackhole);
+    for i in 0..20 {
+        let prefix = format!("/p/{i}/");
+        a.invalidate_prefix(tiercache::core::KeyPattern::new().prefix(prefix.as_bytes()))
+            .await
+            .unwrap();
+    }
+    let held: usize = server.cmd(&["HLEN", "fold:bans"]).parse().unwrap();
+    assert!(held <= 8, "{held} bans in Valkey, past the bound of 8");
+    // A new instance reads the folded bans: every banned copy is a miss.
+    let c = engine(connect(bound(&server.url())).await);
+    for i in 0..20 {
+        assert!(a.get(&key(i)).await.is_none(), "A read banned /p/{i}/x");
+        // C's bans are read as its subscriber connects: wait for them.
+        let refused = tokio::time::timeout(Duration::from_secs(10), async {
+            while c.get(&key(i)).await.is_some() {
+                c.forget_local(&key(i));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        assert!(refused.is_ok(), "C read the banned /p/{i}/x for 10 s");
+    }
+    // A copy stored after the bans is read (by A, whose bans folded too).
+    let d_tier = connect(bound(&server.url())).await;
+    let d = engine(d_tier.clone());
+    d.put(&key(0), Fill::new(Value::from_body("new")), &policy);
+    bounded("D's fill", d_tier.flush()).await;
+    for reader in [&a, &c] {
+        reader.forget_local(&key(0));
+        assert_eq!(
+            reader.get(&key(0)).await.map(|v| v.body),
+            Some("new".into())
+        );
+    }
+}
+
 /// A reconnect drops L1 even when the bans cannot be read (here never: the
 /// server refuses `HGETALL`): the messages missed while away are not
 /// waited on for the bans' sake.

@@ -18,15 +18,8 @@ use fred::prelude::PubsubInterface;
 use tiercache_core::{Invalidation, InvalidationSink, KeyHash, KeyPattern, Unlocked};
 use tokio::sync::{broadcast, watch};
 
+pub(crate) use crate::bans::Ban;
 use crate::overtaken::{Overtaken, Scope};
-
-/// A prefix ban: entries matching `pattern` created at or before `at` are
-/// gone, wherever they are read from.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Ban {
-    pub(crate) pattern: KeyPattern,
-    pub(crate) at: SystemTime,
-}
 
 /// One message on the invalidation channel.
 #[derive(Debug, Clone, PartialEq)]
@@ -116,6 +109,8 @@ pub(crate) struct Bus {
     waiters: Mutex<HashMap<String, Arc<watch::Sender<Option<Unlocked>>>>>,
     sink: Mutex<Option<Weak<dyn InvalidationSink>>>,
     bans: RwLock<Vec<Ban>>,
+    /// The most bans held (see [`crate::bans::fold`]).
+    max_bans: usize,
     pub(crate) received: AtomicU64,
     pub(crate) resyncs: AtomicU64,
     pub(crate) locks_acquired: AtomicU64,
@@ -162,6 +157,7 @@ impl Bus {
         instance: String,
         prefix: String,
         overtaken: Arc<Overtaken>,
+        max_bans: usize,
     ) -> Self {
         Self {
             subscriber,
@@ -172,6 +168,7 @@ impl Bus {
             waiters: Mutex::default(),
             sink: Mutex::default(),
             bans: RwLock::default(),
+            max_bans,
             received: AtomicU64::new(0),
             resyncs: AtomicU64::new(0),
             locks_acquired: AtomicU64::new(0),
@@ -248,6 +245,7 @@ impl Bus {
         let now = SystemTime::now();
         bans.retain(|b| b.at + retention > now && b.pattern != ban.pattern);
         bans.push(ban);
+        crate::bans::fold(&mut bans, self.max_bans);
     }
 
     /// Adds the bans read from Valkey to those held (a ban heard while
@@ -270,6 +268,7 @@ impl Bus {
             }
         }
         bans.retain(|b| b.at + retention > now);
+        crate::bans::fold(&mut bans, self.max_bans);
     }
 
     /// Registers interest in `channel`'s next message; the first waiter for

@@ -28,6 +28,7 @@ pub struct ValkeyConfig {
     pub(crate) breaker_failures: u32,
     pub(crate) breaker_interval: Duration,
     pub(crate) fill_locks: bool,
+    pub(crate) max_prefix_bans: usize,
 }
 
 impl ValkeyConfig {
@@ -43,6 +44,8 @@ impl ValkeyConfig {
     pub const DEFAULT_BREAKER_FAILURES: u32 = 3;
     /// Default time the breaker stays open before one probe.
     pub const DEFAULT_BREAKER_INTERVAL: Duration = Duration::from_millis(500);
+    /// Default bound on the prefix bans held: 1024.
+    pub const DEFAULT_MAX_PREFIX_BANS: usize = 1024;
 
     /// A standalone server from `redis://[user:pass@]host:port[/db]`, or
     /// `rediss://` for TLS (also `valkey://`, `valkeys://`).
@@ -93,6 +96,7 @@ impl ValkeyConfig {
             breaker_failures: Self::DEFAULT_BREAKER_FAILURES,
             breaker_interval: Self::DEFAULT_BREAKER_INTERVAL,
             fill_locks: true,
+            max_prefix_bans: Self::DEFAULT_MAX_PREFIX_BANS,
         }
     }
 
@@ -147,6 +151,17 @@ impl ValkeyConfig {
         self
     }
 
+    /// Most prefix bans kept (default 1024), in this instance and in
+    /// Valkey's `PREFIX:bans` hash. Each prefix invalidation records one for
+    /// a day, and each L2 read checks them all: past the bound, the oldest
+    /// half fold into one ban of every key at the latest of their times, so
+    /// L2 copies older than that are misses (never a banned copy read). A
+    /// fleet should share one bound.
+    pub fn max_prefix_bans(mut self, bans: usize) -> Self {
+        self.max_prefix_bans = bans;
+        self
+    }
+
     /// Checks every setting, as [`ValkeyTier::connect`](crate::ValkeyTier::connect)
     /// does before it connects (for a configuration check that connects to
     /// nothing).
@@ -184,6 +199,9 @@ impl ValkeyConfig {
                 "breaker",
                 "at least 1 failure and an interval greater than 0",
             );
+        }
+        if self.max_prefix_bans < 2 {
+            return bad("max_prefix_bans", "at least 2");
         }
         Ok(())
     }

@@ -5,11 +5,12 @@ use std::time::{Instant, SystemTime};
 
 use bytes::Bytes;
 use fred::prelude::{
-    HashesInterface, KeysInterface, PubsubInterface, SetsInterface, SortedSetsInterface, Value,
+    HashesInterface, KeysInterface, LuaInterface, PubsubInterface, SetsInterface,
+    SortedSetsInterface, Value,
 };
 use tiercache_core::{Invalidation, KeyHash, TierError};
 
-use crate::bans::{BAN_RETENTION, bans_key};
+use crate::bans::{BAN_RETENTION, FOLD_SCRIPT, bans_key, take_oldest};
 use crate::bus::{self, Ban};
 use crate::overtaken::Scope;
 use crate::tier::{ValkeyTier, fred_error};
@@ -120,25 +121,39 @@ impl ValkeyTier {
             .await
     }
 
-    /// Drops the recorded bans older than [`BAN_RETENTION`]: the hash is
-    /// renewed with every ban, so without this it would only grow.
+    /// Drops the recorded bans older than [`BAN_RETENTION`] (the hash is
+    /// renewed with every ban, so without this it would only grow), and
+    /// folds the oldest into the ban of every key past
+    /// [`ValkeyConfig::max_prefix_bans`](crate::ValkeyConfig::max_prefix_bans).
     async fn prune_bans(&self, now: SystemTime) -> Result<(), TierError> {
         let key = bans_key(&self.inner.prefix);
         let fields: std::collections::HashMap<String, String> =
             self.inner.client.hgetall(&key).await.map_err(fred_error)?;
         let cutoff = bus::millis(now).saturating_sub(BAN_RETENTION.as_millis() as u64);
-        let lapsed: Vec<String> = fields
+        let (mut held, lapsed): (Vec<_>, Vec<_>) = fields
             .into_iter()
-            .filter(|(_, at)| at.parse::<u64>().map_or(true, |at| at < cutoff))
-            .map(|(field, _)| field)
-            .collect();
+            .map(|(field, at)| (field, at.parse::<u64>().unwrap_or(0)))
+            .partition(|(_, at)| *at >= cutoff);
         if !lapsed.is_empty() {
+            let lapsed: Vec<String> = lapsed.into_iter().map(|(field, _)| field).collect();
             let _: i64 = self
                 .inner
                 .client
                 .hdel(&key, lapsed)
                 .await
                 .map_err(fred_error)?;
+        }
+        let everything = bus::hex(&tiercache_core::KeyPattern::new().to_bytes());
+        held.retain(|(field, _)| *field != everything);
+        let ms = |at: u64| std::time::UNIX_EPOCH + std::time::Duration::from_millis(at);
+        // The field of every key is not counted: the bound is on the others.
+        if let Some((at, oldest)) =
+            take_oldest(&mut held, self.inner.max_prefix_bans - 1, |(_, at)| ms(*at))
+        {
+            let mut args = vec![everything, bus::millis(at).to_string()];
+            args.extend(oldest.into_iter().map(|(field, _)| field));
+            let folded: Result<i64, _> = self.inner.client.eval(FOLD_SCRIPT, vec![key], args).await;
+            folded.map_err(fred_error)?;
         }
         Ok(())
     }

@@ -41,6 +41,8 @@ pub(crate) struct Inner {
     pub(crate) client: Client,
     pub(crate) bus: Arc<Bus>,
     pub(crate) fill_locks: bool,
+    /// See [`ValkeyConfig::max_prefix_bans`].
+    pub(crate) max_prefix_bans: usize,
     pub(crate) prefix: String,
     pub(crate) command_timeout: Duration,
     pub(crate) breaker: Breaker,
@@ -160,12 +162,14 @@ impl ValkeyTier {
             instance,
             config.prefix.clone(),
             overtaken.clone(),
+            config.max_prefix_bans,
         ));
         runtime.spawn(bus::dispatch(Arc::downgrade(&bus), subscriber.message_rx()));
         let inner = Arc::new(Inner {
             client,
             bus: bus.clone(),
             fill_locks: config.fill_locks,
+            max_prefix_bans: config.max_prefix_bans,
             prefix: config.prefix,
             command_timeout: config.command_timeout,
             breaker: Breaker::new(config.breaker_failures, config.breaker_interval),
