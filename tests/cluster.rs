@@ -160,11 +160,45 @@ async fn a_fleet_on_the_cluster_loads_once_shares_l2_and_invalidates_everywhere(
         .await;
     })
     .await;
+    let before_gate = origin.calls.get();
     origin.gate.open();
     for r in requests {
         assert_eq!(r.await.unwrap().2, "product 1");
     }
-    assert_eq!(origin.calls.get(), 1);
+    // Past a command's bound, a resync, or a lock wait that Valkey stopped
+    // answering, the fleet fails open by design (the local single flight
+    // still holds): a second call then is no broken promise, any other is.
+    let (sa, sb) = (a.engine.stats(), b.engine.stats());
+    let failed_open = |s: &tiercache::core::Stats| {
+        s.l2_errors + s.l2_timeouts + s.lock_timeouts + s.l2.resyncs + s.l2.breaker_trips > 0
+    };
+    let allowed = if failed_open(&sa) || failed_open(&sb) {
+        2
+    } else {
+        1
+    };
+    let fallbacks = |s: &tiercache::core::Stats| {
+        format!(
+            "l2_errors {} l2_timeouts {} lock_timeouts {} resyncs {} breaker_trips {} \
+             locks_acquired {} lock_waits {} fills_overtaken {}",
+            s.l2_errors,
+            s.l2_timeouts,
+            s.lock_timeouts,
+            s.l2.resyncs,
+            s.l2.breaker_trips,
+            s.l2.locks_acquired,
+            s.l2.lock_waits,
+            s.l2.fills_overtaken
+        )
+    };
+    assert!(
+        origin.calls.get() <= allowed,
+        "{} origin calls ({before_gate} before the gate opened); A: {}; B: {}",
+        origin.calls.get(),
+        fallbacks(&sa),
+        fallbacks(&sb)
+    );
+    let stampede_calls = origin.calls.get();
 
     // Entries written through A on every slot are read by B from L2.
     for i in 2..102 {
@@ -177,7 +211,7 @@ async fn a_fleet_on_the_cluster_loads_once_shares_l2_and_invalidates_everywhere(
         let (_, headers, _) = send(&b.app, "GET", &path).await;
         assert_eq!(header(&headers, "x-cache-tier"), "l2", "{path}");
     }
-    assert_eq!(origin.calls.get(), 101);
+    assert_eq!(origin.calls.get(), stampede_calls + 100);
 
     // A tag spans slots; its invalidation reaches both instances.
     a.engine.invalidate_tag("all").await.unwrap();

@@ -18,7 +18,8 @@ use crate::tier::{ValkeyTier, fred_error, slot_key};
 use crate::writer::{Command, Write};
 
 /// How long a lock's re-checks must keep failing before its waiter gives
-/// up on Valkey and goes to the origin itself.
+/// up on Valkey and goes to the origin itself; at least two command
+/// timeouts, so one slow answer under a longer timeout is not enough.
 const FAIL_OPEN_AFTER: Duration = Duration::from_millis(500);
 
 impl ValkeyTier {
@@ -152,7 +153,7 @@ impl ValkeyTier {
                 Ok(true) => failing_since = None,
                 Err(e) => {
                     let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
-                    if since.elapsed() >= FAIL_OPEN_AFTER {
+                    if since.elapsed() >= FAIL_OPEN_AFTER.max(2 * self.inner.command_timeout) {
                         return Err(e);
                     }
                 }

@@ -33,16 +33,7 @@ impl TieredCache {
         let hold = policy.lock_wait();
         let (held_for, holder) = match l2.try_lock(key, hold).await {
             Ok(LockAttempt::Acquired(token)) => {
-                // The holder before us may have stored its fill and let go
-                // between our L2 read and this lock: look once more, one
-                // round trip against an origin call.
-                if let Some(entry) = self.lookup_l2(key, epoch, &accept).await {
-                    // Filled, for the instances that began waiting on this
-                    // lock meanwhile: the entry is there to read.
-                    l2.unlock(key, &token, Unlocked::Filled);
-                    return FleetJoin::Filled(entry);
-                }
-                return FleetJoin::Lead(FleetLock::held(l2, key.clone(), token));
+                return self.took_lock(&l2, key, token, epoch, &accept).await;
             }
             Ok(LockAttempt::Held { left, holder }) => (left, holder),
             Ok(_) => return FleetJoin::Lead(FleetLock::local()),
@@ -54,11 +45,16 @@ impl TieredCache {
         bump(&self.inner.counters.coalesced);
         // A little past the lock's own end, so an expired lock is seen gone.
         let bound = wait.min(held_for + Duration::from_millis(20));
-        match l2
-            .wait_unlock(key, holder.as_ref(), bound)
-            .await
-            .unwrap_or(Unlocked::Gone)
-        {
+        let unlocked = match l2.wait_unlock(key, holder.as_ref(), bound).await {
+            Ok(unlocked) => unlocked,
+            Err(_) => {
+                // Valkey stopped answering the wait: what follows reads L2
+                // and tries the lock once more, and may fail open.
+                bump(&self.inner.counters.l2_errors);
+                Unlocked::Gone
+            }
+        };
+        match unlocked {
             // The owner's answer may not be shared; load without a lock.
             Unlocked::Passed => return FleetJoin::Lead(FleetLock::local()),
             Unlocked::Shared(entry, failed) if entry.key() == key.full() => {
@@ -71,12 +67,33 @@ impl TieredCache {
         }
         match l2.try_lock(key, hold).await {
             Ok(LockAttempt::Acquired(token)) => {
-                FleetJoin::Lead(FleetLock::held(l2, key.clone(), token))
+                self.took_lock(&l2, key, token, epoch, &accept).await
             }
             _ => {
                 bump(&self.inner.counters.lock_timeouts);
                 FleetJoin::Lead(FleetLock::local())
             }
         }
+    }
+
+    /// This instance took the lock: the holder before it (or the one it
+    /// waited on, whose fill its earlier read missed) may have stored its
+    /// fill and let go meanwhile, so L2 is read once more, one round trip
+    /// against an origin call.
+    async fn took_lock(
+        &self,
+        l2: &std::sync::Arc<dyn crate::Tier>,
+        key: &CacheKey,
+        token: crate::LockToken,
+        epoch: u64,
+        accept: &impl Fn(&Entry) -> bool,
+    ) -> FleetJoin {
+        if let Some(entry) = self.lookup_l2(key, epoch, accept).await {
+            // Filled, for the instances that began waiting on this lock
+            // meanwhile: the entry is there to read.
+            l2.unlock(key, &token, Unlocked::Filled);
+            return FleetJoin::Filled(entry);
+        }
+        FleetJoin::Lead(FleetLock::held(l2.clone(), key.clone(), token))
     }
 }
