@@ -186,6 +186,11 @@ impl L1 {
         self.cache.invalidate_all();
     }
 
+    /// Whether L1 holds an entry under `hash` (live or not yet reclaimed).
+    pub(crate) fn contains(&self, hash: &KeyHash) -> bool {
+        self.cache.contains_key(hash)
+    }
+
     pub(crate) fn invalidate(&self, hash: &KeyHash) {
         self.cache.invalidate(hash);
     }

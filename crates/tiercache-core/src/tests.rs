@@ -399,3 +399,65 @@ async fn a_tag_past_the_index_bound_still_reaches_every_key() {
     cache.invalidate_tag("wide").await.unwrap();
     assert!(keys.iter().all(|k| !cache.l1_contains(k)));
 }
+
+/// A tag's index kept the keys of entries L1 had dropped: past its bound
+/// (64 here) the tag was marked overflowed, and its next invalidation
+/// dropped all of L1, though only a few of its keys were still alive. The
+/// keys L1 no longer holds are pruned first.
+#[tokio::test]
+async fn a_tag_whose_keys_left_l1_does_not_overflow_into_dropping_all_of_l1() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let tagged = Policy::ttl(TTL).tag("route").build().unwrap();
+    let plain = Policy::ttl(TTL).build().unwrap();
+    let home = CacheKey::new("home");
+    cache.put(&home, Value::from_body("home"), &plain);
+    // 300 keys stored under the tag over time, at most 40 alive at once
+    // (the rest evicted or expired: here dropped from L1 by hand).
+    let key = |i: u32| CacheKey::new(i.to_le_bytes());
+    for i in 0..300u32 {
+        cache.put(&key(i), Value::from_body("v"), &tagged);
+        if i >= 40 {
+            cache.forget_local(&key(i - 40));
+        }
+    }
+    cache.invalidate_tag("route").await.unwrap();
+    assert!(
+        (260..300).all(|i| !cache.l1_contains(&key(i))),
+        "a live tagged key survived"
+    );
+    assert!(
+        cache.l1_contains(&home),
+        "the tag's invalidation dropped all of L1"
+    );
+}
+
+/// Every `Vary`ing URL has a tag of its own: a crawl of unique URLs grew
+/// the tag index by one tag each, outside the L1 budget, until its bound
+/// pushed tags out and the next tag invalidation dropped all of L1. Tags
+/// whose keys left L1 leave the index.
+#[tokio::test]
+async fn the_tag_index_follows_l1_through_a_crawl_of_unique_tags() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let key = |i: u32| CacheKey::new(i.to_le_bytes());
+    for i in 0..20_000u32 {
+        let policy = Policy::ttl(TTL).tag(format!("url-{i}")).build().unwrap();
+        cache.put(&key(i), Value::from_body("v"), &policy);
+        // L1 holds 100 of them at a time.
+        if i >= 100 {
+            cache.forget_local(&key(i - 100));
+        }
+    }
+    let inner = cache.inner_for_tests();
+    inner.tags.run_pending_tasks();
+    let tags = inner.tags.entry_count();
+    assert!(
+        tags <= 100 + 100 / 4 + 1024,
+        "{tags} tags held for 100 live entries"
+    );
+    // The live ones are still reached by their tags.
+    cache.invalidate_tag("url-19999").await.unwrap();
+    assert!(!cache.l1_contains(&key(19_999)));
+    assert!(cache.l1_contains(&key(19_998)));
+}

@@ -40,9 +40,11 @@ use crate::writer::{Command, Write};
 /// Most invalidations remembered for the queued fills; a fill queued before
 /// the oldest is held back (it only costs L2 a copy).
 const HEARD_CAP: usize = 1024;
-/// Most sent fills remembered (~200 bytes each, ~0.8 MiB in all); under a
-/// flood the oldest are forgotten before the grace is up.
+/// Most sent fills remembered, and most bytes they may hold (their keys:
+/// a URL's length is the client's to choose); under a flood the oldest are
+/// forgotten before the grace is up.
 const SENT_CAP: usize = 4096;
+const SENT_BYTES: usize = 2 * 1024 * 1024;
 
 /// What one invalidation heard (another instance's, or this one's) covers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -126,6 +128,11 @@ pub(crate) struct Target {
 }
 
 impl Target {
+    /// Bytes held for it in the sent log (its keys, and a slot's worth).
+    fn size(&self) -> usize {
+        self.full.len() + self.key.len() + self.tags.iter().map(String::len).sum::<usize>() + 96
+    }
+
     fn covered_by(&self, scope: &Scope) -> bool {
         scope.covers(&self.hash, &self.full, &self.tags)
     }
@@ -139,7 +146,58 @@ struct State {
     /// The last invalidations heard, oldest first, each with its number.
     log: VecDeque<(u64, Scope)>,
     /// Fills sent lately, oldest first.
-    sent: VecDeque<(Instant, Target)>,
+    sent: SentLog,
+}
+
+/// The fills sent within the grace, oldest first, within [`SENT_CAP`] and
+/// [`SENT_BYTES`].
+#[derive(Default)]
+struct SentLog {
+    fills: VecDeque<(Instant, Target)>,
+    bytes: usize,
+}
+
+impl SentLog {
+    fn push(&mut self, at: Instant, fill: Target) {
+        self.bytes += fill.size();
+        self.fills.push_back((at, fill));
+        while self.fills.len() > SENT_CAP || self.bytes > SENT_BYTES {
+            self.pop_front();
+        }
+    }
+
+    /// Forgets the fills sent more than `grace` before `now`.
+    fn age(&mut self, now: Instant, grace: Duration) {
+        while self
+            .fills
+            .front()
+            .is_some_and(|(at, _)| now.saturating_duration_since(*at) > grace)
+        {
+            self.pop_front();
+        }
+    }
+
+    fn pop_front(&mut self) {
+        if let Some((_, fill)) = self.fills.pop_front() {
+            self.bytes -= fill.size();
+        }
+    }
+
+    /// Takes out the fills `scope` covers.
+    fn take_covered(&mut self, scope: &Scope) -> Vec<Undo> {
+        let mut taken = Vec::new();
+        let mut freed = 0;
+        self.fills.retain(|(_, fill)| {
+            let hit = fill.covered_by(scope);
+            if hit {
+                freed += fill.size();
+                taken.push((fill.key.clone(), fill.stamp.clone()));
+            }
+            !hit
+        });
+        self.bytes -= freed;
+        taken
+    }
 }
 
 impl State {
@@ -216,22 +274,9 @@ impl Overtaken {
             if state.log.len() == HEARD_CAP {
                 state.log.pop_front();
             }
-            while state
-                .sent
-                .front()
-                .is_some_and(|(at, _)| now.saturating_duration_since(*at) > self.grace)
-            {
-                state.sent.pop_front();
-            }
+            state.sent.age(now, self.grace);
             // Taken out: each fill is deleted again once at most.
-            let mut again = Vec::new();
-            state.sent.retain(|(_, fill)| {
-                let hit = fill.covered_by(&scope);
-                if hit {
-                    again.push((fill.key.clone(), fill.stamp.clone()));
-                }
-                !hit
-            });
+            let again = state.sent.take_covered(&scope);
             state.log.push_back((n, scope));
             again
         };
@@ -294,16 +339,15 @@ impl Overtaken {
     /// the grace.
     pub(crate) fn sent(&self, since: u64, fills: Vec<Target>, now: Instant) -> Vec<Undo> {
         let mut state = self.lock();
+        // Aged here too: with no invalidation heard, nothing else would.
+        state.sent.age(now, self.grace);
         let mut again = Vec::new();
         for fill in fills {
             if state.overtaken_since(since, &fill.hash, &fill.full, &fill.tags) {
                 again.push((fill.key, fill.stamp));
                 continue;
             }
-            if state.sent.len() == SENT_CAP {
-                state.sent.pop_front();
-            }
-            state.sent.push_back((now, fill));
+            state.sent.push(now, fill);
         }
         again
     }
@@ -414,6 +458,28 @@ mod tests {
         // Past the grace, a message no longer reaches what was sent.
         o.heard(Scope::Everything, t0 + GRACE + Duration::from_millis(1));
         assert!(deletes(&mut rx).is_empty());
+    }
+
+    /// The sent log pinned each fill's full key until an invalidation came:
+    /// with none heard, 4,096 long keys (a URL's length is the client's)
+    /// stayed for good. It ages on every send and holds a byte bound.
+    #[test]
+    fn the_sent_log_ages_without_invalidations_and_holds_its_byte_bound() {
+        let (o, _rx) = overtaken();
+        let t0 = Instant::now();
+        let long = "q".repeat(32 * 1024);
+        let fills = (0..4096)
+            .map(|i| target(&format!("{long}{i}"), &[]))
+            .collect();
+        assert!(o.sent(o.mark(), fills, t0).is_empty());
+        let held = o.lock().sent.bytes;
+        assert!(held <= SENT_BYTES, "{held} bytes of sent keys held");
+        assert!(o.lock().sent.fills.len() >= SENT_BYTES / (2 * 32 * 1024) - 1);
+        // Past the grace, the next send forgets the rest.
+        let later = t0 + GRACE + Duration::from_millis(1);
+        assert!(o.sent(o.mark(), vec![target("a", &[])], later).is_empty());
+        assert_eq!(o.lock().sent.fills.len(), 1);
+        assert_eq!(o.lock().sent.bytes, target("a", &[]).size());
     }
 
     #[test]

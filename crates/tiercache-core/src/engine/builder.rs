@@ -141,12 +141,14 @@ impl TieredCacheBuilder {
                 .max_capacity(100_000)
                 .time_to_live(Policy::DEFAULT_HIT_FOR_MISS_TTL * 60)
                 .build(),
+            // Pruned to follow L1 (see `engine::tags`): this bound is a
+            // safety net, past which a tag invalidation drops all of L1.
             tags: moka::sync::Cache::builder()
-                .max_capacity(100_000)
+                .max_capacity(1_000_000)
                 .eviction_listener({
                     let incomplete = tags_incomplete.clone();
                     let tag_keys = tag_keys.clone();
-                    move |_, index: Arc<Mutex<super::TagKeys>>, cause| {
+                    move |_, index: Arc<Mutex<super::tags::TagKeys>>, cause| {
                         if cause == moka::notification::RemovalCause::Size {
                             incomplete.store(true, std::sync::atomic::Ordering::Relaxed);
                             let n = index.lock().unwrap_or_else(|e| e.into_inner()).len();
@@ -157,6 +159,7 @@ impl TieredCacheBuilder {
                 .build(),
             tags_incomplete,
             tag_keys,
+            tags_prune_at: std::sync::atomic::AtomicUsize::new(1024),
             journal: Journal::default(),
             outbox: Arc::default(),
             refreshes: Arc::new(tokio::sync::Semaphore::new(self.max_refreshes)),

@@ -173,7 +173,7 @@ impl Inner {
         let (keys, overflowed) = match &index {
             Some(index) => {
                 let mut index = index.lock().unwrap_or_else(|e| e.into_inner());
-                let keys: Vec<KeyHash> = index.keys.drain().collect();
+                let keys: Vec<KeyHash> = index.take();
                 self.tag_keys.fetch_sub(keys.len(), Relaxed);
                 (keys, index.overflowed)
             }

@@ -8,7 +8,6 @@
 //! `journal` and `invalidate` (invalidations, and fills they overtake), `api`
 //! (the programmatic calls: get, put, get_or_load, expire, …).
 
-use std::collections::HashSet;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -31,6 +30,7 @@ mod journal;
 mod outbox;
 pub(crate) mod read;
 mod store;
+mod tags;
 
 pub use api::{Commit, LoadError};
 pub use builder::{BuildError, TieredCacheBuilder};
@@ -40,6 +40,7 @@ pub use store::{Fill, Lifetime};
 
 use journal::Journal;
 use outbox::Outbox;
+use tags::TagKeys;
 
 /// A two-tier cache engine. Cheap to clone: clones share everything.
 ///
@@ -70,47 +71,20 @@ pub(crate) struct Inner {
     /// Keys whose last response could not be shared, until when (hit-for-miss).
     uncacheable: moka::sync::Cache<KeyHash, SystemTime>,
     /// Tag → the keys this instance stored with it (tag invalidation without L2).
-    tags: moka::sync::Cache<Bytes, Arc<Mutex<TagKeys>>>,
+    pub(crate) tags: moka::sync::Cache<Bytes, Arc<Mutex<TagKeys>>>,
     /// The tag index lost a tag to its bound: the next tag invalidation
     /// cannot know every live key under it, and drops all of L1 instead.
     tags_incomplete: Arc<std::sync::atomic::AtomicBool>,
     /// Keys recorded across all tags (bounded by `MAX_TAG_KEYS`).
     tag_keys: Arc<std::sync::atomic::AtomicUsize>,
+    /// Records past which the tag index is pruned (see [`tags`]).
+    tags_prune_at: std::sync::atomic::AtomicUsize,
     /// Recent invalidations, so a fill they overtook is not stored.
     journal: Journal,
     /// Invalidations on their way to the shared tier, and their tombstones.
     outbox: Arc<Outbox>,
     /// Slots for background refreshes (see `max_refreshes`).
     refreshes: Arc<tokio::sync::Semaphore>,
-}
-
-/// The keys this instance stored under one tag.
-#[derive(Debug, Default)]
-pub(crate) struct TagKeys {
-    keys: HashSet<KeyHash>,
-    /// More keys than the index keeps were stored under the tag.
-    overflowed: bool,
-}
-
-impl TagKeys {
-    /// Records `key` unless the tag holds `cap` keys or `room` is false (the
-    /// index as a whole is full); then the tag is marked overflowed. Whether
-    /// a new key was recorded.
-    fn record(&mut self, key: KeyHash, cap: usize, room: bool) -> bool {
-        if self.keys.contains(&key) {
-            return false;
-        }
-        if self.keys.len() < cap && room {
-            self.keys.insert(key)
-        } else {
-            self.overflowed = true;
-            false
-        }
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.keys.len()
-    }
 }
 
 impl fmt::Debug for TieredCache {
@@ -250,6 +224,7 @@ impl TieredCache {
 impl Inner {
     fn sweep(&self) -> u64 {
         let reclaimed = self.l1.sweep();
+        self.prune_tags();
         self.uncacheable.run_pending_tasks();
         bump(&self.counters.sweeps);
         reclaimed

@@ -2,7 +2,6 @@
 //! and (queued) in L2, recorded under its tags; unless an invalidation
 //! overtook it.
 
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -294,25 +293,9 @@ impl TieredCache {
         if let Some(l2) = &self.inner.l2 {
             l2.put(key, &entry, l2_ttl, tags);
         }
-        for tag in tags {
-            let index = self.inner.tags.get_with(tag.clone(), Default::default);
-            let room = self.inner.tag_keys.load(Relaxed) < Self::MAX_TAG_KEYS;
-            let added = index.lock().unwrap_or_else(|e| e.into_inner()).record(
-                key.hash(),
-                Self::MAX_KEYS_PER_TAG,
-                room,
-            );
-            if added {
-                self.inner.tag_keys.fetch_add(1, Relaxed);
-            }
-        }
+        // In L1 before its tags record it: a prune that finds a record's
+        // key gone from L1 then knows its entry is.
         self.inner.l1.insert(key.hash(), entry);
+        self.inner.record_tags(key.hash(), tags);
     }
-
-    /// Keys remembered per tag in this process (the shared tier keeps its
-    /// own index); past it the tag is marked overflowed (see `TagKeys`).
-    const MAX_KEYS_PER_TAG: usize = if cfg!(test) { 64 } else { 100_000 };
-    /// Keys remembered across all tags: the index's own bound (~64 B a key,
-    /// so ~64 MiB at most); past it new keys mark their tag overflowed.
-    const MAX_TAG_KEYS: usize = 1_000_000;
 }

@@ -1,0 +1,155 @@
+//! The tag index: which L1 keys this instance stored under each tag, so a
+//! tag invalidation drops them without a shared tier.
+//!
+//! The index follows L1: records of entries L1 has evicted or expired are
+//! pruned once the records outgrow the last live count by a quarter (and
+//! on every sweep), and a tag left with no live key leaves the index. So
+//! it holds at most ~1.25× the tag records of L1's live entries plus
+//! 1,024, whatever the number of unique tags (each `Vary`ing URL has one),
+//! and a crawl never pushes a tag out of it (which would make the next tag
+//! invalidation drop all of L1).
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use moka::ops::compute::Op;
+
+use super::Inner;
+use crate::KeyHash;
+
+/// The keys this instance stored under one tag.
+#[derive(Debug, Default)]
+pub(crate) struct TagKeys {
+    keys: HashSet<KeyHash>,
+    /// More keys than the index keeps were stored under the tag.
+    pub(super) overflowed: bool,
+    /// Pruned out of the index (no live key was left): a key is recorded
+    /// in the tag's new index instead.
+    dead: bool,
+}
+
+impl TagKeys {
+    /// Records `key` (alive in L1). A tag at `cap` keys first drops the
+    /// keys no longer `live`; when more than three quarters are, or `room` is false
+    /// (the index as a whole is full), the tag is marked overflowed. `None`
+    /// when this index left the tag index; else whether `key` was added and
+    /// how many keys were pruned.
+    fn record(
+        &mut self,
+        key: KeyHash,
+        cap: usize,
+        room: bool,
+        live: impl Fn(&KeyHash) -> bool,
+    ) -> Option<(bool, usize)> {
+        if self.dead {
+            return None;
+        }
+        if self.overflowed || self.keys.contains(&key) {
+            return Some((false, 0));
+        }
+        let mut pruned = 0;
+        if self.keys.len() >= cap {
+            let before = self.keys.len();
+            self.keys.retain(|k| live(k));
+            pruned = before - self.keys.len();
+            // Mostly live: pruning again at the next key would cost the
+            // whole set each time.
+            if self.keys.len() > cap / 4 * 3 {
+                self.overflowed = true;
+            }
+        }
+        if self.overflowed || !room {
+            self.overflowed = true;
+            return Some((false, pruned));
+        }
+        Some((self.keys.insert(key), pruned))
+    }
+
+    /// Drains the keys of an index taken out for the tag's invalidation:
+    /// a key recorded after it goes in the tag's next index.
+    pub(super) fn take(&mut self) -> Vec<KeyHash> {
+        self.dead = true;
+        self.keys.drain().collect()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.keys.len()
+    }
+}
+
+impl Inner {
+    /// Keys remembered per tag in this process (the shared tier keeps its
+    /// own index); past it the tag is pruned of keys L1 no longer holds,
+    /// and marked overflowed if most are live (see `TagKeys`).
+    const MAX_KEYS_PER_TAG: usize = if cfg!(test) { 64 } else { 100_000 };
+    /// Keys remembered across all tags: the index's own bound (~64 B a key,
+    /// so ~64 MiB at most); past it new keys mark their tag overflowed.
+    const MAX_TAG_KEYS: usize = 1_000_000;
+
+    /// Records `hash` (just put in L1) under each of `tags`.
+    pub(super) fn record_tags(&self, hash: KeyHash, tags: &[Bytes]) {
+        for tag in tags {
+            loop {
+                let index = self.tags.get_with(tag.clone(), Default::default);
+                let room = self.tag_keys.load(Relaxed) < Self::MAX_TAG_KEYS;
+                let recorded = index.lock().unwrap_or_else(|e| e.into_inner()).record(
+                    hash,
+                    Self::MAX_KEYS_PER_TAG,
+                    room,
+                    |k| self.l1.contains(k),
+                );
+                let Some((added, pruned)) = recorded else {
+                    // Pruned away meanwhile: the tag's next index.
+                    self.forget_tag_index(tag, &index);
+                    continue;
+                };
+                if added {
+                    self.tag_keys.fetch_add(1, Relaxed);
+                }
+                if pruned > 0 {
+                    self.tag_keys.fetch_sub(pruned, Relaxed);
+                }
+                break;
+            }
+        }
+        if self.tag_keys.load(Relaxed) > self.tags_prune_at.load(Relaxed) {
+            self.prune_tags();
+        }
+    }
+
+    /// Takes `index` (pruned away) out of the tag index, unless the tag has
+    /// a newer one.
+    pub(super) fn forget_tag_index(&self, tag: &Bytes, index: &Arc<Mutex<TagKeys>>) {
+        self.tags
+            .entry(tag.clone())
+            .and_compute_with(|held| match held {
+                Some(held) if Arc::ptr_eq(held.value(), index) => Op::Remove,
+                _ => Op::Nop,
+            });
+    }
+
+    /// Drops the records of keys L1 no longer holds, and the tags left
+    /// without one; the next prune comes once the records have grown by a
+    /// quarter (amortised O(1) a record). Safe beside fills: a key is put
+    /// in L1 before it is recorded, so a record pruned here was of an entry
+    /// already gone.
+    pub(super) fn prune_tags(&self) {
+        for (tag, index) in self.tags.iter() {
+            let dead = {
+                let mut keys = index.lock().unwrap_or_else(|e| e.into_inner());
+                let before = keys.keys.len();
+                keys.keys.retain(|k| self.l1.contains(k));
+                self.tag_keys.fetch_sub(before - keys.keys.len(), Relaxed);
+                keys.dead |= keys.keys.is_empty() && !keys.overflowed;
+                keys.dead
+            };
+            if dead {
+                self.forget_tag_index(&tag, &index);
+            }
+        }
+        let live = self.tag_keys.load(Relaxed);
+        self.tags_prune_at.store(live + live / 4 + 1024, Relaxed);
+    }
+}
