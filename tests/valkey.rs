@@ -727,6 +727,27 @@ async fn prefix_bans_past_their_bound_fold_and_still_refuse_every_banned_copy() 
     }
 }
 
+/// A ban only moves later: recording one for a pattern that already holds a
+/// later time (the fold's ban of every key, or an instance whose clock is
+/// ahead) overwrote it with the earlier one, and the copies between the two
+/// times, banned, were read again.
+#[tokio::test]
+async fn a_recorded_ban_never_moves_earlier() {
+    let server = ValkeyServer::start();
+    let a = engine(tier(&server.url(), "later").await);
+    let ahead = (std::time::SystemTime::now() + Duration::from_secs(3600))
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        .to_string();
+    // The field of every key (its pattern's bytes are empty).
+    server.cmd(&["HSET", "later:bans", "", &ahead]);
+    a.invalidate_prefix(tiercache::core::KeyPattern::new())
+        .await
+        .unwrap();
+    assert_eq!(server.cmd(&["HGET", "later:bans", ""]), ahead);
+}
+
 /// A reconnect drops L1 even when the bans cannot be read (here never: the
 /// server refuses `HGETALL`): the messages missed while away are not
 /// waited on for the bans' sake.
@@ -788,6 +809,62 @@ async fn a_late_read_of_the_bans_does_not_drop_the_loads_in_flight() {
     gate.open();
     bounded("the load", load).await.unwrap().unwrap();
     assert!(c.l1_contains(&key), "the fill in flight was not stored");
+}
+
+/// A late read of the bans that finds the ban of every key (a fold's) must
+/// drop only the copies created before it: it was applied as a prefix
+/// invalidation of everything, through the journal, so the loads in flight
+/// were stored nowhere and every newer L1 entry went too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_read_of_a_folded_ban_drops_only_the_copies_it_covers() {
+    let server = ValkeyServer::start();
+    let a_second_ago = (std::time::SystemTime::now() - Duration::from_secs(1))
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        .to_string();
+    server.cmd(&["HSET", "lf:bans", "", &a_second_ago]);
+    let c = engine(without_bans_read(&server, "fold", "lf").await);
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    let newer = CacheKey::new("stored-after-the-ban");
+    c.put(&newer, Fill::new(Value::from_body("n")), &policy);
+    let key = CacheKey::new("loading");
+    let gate = tiercache_testkit::Gate::new();
+    let started = Counter::new();
+    let load = {
+        let (c, key, policy, gate, started) = (
+            c.clone(),
+            key.clone(),
+            policy.clone(),
+            gate.clone(),
+            started.clone(),
+        );
+        tokio::spawn(async move {
+            c.get_or_load(&key, &policy, move || async move {
+                started.bump();
+                gate.passed().await;
+                Ok::<_, std::convert::Infallible>(Value::from_body("v"))
+            })
+            .await
+        })
+    };
+    bounded("the load at the origin", started.reached(1)).await;
+    server.cmd(&["ACL", "SETUSER", "fold", "+hgetall"]);
+    bounded("the bans read", async {
+        while server.command_calls("hgetall") == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    // What follows the read (the merge, and what it drops) has run.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    gate.open();
+    bounded("the load", load).await.unwrap().unwrap();
+    assert!(c.l1_contains(&key), "the fill in flight was not stored");
+    assert!(
+        c.l1_contains(&newer),
+        "an entry newer than the ban was dropped"
+    );
 }
 
 /// An instance reaching `server` through a fault proxy (passing for now),

@@ -7,7 +7,8 @@
 #   e.g. benches/support/flood_proxy.sh 256MiB 25
 # BODY_BYTES=65536 (or 60, ...) changes the body size (default 1024);
 # PROXY_BIN=path runs another build of the proxy; CONNECTIONS=4 sets wrk's
-# connections (default 16).
+# connections (default 16); VARY=1 has nginx answer `Vary: Accept-Encoding`
+# (each URL then has its own tag in the proxy's tag index).
 # Needs nginx and wrk (apt-get install nginx wrk) and
 # `cargo build --release -p tiercache-proxy` first. Ports 18181-18183.
 set -euo pipefail
@@ -34,7 +35,7 @@ http {
   keepalive_requests 1000000;
   server {
     listen 127.0.0.1:18181;
-    location / { root $DIR/www; default_type text/plain; try_files /body =404; }
+    location / { root $DIR/www; default_type text/plain; try_files /body =404; ${VARY:+add_header Vary Accept-Encoding;} }
   }
 }
 CONF

@@ -90,6 +90,17 @@ pub trait InvalidationSink: Send + Sync + 'static {
     /// The tier lost its message stream (reconnect, lag): messages may have
     /// been missed, so every L1 entry is dropped.
     fn resync(&self);
+
+    /// Prefix bans learned late (read from the shared tier after copies may
+    /// have been promoted), each a pattern and a time: drops the L1 entries a
+    /// ban's pattern matches that were created at or before its time, and
+    /// nothing else (loads in flight and later copies stay). By default,
+    /// every entry a pattern matches.
+    fn drop_banned(&self, bans: &[(crate::KeyPattern, std::time::SystemTime)]) {
+        for (pattern, _) in bans {
+            self.apply(&Invalidation::Prefix(pattern.clone()));
+        }
+    }
 }
 
 /// A leader's hold on the fleet-wide fill lock for one key. Release it with

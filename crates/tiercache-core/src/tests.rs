@@ -441,7 +441,7 @@ async fn the_tag_index_follows_l1_through_a_crawl_of_unique_tags() {
     let clock = MockClock::new();
     let cache = engine(&clock);
     let key = |i: u32| CacheKey::new(i.to_le_bytes());
-    for i in 0..20_000u32 {
+    for i in 0..5_000u32 {
         let policy = Policy::ttl(TTL).tag(format!("url-{i}")).build().unwrap();
         cache.put(&key(i), Value::from_body("v"), &policy);
         // L1 holds 100 of them at a time.
@@ -457,7 +457,57 @@ async fn the_tag_index_follows_l1_through_a_crawl_of_unique_tags() {
         "{tags} tags held for 100 live entries"
     );
     // The live ones are still reached by their tags.
-    cache.invalidate_tag("url-19999").await.unwrap();
-    assert!(!cache.l1_contains(&key(19_999)));
-    assert!(cache.l1_contains(&key(19_998)));
+    cache.invalidate_tag("url-4999").await.unwrap();
+    assert!(!cache.l1_contains(&key(4_999)));
+    assert!(cache.l1_contains(&key(4_998)));
+}
+
+/// The hit-for-miss marks' memory bound was a fixed 10 minutes, which cut a
+/// longer `hit_for_miss_ttl` short (the policy allows up to 365 days): a
+/// mark now stays in memory as long as it lasts on the engine's clock.
+#[test]
+fn a_hit_for_miss_mark_stays_as_long_as_its_policy_says() {
+    use moka::Expiry;
+    let clock = MockClock::new();
+    let expiry = crate::engine::MarkExpiry(Arc::new(clock.clone()));
+    let until = clock.now() + Duration::from_secs(3600);
+    let hash = CacheKey::new("k").hash();
+    let bound = expiry
+        .expire_after_create(&hash, &until, std::time::Instant::now())
+        .unwrap();
+    assert!(bound >= Duration::from_secs(3600), "{bound:?}");
+    assert!(bound <= Duration::from_secs(3602), "{bound:?}");
+}
+
+/// Stale records (of keys L1 had dropped) could use up the room all tags
+/// share before a prune came (it came at a quarter past the last live
+/// count, which may be past the room): every tag recorded then was marked
+/// overflowed, and its invalidation dropped all of L1. Prunes come before
+/// the room runs out (the room is 1,000 records here).
+#[tokio::test]
+async fn stale_tag_records_never_use_up_the_room_of_live_ones() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let plain = Policy::ttl(TTL).build().unwrap();
+    let home = CacheKey::new("home");
+    cache.put(&home, Value::from_body("home"), &plain);
+    let key = |i: u32| CacheKey::new(i.to_le_bytes());
+    // 850 live at a time, each under a tag of its own.
+    for i in 0..5_000u32 {
+        let policy = Policy::ttl(TTL).tag(format!("t{i}")).build().unwrap();
+        cache.put(&key(i), Value::from_body("v"), &policy);
+        if i >= 850 {
+            cache.forget_local(&key(i - 850));
+        }
+    }
+    cache.invalidate_tag("t4999").await.unwrap();
+    assert!(!cache.l1_contains(&key(4_999)));
+    assert!(
+        cache.l1_contains(&key(4_998)),
+        "a live key of another tag went"
+    );
+    assert!(
+        cache.l1_contains(&home),
+        "the tag's invalidation dropped all of L1"
+    );
 }

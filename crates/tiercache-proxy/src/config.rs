@@ -291,8 +291,9 @@ impl ProxyConfig {
         self
     }
 
-    /// Sets how long a client may take to send a request's head, or idle
-    /// between keep-alive requests (default 75 s).
+    /// Sets how long a client may take to send a request's head, idle
+    /// between keep-alive requests, or leave what is sent to it unread
+    /// (default 75 s).
     pub fn client_timeout(mut self, timeout: Duration) -> Self {
         self.client_timeout = timeout;
         self

@@ -8,7 +8,7 @@
 //! valkey   = "redis://127.0.0.1:6379"      # optional
 //! valkey_timeout = "50ms"                   # one Valkey command at most
 //! origin_timeout = "60s"                    # for the head (else 504), and each silence in a body
-//! client_timeout = "75s"                    # a client's head, or its idle keep-alive connection
+//! client_timeout = "75s"                    # a client's head, its idle keep-alive connection, an unread answer
 //! l1_capacity = "256MiB"
 //!
 //! [defaults]                                # any policy field or safety option

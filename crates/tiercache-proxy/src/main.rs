@@ -70,8 +70,9 @@ struct Args {
     /// within its body before the body is cut [default: 60s]
     #[arg(long, value_parser = parse_duration)]
     origin_timeout: Option<Duration>,
-    /// How long a client may take to send a request's head, or leave a
-    /// keep-alive connection idle, before it is closed; keep it above the
+    /// How long a client may take to send a request's head, leave a
+    /// keep-alive connection idle, or leave a response unread, before it is
+    /// closed; keep it above the
     /// idle timeout of a load balancer in front [default: 75s]
     #[arg(long, value_parser = parse_duration)]
     client_timeout: Option<Duration>,

@@ -3,6 +3,7 @@
 //! sends its head slowly, or nothing at all, is cut off instead of holding a
 //! connection for ever (`axum::serve` sets no timer, so hyper has none).
 
+use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::{Pin, pin};
@@ -29,8 +30,11 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// Serves `app` on `listener` until the task is dropped. `timeout` bounds
 /// how long a client may take to send a request's head, how long a
 /// keep-alive connection may sit idle between requests (hyper times both
-/// with one timer), and how long a new connection may take to show which
-/// HTTP it speaks.
+/// with one timer), how long a new connection may take to show which
+/// HTTP it speaks, and how long a client may leave what is sent to it
+/// unread (as nginx's `send_timeout`: hyper has no write timer, and a
+/// client that never reads would hold its connection, and the body it
+/// pins, for ever).
 pub(crate) async fn serve(listener: TcpListener, app: Router, timeout: Duration) {
     let mut builder = Builder::new(TokioExecutor::new());
     builder
@@ -91,6 +95,8 @@ pub(crate) async fn serve(listener: TcpListener, app: Router, timeout: Duration)
                 first,
                 at: 0,
                 stream,
+                send_timeout: timeout,
+                stalled: None,
             });
             let service = TowerToHyperService::new(service);
             let mut conn = pin!(builder.serve_connection_with_upgrades(io, service));
@@ -141,11 +147,45 @@ async fn read_version(stream: &mut TcpStream) -> io::Result<Vec<u8>> {
 }
 
 /// A connection whose first bytes were already read: they are read again
-/// first, then the stream.
+/// first, then the stream. A write the client leaves pending (it reads
+/// nothing) for `send_timeout` fails, which ends the connection.
 struct Replayed {
     first: Vec<u8>,
     at: usize,
     stream: TcpStream,
+    send_timeout: Duration,
+    /// Since when a write has been pending.
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Replayed {
+    /// Runs a write step: a pending one starts (or goes on) the send
+    /// timer, which fails it once it runs out; one that is ready stops it.
+    fn timed<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        step: impl FnOnce(Pin<&mut TcpStream>, &mut Context<'_>) -> Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        match step(Pin::new(&mut self.stream), cx) {
+            Poll::Pending => {
+                let timeout = self.send_timeout;
+                let timer = self
+                    .stalled
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+                if timer.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the client read nothing for the client timeout",
+                    )));
+                }
+                Poll::Pending
+            }
+            ready => {
+                self.stalled = None;
+                ready
+            }
+        }
+    }
 }
 
 impl AsyncRead for Replayed {
@@ -171,7 +211,7 @@ impl AsyncWrite for Replayed {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+        self.get_mut().timed(cx, |s, cx| s.poll_write(cx, buf))
     }
 
     fn poll_write_vectored(
@@ -179,7 +219,8 @@ impl AsyncWrite for Replayed {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+        self.get_mut()
+            .timed(cx, |s, cx| s.poll_write_vectored(cx, bufs))
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -187,7 +228,7 @@ impl AsyncWrite for Replayed {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+        self.get_mut().timed(cx, |s, cx| s.poll_flush(cx))
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {

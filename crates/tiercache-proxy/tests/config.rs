@@ -543,6 +543,51 @@ async fn an_upstream_body_that_breaks_off_reaches_the_client_cut() {
     accept.abort();
 }
 
+/// A client that asks and then reads nothing held its connection, and the
+/// body it pins, for ever: hyper has no write timer. A write left pending
+/// for `--client-timeout` (here 1 s) now ends the connection, as nginx's
+/// `send_timeout` does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_reads_nothing_is_cut_off() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const BODY: usize = 32 * 1024 * 1024;
+    let big = Router::new().route("/big", get(|| async { vec![b'x'; BODY] }));
+    let server = Server::start(big).await;
+    let config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .client_timeout(Duration::from_secs(1));
+    let proxy = Proxy::start(config).await.unwrap();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut client = socket.connect(proxy.addr()).await.unwrap();
+    client
+        .write_all(b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    // Reads nothing while the proxy's writes fill the socket's buffers,
+    // and for the timeout past that.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let mut got = 0usize;
+    let mut buf = vec![0u8; 1 << 20];
+    let drained = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match client.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got += n,
+            }
+        }
+    })
+    .await;
+    assert!(
+        drained.is_ok(),
+        "the connection was still open 35 s after a client stopped reading ({got} bytes read)"
+    );
+    assert!(
+        got < BODY,
+        "the whole body arrived: the client was never cut off"
+    );
+}
+
 /// A client that sends nothing, or only part of a request's head, is cut
 /// off after `--client-timeout` (here 10 s; 75 s by default) instead of holding its
 /// connection for ever (a black-box audit: slowloris clients still open

@@ -62,20 +62,39 @@ pub(crate) fn fold(bans: &mut Vec<Ban>, max: usize) {
     }
 }
 
-/// Folds the oldest fields of the bans hash (`KEYS[1]`) into the field of
-/// every key (`ARGV[1]`) at `ARGV[2]` (milliseconds), atomically: that
-/// field only moves later, and a folded field goes only if it was not
-/// recorded again, later, meanwhile (`ARGV[3..]`).
-pub(crate) const FOLD_SCRIPT: &str = r#"
-local at = tonumber(ARGV[2])
-local held = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') or 0
-if at > held then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
-for i = 3, #ARGV do
+/// Every change to the bans hash (`KEYS[1]`), atomically, so no instance
+/// undoes another's: when `ARGV[1]` is "1", field `ARGV[2]` is set to time
+/// `ARGV[3]` (milliseconds) unless it holds a later one (a ban only moves
+/// later); then each field of `ARGV[5..]` goes if it holds a time at or
+/// before `ARGV[4]` (a lapsed or folded ban recorded again later stays).
+pub(crate) const BANS_SCRIPT: &str = r#"
+if ARGV[1] == '1' then
+  local held = tonumber(redis.call('HGET', KEYS[1], ARGV[2]) or '0') or 0
+  if tonumber(ARGV[3]) > held then redis.call('HSET', KEYS[1], ARGV[2], ARGV[3]) end
+end
+local upto = tonumber(ARGV[4])
+for i = 5, #ARGV do
   local was = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0') or 0
-  if was <= at then redis.call('HDEL', KEYS[1], ARGV[i]) end
+  if was <= upto then redis.call('HDEL', KEYS[1], ARGV[i]) end
 end
 return 1
 "#;
+
+/// [`BANS_SCRIPT`]'s arguments: `raise` sets a field to a time unless it
+/// holds a later one, then `drop` goes where it holds `upto` or earlier.
+pub(crate) fn bans_script_args(
+    raise: Option<(String, u64)>,
+    upto: u64,
+    drop: Vec<String>,
+) -> Vec<String> {
+    let mut args = match raise {
+        Some((field, at)) => vec!["1".to_owned(), field, at.to_string()],
+        None => vec!["0".to_owned(), String::new(), "0".to_owned()],
+    };
+    args.push(upto.to_string());
+    args.extend(drop);
+    args
+}
 
 #[cfg(test)]
 mod tests {

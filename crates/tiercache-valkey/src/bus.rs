@@ -209,16 +209,18 @@ impl Bus {
             .and_then(Weak::upgrade)
     }
 
-    /// Copies promoted while the bans were unknown may be banned: what each
-    /// ban's pattern matches leaves L1. Not a resync (no message was missed:
-    /// L1's other entries, the loads in flight and this instance's recent
-    /// fills in L2 stay), and nothing at all when no ban was read.
+    /// Copies promoted while the bans were unknown may be banned: the ones
+    /// a ban covers (its pattern, created at or before it) leave L1. Not a
+    /// resync (no message was missed: L1's other entries, the loads in
+    /// flight and this instance's recent fills in L2 stay), and nothing at
+    /// all when no ban was read.
     pub(crate) fn drop_banned(&self, bans: &[Ban]) {
         let Some(sink) = self.sink() else {
             return;
         };
-        for ban in bans {
-            sink.apply(&Invalidation::Prefix(ban.pattern.clone()));
+        if !bans.is_empty() {
+            let bans: Vec<_> = bans.iter().map(|b| (b.pattern.clone(), b.at)).collect();
+            sink.drop_banned(&bans);
         }
     }
 
@@ -243,7 +245,16 @@ impl Bus {
     pub(crate) fn add_ban(&self, ban: Ban, retention: Duration) {
         let mut bans = self.bans.write().unwrap_or_else(|e| e.into_inner());
         let now = SystemTime::now();
-        bans.retain(|b| b.at + retention > now && b.pattern != ban.pattern);
+        // One ban a pattern, at the later time of the two: an earlier one
+        // (a purge of everything heard late) must not shorten a fold's.
+        let mut ban = ban;
+        bans.retain(|b| {
+            let same = b.pattern == ban.pattern;
+            if same {
+                ban.at = ban.at.max(b.at);
+            }
+            b.at + retention > now && !same
+        });
         bans.push(ban);
         crate::bans::fold(&mut bans, self.max_bans);
     }

@@ -10,7 +10,7 @@ use fred::prelude::{
 };
 use tiercache_core::{Invalidation, KeyHash, TierError};
 
-use crate::bans::{BAN_RETENTION, FOLD_SCRIPT, bans_key, take_oldest};
+use crate::bans::{BAN_RETENTION, BANS_SCRIPT, bans_key, bans_script_args, take_oldest};
 use crate::bus::{self, Ban};
 use crate::overtaken::Scope;
 use crate::tier::{ValkeyTier, fred_error};
@@ -121,10 +121,27 @@ impl ValkeyTier {
             .await
     }
 
+    /// Runs [`BANS_SCRIPT`] on this prefix's bans hash.
+    async fn change_bans(
+        &self,
+        raise: Option<(String, u64)>,
+        upto: u64,
+        drop: Vec<String>,
+    ) -> Result<(), TierError> {
+        let args = bans_script_args(raise, upto, drop);
+        let done: Result<i64, _> = self
+            .inner
+            .client
+            .eval(BANS_SCRIPT, vec![bans_key(&self.inner.prefix)], args)
+            .await;
+        done.map(|_| ()).map_err(fred_error)
+    }
+
     /// Drops the recorded bans older than [`BAN_RETENTION`] (the hash is
     /// renewed with every ban, so without this it would only grow), and
     /// folds the oldest into the ban of every key past
     /// [`ValkeyConfig::max_prefix_bans`](crate::ValkeyConfig::max_prefix_bans).
+    /// Each change leaves a ban recorded again meanwhile, later, in place.
     async fn prune_bans(&self, now: SystemTime) -> Result<(), TierError> {
         let key = bans_key(&self.inner.prefix);
         let fields: std::collections::HashMap<String, String> =
@@ -135,13 +152,9 @@ impl ValkeyTier {
             .map(|(field, at)| (field, at.parse::<u64>().unwrap_or(0)))
             .partition(|(_, at)| *at >= cutoff);
         if !lapsed.is_empty() {
-            let lapsed: Vec<String> = lapsed.into_iter().map(|(field, _)| field).collect();
-            let _: i64 = self
-                .inner
-                .client
-                .hdel(&key, lapsed)
-                .await
-                .map_err(fred_error)?;
+            let lapsed = lapsed.into_iter().map(|(field, _)| field).collect();
+            self.change_bans(None, cutoff.saturating_sub(1), lapsed)
+                .await?;
         }
         let everything = bus::hex(&tiercache_core::KeyPattern::new().to_bytes());
         held.retain(|(field, _)| *field != everything);
@@ -150,10 +163,9 @@ impl ValkeyTier {
         if let Some((at, oldest)) =
             take_oldest(&mut held, self.inner.max_prefix_bans - 1, |(_, at)| ms(*at))
         {
-            let mut args = vec![everything, bus::millis(at).to_string()];
-            args.extend(oldest.into_iter().map(|(field, _)| field));
-            let folded: Result<i64, _> = self.inner.client.eval(FOLD_SCRIPT, vec![key], args).await;
-            folded.map_err(fred_error)?;
+            let at = bus::millis(at);
+            let oldest = oldest.into_iter().map(|(field, _)| field).collect();
+            self.change_bans(Some((everything, at)), at, oldest).await?;
         }
         Ok(())
     }
@@ -179,15 +191,8 @@ impl ValkeyTier {
             Invalidation::Prefix(pattern) => {
                 let at = SystemTime::now();
                 let field = bus::hex(&pattern.to_bytes());
-                let recorded: Result<i64, _> = self
-                    .inner
-                    .client
-                    .hset(
-                        bans_key(&self.inner.prefix),
-                        (field, bus::millis(at).to_string()),
-                    )
-                    .await;
-                recorded.map_err(fred_error)?;
+                self.change_bans(Some((field, bus::millis(at))), 0, Vec::new())
+                    .await?;
                 let ttl = BAN_RETENTION.as_millis() as i64;
                 let kept: Result<i64, _> = self
                     .inner

@@ -1,6 +1,7 @@
 //! Building the engine: L1's budget, the shared tier, the clock, the sweeper.
 
 use std::fmt;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use rand::rngs::SmallRng;
 use super::{Inner, Journal, TieredCache};
 use crate::l1::L1;
 use crate::stats::Counters;
-use crate::{Clock, InvalidationSink, Policy, PolicyError, SystemClock, Tier};
+use crate::{Clock, InvalidationSink, PolicyError, SystemClock, Tier};
 
 /// Builds a [`TieredCache`]; see [`TieredCache::builder`].
 #[derive(Debug)]
@@ -130,6 +131,7 @@ impl TieredCacheBuilder {
         };
         let tags_incomplete = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let tag_keys = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let marks_clock = self.clock.clone();
         let inner = Arc::new(Inner {
             l1: L1::new(self.l1_capacity, self.clock.clone(), counters.clone()),
             l2: self.l2,
@@ -139,7 +141,7 @@ impl TieredCacheBuilder {
             rng: Mutex::new(rng),
             uncacheable: moka::sync::Cache::builder()
                 .max_capacity(100_000)
-                .time_to_live(Policy::DEFAULT_HIT_FOR_MISS_TTL * 60)
+                .expire_after(super::MarkExpiry(marks_clock))
                 .build(),
             // Pruned to follow L1 (see `engine::tags`): this bound is a
             // safety net, past which a tag invalidation drops all of L1.
@@ -152,14 +154,16 @@ impl TieredCacheBuilder {
                         if cause == moka::notification::RemovalCause::Size {
                             incomplete.store(true, std::sync::atomic::Ordering::Relaxed);
                             let n = index.lock().unwrap_or_else(|e| e.into_inner()).len();
-                            tag_keys.fetch_sub(n, std::sync::atomic::Ordering::Relaxed);
+                            let _ = tag_keys.fetch_update(Relaxed, Relaxed, |held| {
+                                Some(held.saturating_sub(n))
+                            });
                         }
                     }
                 })
                 .build(),
             tags_incomplete,
             tag_keys,
-            tags_prune_at: std::sync::atomic::AtomicUsize::new(1024),
+            tags_prune_at: std::sync::atomic::AtomicUsize::new(Inner::next_prune(0)),
             journal: Journal::default(),
             outbox: Arc::default(),
             refreshes: Arc::new(tokio::sync::Semaphore::new(self.max_refreshes)),

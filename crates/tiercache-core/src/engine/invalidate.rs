@@ -154,6 +154,17 @@ impl InvalidationSink for Inner {
         }
     }
 
+    fn drop_banned(&self, bans: &[(crate::KeyPattern, std::time::SystemTime)]) {
+        // Only the copies a ban covers, in one scan: not through the
+        // journal, which would also refuse every load in flight under a
+        // pattern (and a fold's pattern is every key).
+        self.l1.remove_where(|e| {
+            let created = e.times().created_at;
+            bans.iter()
+                .any(|(pattern, at)| created <= *at && pattern.matches_full(e.key()))
+        });
+    }
+
     fn resync(&self) {
         self.journal.record(Scope::All, || {
             self.l1.clear();
@@ -174,7 +185,7 @@ impl Inner {
             Some(index) => {
                 let mut index = index.lock().unwrap_or_else(|e| e.into_inner());
                 let keys: Vec<KeyHash> = index.take();
-                self.tag_keys.fetch_sub(keys.len(), Relaxed);
+                self.forget_tag_keys(keys.len());
                 (keys, index.overflowed)
             }
             None => (Vec::new(), false),

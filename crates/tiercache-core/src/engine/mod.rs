@@ -10,7 +10,7 @@
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use rand::rngs::SmallRng;
@@ -85,6 +85,34 @@ pub(crate) struct Inner {
     outbox: Arc<Outbox>,
     /// Slots for background refreshes (see `max_refreshes`).
     refreshes: Arc<tokio::sync::Semaphore>,
+}
+
+/// A hit-for-miss mark leaves memory when it lapses on the engine's clock
+/// (a second later): its policy's `hit_for_miss_ttl`, however long, not a
+/// fixed bound.
+pub(crate) struct MarkExpiry(pub(crate) Arc<dyn Clock>);
+
+impl MarkExpiry {
+    fn bound(&self, until: &SystemTime) -> Option<Duration> {
+        let left = until.duration_since(self.0.now()).unwrap_or_default();
+        Some(left + Duration::from_secs(1))
+    }
+}
+
+impl moka::Expiry<KeyHash, SystemTime> for MarkExpiry {
+    fn expire_after_create(&self, _: &KeyHash, until: &SystemTime, _: Instant) -> Option<Duration> {
+        self.bound(until)
+    }
+
+    fn expire_after_update(
+        &self,
+        _: &KeyHash,
+        until: &SystemTime,
+        _: Instant,
+        _: Option<Duration>,
+    ) -> Option<Duration> {
+        self.bound(until)
+    }
 }
 
 impl fmt::Debug for TieredCache {

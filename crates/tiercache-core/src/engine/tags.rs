@@ -86,7 +86,7 @@ impl Inner {
     const MAX_KEYS_PER_TAG: usize = if cfg!(test) { 64 } else { 100_000 };
     /// Keys remembered across all tags: the index's own bound (~64 B a key,
     /// so ~64 MiB at most); past it new keys mark their tag overflowed.
-    const MAX_TAG_KEYS: usize = 1_000_000;
+    const MAX_TAG_KEYS: usize = if cfg!(test) { 1_000 } else { 1_000_000 };
 
     /// Records `hash` (just put in L1) under each of `tags`.
     pub(super) fn record_tags(&self, hash: KeyHash, tags: &[Bytes]) {
@@ -109,7 +109,7 @@ impl Inner {
                     self.tag_keys.fetch_add(1, Relaxed);
                 }
                 if pruned > 0 {
-                    self.tag_keys.fetch_sub(pruned, Relaxed);
+                    self.forget_tag_keys(pruned);
                 }
                 break;
             }
@@ -130,26 +130,53 @@ impl Inner {
             });
     }
 
+    /// Takes `n` records off the count, never below zero: a clear (a
+    /// resync, an overflowed tag's invalidation) resets it to zero while a
+    /// prune or an eviction may still count the records it took.
+    pub(super) fn forget_tag_keys(&self, n: usize) {
+        let _ = self
+            .tag_keys
+            .fetch_update(Relaxed, Relaxed, |held| Some(held.saturating_sub(n)));
+    }
+
     /// Drops the records of keys L1 no longer holds, and the tags left
-    /// without one; the next prune comes once the records have grown by a
-    /// quarter (amortised O(1) a record). Safe beside fills: a key is put
-    /// in L1 before it is recorded, so a record pruned here was of an entry
-    /// already gone.
+    /// without one; the count is then what is left, and the next prune
+    /// comes once the records have grown by a quarter (amortised O(1) a
+    /// record), before stale records could use up the index's room. Safe
+    /// beside fills: a key is put in L1 before it is recorded, so a record
+    /// pruned here was of an entry already gone.
     pub(super) fn prune_tags(&self) {
+        let mut left = 0;
         for (tag, index) in self.tags.iter() {
             let dead = {
                 let mut keys = index.lock().unwrap_or_else(|e| e.into_inner());
-                let before = keys.keys.len();
                 keys.keys.retain(|k| self.l1.contains(k));
-                self.tag_keys.fetch_sub(before - keys.keys.len(), Relaxed);
                 keys.dead |= keys.keys.is_empty() && !keys.overflowed;
+                if !keys.dead {
+                    left += keys.keys.len();
+                }
                 keys.dead
             };
             if dead {
                 self.forget_tag_index(&tag, &index);
             }
         }
-        let live = self.tag_keys.load(Relaxed);
-        self.tags_prune_at.store(live + live / 4 + 1024, Relaxed);
+        // Records added meanwhile may be missed here: the next prune counts
+        // them again.
+        self.tag_keys.store(left, Relaxed);
+        self.tags_prune_at.store(Self::next_prune(left), Relaxed);
+    }
+
+    /// When the index is pruned next, with `left` records after a prune:
+    /// past a quarter more, and below the room every tag shares. Near that
+    /// room (7/8 of it live) only sweeps prune: a prune per fill would walk
+    /// the whole index each time.
+    pub(super) fn next_prune(left: usize) -> usize {
+        let near_full = Self::MAX_TAG_KEYS / 8 * 7;
+        if left >= near_full {
+            usize::MAX
+        } else {
+            (left + left / 4 + 1024).min(near_full)
+        }
     }
 }
