@@ -98,8 +98,8 @@ impl ResponseCacheLayer {
     /// A layer on `engine` with no route policy yet.
     pub fn new(engine: TieredCache) -> Self {
         Self {
+            variants: Variants::for_l1(engine.l1_capacity()),
             engine,
-            variants: Variants::new(),
             route: None,
             config: Arc::new(HttpConfig::default()),
             engine_metrics: Arc::new(EngineMetrics::default()),

@@ -19,18 +19,30 @@ pub(crate) struct Variants {
 }
 
 impl Variants {
-    /// Bytes of variant bookkeeping kept (its own bound, beside L1's):
+    /// Most bytes of variant bookkeeping kept (its own bound, beside L1's):
     /// past it the least used URLs' lists are forgotten (their variants
-    /// then expire by their ttl, and a new list starts empty).
-    pub(crate) const BUDGET: u64 = 16 * 1024 * 1024;
-    /// What one tracked key costs, beyond its bytes (measured roughly: the
-    /// key's `Bytes`, the vector slot, moka's node share).
+    /// then expire by their ttl, and a new list starts empty; invalidation
+    /// still reaches them, by the URL's family tag).
+    pub(crate) const MAX_BUDGET: u64 = 16 * 1024 * 1024;
+    /// What one tracked key costs, beyond its bytes (the key's `Bytes` and
+    /// its slot in the vector).
     const PER_KEY: u32 = 96;
+    /// What one URL's list costs (moka's node, the shared list and its
+    /// vector's spare room; a flood of 1 KiB responses with `Vary` held
+    /// ~520 bytes a URL with one variant).
+    const PER_LIST: u32 = 400;
 
-    pub(crate) fn new() -> Self {
+    /// The bookkeeping for an L1 of `l1_capacity` bytes: a 32nd of it
+    /// (between 64 KiB and 16 MiB), so with `Vary` the process still holds
+    /// about its L1 budget (a fixed 16 MiB was half again a 32 MiB budget).
+    pub(crate) fn for_l1(l1_capacity: u64) -> Self {
+        Self::new((l1_capacity / 32).clamp(64 * 1024, Self::MAX_BUDGET))
+    }
+
+    pub(crate) fn new(budget: u64) -> Self {
         Self {
             by_primary: moka::sync::Cache::builder()
-                .max_capacity(Self::BUDGET)
+                .max_capacity(budget)
                 // Weighed when stored: an empty list, then re-weighed on
                 // each admit (by re-inserting), so the budget holds.
                 .weigher(|_, set: &Arc<Mutex<Vec<CacheKey>>>| {
@@ -38,7 +50,7 @@ impl Variants {
                     set.iter()
                         .map(|k| k.full().len() as u32 + Self::PER_KEY)
                         .sum::<u32>()
-                        .saturating_add(Self::PER_KEY * 2)
+                        .saturating_add(Self::PER_LIST)
                 })
                 .time_to_idle(Duration::from_secs(3600))
                 .build(),
@@ -90,7 +102,7 @@ mod tests {
 
     #[test]
     fn caps_new_variants_but_readmits_known_ones() {
-        let variants = Variants::new();
+        let variants = Variants::new(Variants::MAX_BUDGET);
         let page = CacheKey::new("/page");
         let v = |i: u32| page.with_part(&i.to_le_bytes());
         let alive = |_: &CacheKey| true;
@@ -103,7 +115,7 @@ mod tests {
 
     #[test]
     fn variants_whose_entries_are_gone_free_their_slots() {
-        let variants = Variants::new();
+        let variants = Variants::new(Variants::MAX_BUDGET);
         let page = CacheKey::new("/page");
         let v = |i: u32| page.with_part(&i.to_le_bytes());
         assert!((0..3).all(|i| variants.admit(&page, &v(i), 3, |_| true)));
