@@ -28,7 +28,8 @@ pub enum Reason {
     /// `Range`, `If-Range`, `If-Match` or `If-Unmodified-Since`: answered by the origin.
     Precondition,
     /// More than one `Host`, or an absolute-form target naming another host
-    /// than `Host`: which one the origin uses is not knowable.
+    /// than `Host`: which one the origin uses is not knowable. Or a host
+    /// longer than any DNS name with a port ([`MAX_HOST`]).
     Host,
     /// The key's last response could not be shared (hit-for-miss).
     HitForMiss,
@@ -204,6 +205,16 @@ pub(crate) fn cacheable_scanned(req: &request::Parts, scan: &Scan) -> Result<(),
     if hosts.next().is_some() {
         return Err(Reason::Host);
     }
+    // No real host is longer, and the client chooses it: keys, and the
+    // invalidations built from it, would carry it for as long as they live.
+    if host.is_some_and(|h| h.len() > MAX_HOST)
+        || req
+            .uri
+            .authority()
+            .is_some_and(|a| a.as_str().len() > MAX_HOST)
+    {
+        return Err(Reason::Host);
+    }
     if let (Some(host), Some(authority)) = (host, req.uri.authority())
         && !host
             .as_bytes()
@@ -213,6 +224,10 @@ pub(crate) fn cacheable_scanned(req: &request::Parts, scan: &Scan) -> Result<(),
     }
     Ok(())
 }
+
+/// The longest host a cacheable request may name: a DNS name (253 bytes),
+/// a colon and a port.
+pub const MAX_HOST: usize = 253 + 6;
 
 /// The statuses stored under the route's ttl when the origin declares no
 /// freshness: RFC 9110 §15.1's heuristically cacheable ones that are not
@@ -390,6 +405,7 @@ mod tests {
             request_cacheable(&req(Method::POST, &[])),
             Err(Reason::Method)
         );
+        let too_long = "h".repeat(MAX_HOST + 1);
         let refused = [
             (vec![("cache-control", "no-store")], Reason::RequestNoStore),
             (vec![("content-length", "3")], Reason::RequestBody),
@@ -400,7 +416,14 @@ mod tests {
                 Reason::Precondition,
             ),
             (vec![("host", "a"), ("host", "b")], Reason::Host),
+            // Longer than any DNS name and port: the client's own size.
+            (vec![("host", too_long.as_str())], Reason::Host),
         ];
+        let longest = format!("{}:65535", "h".repeat(253));
+        assert_eq!(
+            request_cacheable(&req(Method::GET, &[("host", &longest)])),
+            Ok(())
+        );
         for (headers, reason) in refused {
             assert_eq!(
                 request_cacheable(&req(Method::GET, &headers)),

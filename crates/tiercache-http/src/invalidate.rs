@@ -27,8 +27,13 @@ pub(crate) struct Target {
 }
 
 impl Target {
-    /// `path` on the target's origin, as an absolute URI.
+    /// `path` on the target's origin, as an absolute URI; `None` for a host
+    /// no cacheable request may name (nothing is stored under it, and a
+    /// pattern carrying it would be the client's size).
     pub(crate) fn uri_of(&self, path: &str) -> Option<http::Uri> {
+        if self.authority.len() > crate::cacheable::MAX_HOST {
+            return None;
+        }
         let authority = std::str::from_utf8(&self.authority).ok()?;
         format!("{}://{authority}{path}", self.scheme).parse().ok()
     }

@@ -271,6 +271,12 @@ pub fn normalized_accept_encoding(headers: &HeaderMap) -> Vec<u8> {
                         .and_then(|q| q.trim().parse::<f32>().ok())
                         .is_some_and(|q| q <= 0.0)
             });
+            // `x-gzip` is gzip (RFC 9110 §8.4.1.3): one variant for both.
+            let coding = if coding.eq_ignore_ascii_case(b"x-gzip") {
+                &b"gzip"[..]
+            } else {
+                coding
+            };
             if let Some(i) = CODINGS.iter().position(|c| c.eq_ignore_ascii_case(coding))
                 && !refused
             {
@@ -350,6 +356,24 @@ mod tests {
         let now = SystemTime::now();
         let t = Times::fresh(now, now);
         Entry::new(Bytes::new(), variant, Value::default(), t, Duration::ZERO)
+    }
+
+    /// `x-gzip` is gzip: it took the variant of a client that accepts
+    /// nothing, so neither shared the gzip clients' copy.
+    #[test]
+    fn x_gzip_shares_the_gzip_variant() {
+        let ae = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(ACCEPT_ENCODING, v.parse().unwrap());
+            normalized_accept_encoding(&h)
+        };
+        assert_eq!(ae("x-gzip"), ae("gzip"));
+        assert_eq!(ae("X-GZIP, br"), ae("br, gzip"));
+        assert_ne!(ae("x-gzip"), normalized_accept_encoding(&HeaderMap::new()));
+        assert_eq!(
+            ae("x-gzip;q=0"),
+            normalized_accept_encoding(&HeaderMap::new())
+        );
     }
 
     #[test]
