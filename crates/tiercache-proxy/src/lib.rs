@@ -91,8 +91,13 @@ impl Proxy {
     /// Binds the listen (and admin) addresses and starts serving.
     pub async fn start(config: ProxyConfig) -> Result<Self, ProxyError> {
         config.check()?;
+        // The layer's `Vary` variant lists take a 32nd of L1's budget
+        // beside it: carved out of the one budget the user gave, as the
+        // write queue's share is below. (Small budgets keep it all; 0 is
+        // refused by the build.)
+        let l1_capacity = config.l1_capacity - config.l1_capacity / 32;
         let mut builder = TieredCache::builder()
-            .l1_capacity(config.l1_capacity)
+            .l1_capacity(l1_capacity)
             .max_refreshes(config.max_refreshes);
         if let Some(valkey) = config.valkey_config()? {
             // Fills waiting to be written to L2 are copies outside L1: a
@@ -100,7 +105,7 @@ impl Proxy {
             // keeps the process near the one budget the user gave.
             // (Below 16 bytes L1 keeps it all; 0 is refused by the build.)
             let queue_bytes = config.l1_capacity / 16;
-            builder = builder.l1_capacity(config.l1_capacity - queue_bytes);
+            builder = builder.l1_capacity(l1_capacity - queue_bytes);
             let queue_bytes = usize::try_from(queue_bytes.max(1)).unwrap_or(usize::MAX);
             let l2 = ValkeyTier::connect(valkey.write_queue_bytes(queue_bytes))
                 .await
