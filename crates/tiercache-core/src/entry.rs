@@ -133,6 +133,8 @@ struct EntryInner {
     value: Value,
     times: Times,
     origin_latency: Duration,
+    /// Its share of the tag index (see [`TAG_ALLOWANCE`]).
+    tags_weight: u32,
     /// A representation of the value built once by a reader and reused on
     /// every later hit (the HTTP layer keeps a ready `HeaderMap` here).
     view: OnceLock<Box<dyn Any + Send + Sync>>,
@@ -140,6 +142,11 @@ struct EntryInner {
 
 /// Per-entry memory beyond its bytes (see [`Entry::weight`]).
 const BOOKKEEPING: usize = 1800;
+/// Per tag an entry is recorded under, beyond the tag's bytes: its share of
+/// the engine's tag index, which follows L1 but is not in it (a tag of its
+/// own, as every `Vary`ing URL's two entries share, costs ~500 bytes: the
+/// index's node and set; a key in a shared tag's set, ~32).
+const TAG_ALLOWANCE: usize = 250;
 /// Per-entry memory of a reader's view beyond its fields (see [`Entry::weight`]).
 const VIEW_ALLOWANCE: usize = 240;
 /// Per stored field, beyond its bytes: the pair and its two allocations,
@@ -167,8 +174,19 @@ impl Entry {
             value,
             times,
             origin_latency,
+            tags_weight: 0,
             view: OnceLock::new(),
         }))
+    }
+
+    /// Weighs in the tag index's records of this entry under `tags` (for
+    /// an entry not shared yet; a shared one is left as it is).
+    pub(crate) fn weighing_tags(mut self, tags: &[Bytes]) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.0) {
+            let weight: usize = tags.iter().map(|t| t.len() + TAG_ALLOWANCE).sum();
+            inner.tags_weight = u32::try_from(weight).unwrap_or(u32::MAX);
+        }
+        self
     }
 
     /// A reader's view of this entry, built by `init` on first use and shared
@@ -248,8 +266,10 @@ impl Entry {
             .unwrap_or_default()
     }
 
-    /// Bytes this entry holds in L1: key, headers, body, bookkeeping, and
-    /// room for a reader's [view](Self::view).
+    /// Bytes this entry holds in L1: key, headers, body, bookkeeping, room
+    /// for a reader's [view](Self::view), and its records in the engine's
+    /// tag index when it was stored under tags (250 bytes a tag and the
+    /// tag's bytes).
     ///
     /// Both allowances were measured, not guessed (`cargo bench --bench
     /// engine`, and the proxy flood of `crates/tiercache-proxy/tests/memory.rs`).
@@ -265,7 +285,8 @@ impl Entry {
             + self.0.variant.len()
             + self.0.value.weight()
             + BOOKKEEPING
-            + VIEW_ALLOWANCE;
+            + VIEW_ALLOWANCE
+            + self.0.tags_weight as usize;
         u32::try_from(w).unwrap_or(u32::MAX)
     }
 

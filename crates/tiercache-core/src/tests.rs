@@ -511,3 +511,24 @@ async fn stale_tag_records_never_use_up_the_room_of_live_ones() {
         "the tag's invalidation dropped all of L1"
     );
 }
+
+/// The tag index follows L1 but lies outside it: a `Vary`ing URL's two
+/// entries share a tag of their own (~500 bytes in the index), and a flood
+/// of them held 1.20x a 32 MiB budget. An entry stored under tags weighs
+/// its records there too.
+#[tokio::test]
+async fn an_entry_stored_under_tags_weighs_its_records_in_the_tag_index() {
+    let clock = MockClock::new();
+    let plain = engine(&clock);
+    let tagged = engine(&clock);
+    let key = CacheKey::new("k");
+    plain.put(
+        &key,
+        Value::from_body("v"),
+        &Policy::ttl(TTL).build().unwrap(),
+    );
+    let policy = Policy::ttl(TTL).tag("a").tag("bb").build().unwrap();
+    tagged.put(&key, Value::from_body("v"), &policy);
+    let more = tagged.l1_weighted_size() - plain.l1_weighted_size();
+    assert_eq!(more, 2 * 250 + 1 + 2, "{more} bytes more for two tags");
+}
