@@ -735,11 +735,7 @@ async fn prefix_bans_past_their_bound_fold_and_still_refuse_every_banned_copy() 
 async fn a_recorded_ban_never_moves_earlier() {
     let server = ValkeyServer::start();
     let a = engine(tier(&server.url(), "later").await);
-    let ahead = (std::time::SystemTime::now() + Duration::from_secs(3600))
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis()
-        .to_string();
+    let ahead = ban_time(std::time::SystemTime::now() + Duration::from_secs(3600));
     // The field of every key (its pattern's bytes are empty).
     server.cmd(&["HSET", "later:bans", "", &ahead]);
     a.invalidate_prefix(tiercache::core::KeyPattern::new())
@@ -767,26 +763,21 @@ async fn a_reconnect_drops_l1_even_when_the_bans_cannot_be_read() {
     .await;
 }
 
-/// A late read of the bans (the first failed, as it often does while a new
-/// instance's clients come up) must not cost the loads in flight: it used
-/// to drop L1 as a resync does, through the journal, so a fill loading
-/// then was stored nowhere.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_late_read_of_the_bans_does_not_drop_the_loads_in_flight() {
-    let server = ValkeyServer::start();
-    let c = engine(without_bans_read(&server, "slow", "lb").await);
+/// Runs a load on `c` (whose user `user` may not read the bans yet) that
+/// is at the origin while the bans are read late, and lets it finish once
+/// what follows the read (the merge, and what it drops) has run; returns
+/// its key.
+async fn load_across_a_late_bans_read(
+    server: &ValkeyServer,
+    c: &TieredCache,
+    user: &str,
+) -> CacheKey {
     let key = CacheKey::new("loading");
     let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
     let gate = tiercache_testkit::Gate::new();
     let started = Counter::new();
     let load = {
-        let (c, key, policy, gate, started) = (
-            c.clone(),
-            key.clone(),
-            policy.clone(),
-            gate.clone(),
-            started.clone(),
-        );
+        let (c, key, gate, started) = (c.clone(), key.clone(), gate.clone(), started.clone());
         tokio::spawn(async move {
             c.get_or_load(&key, &policy, move || async move {
                 started.bump();
@@ -797,7 +788,7 @@ async fn a_late_read_of_the_bans_does_not_drop_the_loads_in_flight() {
         })
     };
     bounded("the load at the origin", started.reached(1)).await;
-    server.cmd(&["ACL", "SETUSER", "slow", "+hgetall"]);
+    server.cmd(&["ACL", "SETUSER", user, "+hgetall"]);
     bounded("the bans read", async {
         while server.command_calls("hgetall") == 0 {
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -808,6 +799,26 @@ async fn a_late_read_of_the_bans_does_not_drop_the_loads_in_flight() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     gate.open();
     bounded("the load", load).await.unwrap().unwrap();
+    key
+}
+
+/// A time as the bans hash records it (milliseconds since the epoch).
+fn ban_time(at: std::time::SystemTime) -> String {
+    at.duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        .to_string()
+}
+
+/// A late read of the bans (the first failed, as it often does while a new
+/// instance's clients come up) must not cost the loads in flight: it used
+/// to drop L1 as a resync does, through the journal, so a fill loading
+/// then was stored nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_read_of_the_bans_does_not_drop_the_loads_in_flight() {
+    let server = ValkeyServer::start();
+    let c = engine(without_bans_read(&server, "slow", "lb").await);
+    let key = load_across_a_late_bans_read(&server, &c, "slow").await;
     assert!(c.l1_contains(&key), "the fill in flight was not stored");
 }
 
@@ -818,48 +829,13 @@ async fn a_late_read_of_the_bans_does_not_drop_the_loads_in_flight() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_read_of_a_folded_ban_drops_only_the_copies_it_covers() {
     let server = ValkeyServer::start();
-    let a_second_ago = (std::time::SystemTime::now() - Duration::from_secs(1))
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis()
-        .to_string();
+    let a_second_ago = ban_time(std::time::SystemTime::now() - Duration::from_secs(1));
     server.cmd(&["HSET", "lf:bans", "", &a_second_ago]);
     let c = engine(without_bans_read(&server, "fold", "lf").await);
     let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
     let newer = CacheKey::new("stored-after-the-ban");
     c.put(&newer, Fill::new(Value::from_body("n")), &policy);
-    let key = CacheKey::new("loading");
-    let gate = tiercache_testkit::Gate::new();
-    let started = Counter::new();
-    let load = {
-        let (c, key, policy, gate, started) = (
-            c.clone(),
-            key.clone(),
-            policy.clone(),
-            gate.clone(),
-            started.clone(),
-        );
-        tokio::spawn(async move {
-            c.get_or_load(&key, &policy, move || async move {
-                started.bump();
-                gate.passed().await;
-                Ok::<_, std::convert::Infallible>(Value::from_body("v"))
-            })
-            .await
-        })
-    };
-    bounded("the load at the origin", started.reached(1)).await;
-    server.cmd(&["ACL", "SETUSER", "fold", "+hgetall"]);
-    bounded("the bans read", async {
-        while server.command_calls("hgetall") == 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-    // What follows the read (the merge, and what it drops) has run.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    gate.open();
-    bounded("the load", load).await.unwrap().unwrap();
+    let key = load_across_a_late_bans_read(&server, &c, "fold").await;
     assert!(c.l1_contains(&key), "the fill in flight was not stored");
     assert!(
         c.l1_contains(&newer),

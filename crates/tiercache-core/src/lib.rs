@@ -75,3 +75,5 @@ pub use tier::{BoxFuture, Tier, TierError, TierHit, TierReport};
 mod tests;
 #[cfg(test)]
 mod tests_freshness;
+#[cfg(test)]
+mod tests_tags;

@@ -19,9 +19,9 @@ impl Select for Refuse {
 #[allow(dead_code)]
 const REFUSE: &Refuse = &Refuse;
 
-const TTL: Duration = Duration::from_secs(60);
+pub(crate) const TTL: Duration = Duration::from_secs(60);
 
-fn engine(clock: &MockClock) -> TieredCache {
+pub(crate) fn engine(clock: &MockClock) -> TieredCache {
     TieredCache::builder()
         .clock(clock.clone())
         .sweep_interval(None)
@@ -383,85 +383,6 @@ async fn a_flood_of_unique_keys_keeps_l1_and_its_index_bounded() {
     );
 }
 
-/// A tag with more keys than the L1 index keeps still reaches every one of
-/// them: the index knows it overflowed, and drops all of L1 instead.
-#[tokio::test]
-async fn a_tag_past_the_index_bound_still_reaches_every_key() {
-    let clock = MockClock::new();
-    let cache = engine(&clock);
-    let tagged = Policy::ttl(TTL).tag("wide").build().unwrap();
-    let keys: Vec<CacheKey> = (0..200u32)
-        .map(|i| CacheKey::new(i.to_le_bytes()))
-        .collect();
-    for key in &keys {
-        cache.put(key, Value::from_body("v"), &tagged);
-    }
-    cache.invalidate_tag("wide").await.unwrap();
-    assert!(keys.iter().all(|k| !cache.l1_contains(k)));
-}
-
-/// A tag's index kept the keys of entries L1 had dropped: past its bound
-/// (64 here) the tag was marked overflowed, and its next invalidation
-/// dropped all of L1, though only a few of its keys were still alive. The
-/// keys L1 no longer holds are pruned first.
-#[tokio::test]
-async fn a_tag_whose_keys_left_l1_does_not_overflow_into_dropping_all_of_l1() {
-    let clock = MockClock::new();
-    let cache = engine(&clock);
-    let tagged = Policy::ttl(TTL).tag("route").build().unwrap();
-    let plain = Policy::ttl(TTL).build().unwrap();
-    let home = CacheKey::new("home");
-    cache.put(&home, Value::from_body("home"), &plain);
-    // 300 keys stored under the tag over time, at most 40 alive at once
-    // (the rest evicted or expired: here dropped from L1 by hand).
-    let key = |i: u32| CacheKey::new(i.to_le_bytes());
-    for i in 0..300u32 {
-        cache.put(&key(i), Value::from_body("v"), &tagged);
-        if i >= 40 {
-            cache.forget_local(&key(i - 40));
-        }
-    }
-    cache.invalidate_tag("route").await.unwrap();
-    assert!(
-        (260..300).all(|i| !cache.l1_contains(&key(i))),
-        "a live tagged key survived"
-    );
-    assert!(
-        cache.l1_contains(&home),
-        "the tag's invalidation dropped all of L1"
-    );
-}
-
-/// Every `Vary`ing URL has a tag of its own: a crawl of unique URLs grew
-/// the tag index by one tag each, outside the L1 budget, until its bound
-/// pushed tags out and the next tag invalidation dropped all of L1. Tags
-/// whose keys left L1 leave the index.
-#[tokio::test]
-async fn the_tag_index_follows_l1_through_a_crawl_of_unique_tags() {
-    let clock = MockClock::new();
-    let cache = engine(&clock);
-    let key = |i: u32| CacheKey::new(i.to_le_bytes());
-    for i in 0..5_000u32 {
-        let policy = Policy::ttl(TTL).tag(format!("url-{i}")).build().unwrap();
-        cache.put(&key(i), Value::from_body("v"), &policy);
-        // L1 holds 100 of them at a time.
-        if i >= 100 {
-            cache.forget_local(&key(i - 100));
-        }
-    }
-    let inner = cache.inner_for_tests();
-    inner.tags.run_pending_tasks();
-    let tags = inner.tags.entry_count();
-    assert!(
-        tags <= 100 + 100 / 4 + 1024,
-        "{tags} tags held for 100 live entries"
-    );
-    // The live ones are still reached by their tags.
-    cache.invalidate_tag("url-4999").await.unwrap();
-    assert!(!cache.l1_contains(&key(4_999)));
-    assert!(cache.l1_contains(&key(4_998)));
-}
-
 /// The hit-for-miss marks' memory bound was a fixed 10 minutes, which cut a
 /// longer `hit_for_miss_ttl` short (the policy allows up to 365 days): a
 /// mark now stays in memory as long as it lasts on the engine's clock.
@@ -477,58 +398,4 @@ fn a_hit_for_miss_mark_stays_as_long_as_its_policy_says() {
         .unwrap();
     assert!(bound >= Duration::from_secs(3600), "{bound:?}");
     assert!(bound <= Duration::from_secs(3602), "{bound:?}");
-}
-
-/// Stale records (of keys L1 had dropped) could use up the room all tags
-/// share before a prune came (it came at a quarter past the last live
-/// count, which may be past the room): every tag recorded then was marked
-/// overflowed, and its invalidation dropped all of L1. Prunes come before
-/// the room runs out (the room is 1,000 records here).
-#[tokio::test]
-async fn stale_tag_records_never_use_up_the_room_of_live_ones() {
-    let clock = MockClock::new();
-    let cache = engine(&clock);
-    let plain = Policy::ttl(TTL).build().unwrap();
-    let home = CacheKey::new("home");
-    cache.put(&home, Value::from_body("home"), &plain);
-    let key = |i: u32| CacheKey::new(i.to_le_bytes());
-    // 850 live at a time, each under a tag of its own.
-    for i in 0..5_000u32 {
-        let policy = Policy::ttl(TTL).tag(format!("t{i}")).build().unwrap();
-        cache.put(&key(i), Value::from_body("v"), &policy);
-        if i >= 850 {
-            cache.forget_local(&key(i - 850));
-        }
-    }
-    cache.invalidate_tag("t4999").await.unwrap();
-    assert!(!cache.l1_contains(&key(4_999)));
-    assert!(
-        cache.l1_contains(&key(4_998)),
-        "a live key of another tag went"
-    );
-    assert!(
-        cache.l1_contains(&home),
-        "the tag's invalidation dropped all of L1"
-    );
-}
-
-/// The tag index follows L1 but lies outside it: a `Vary`ing URL's two
-/// entries share a tag of their own (~500 bytes in the index), and a flood
-/// of them held 1.20x a 32 MiB budget. An entry stored under tags weighs
-/// its records there too.
-#[tokio::test]
-async fn an_entry_stored_under_tags_weighs_its_records_in_the_tag_index() {
-    let clock = MockClock::new();
-    let plain = engine(&clock);
-    let tagged = engine(&clock);
-    let key = CacheKey::new("k");
-    plain.put(
-        &key,
-        Value::from_body("v"),
-        &Policy::ttl(TTL).build().unwrap(),
-    );
-    let policy = Policy::ttl(TTL).tag("a").tag("bb").build().unwrap();
-    tagged.put(&key, Value::from_body("v"), &policy);
-    let more = tagged.l1_weighted_size() - plain.l1_weighted_size();
-    assert_eq!(more, 2 * 250 + 1 + 2, "{more} bytes more for two tags");
 }

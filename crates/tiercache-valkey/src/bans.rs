@@ -29,14 +29,14 @@ pub(crate) fn bans_key(prefix: &str) -> String {
     format!("{prefix}:bans")
 }
 
-/// When `bans` holds more than `max`, takes out the oldest (all but
+/// When `bans` holds more than `max`, takes out the oldest by `at` (all but
 /// `max / 2`) and returns them with the latest of their times: a ban of
 /// every key at that time covers each of them. `None` within the bound.
-pub(crate) fn take_oldest<T>(
+pub(crate) fn take_oldest<T, K: Ord>(
     bans: &mut Vec<T>,
     max: usize,
-    at: impl Fn(&T) -> SystemTime,
-) -> Option<(SystemTime, Vec<T>)> {
+    at: impl Fn(&T) -> K,
+) -> Option<(K, Vec<T>)> {
     if bans.len() <= max {
         return None;
     }

@@ -158,12 +158,10 @@ impl ValkeyTier {
         }
         let everything = bus::hex(&tiercache_core::KeyPattern::new().to_bytes());
         held.retain(|(field, _)| *field != everything);
-        let ms = |at: u64| std::time::UNIX_EPOCH + std::time::Duration::from_millis(at);
         // The field of every key is not counted: the bound is on the others.
         if let Some((at, oldest)) =
-            take_oldest(&mut held, self.inner.max_prefix_bans - 1, |(_, at)| ms(*at))
+            take_oldest(&mut held, self.inner.max_prefix_bans - 1, |(_, at)| *at)
         {
-            let at = bus::millis(at);
             let oldest = oldest.into_iter().map(|(field, _)| field).collect();
             self.change_bans(Some((everything, at)), at, oldest).await?;
         }

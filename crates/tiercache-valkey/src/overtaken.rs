@@ -37,14 +37,14 @@ use tokio::sync::mpsc;
 
 use crate::writer::{Command, Write};
 
+mod sent;
+#[cfg(test)]
+use sent::SENT_BYTES;
+use sent::SentLog;
+
 /// Most invalidations remembered for the queued fills; a fill queued before
 /// the oldest is held back (it only costs L2 a copy).
 const HEARD_CAP: usize = 1024;
-/// Most sent fills remembered, and most bytes they may hold (their keys:
-/// a URL's length is the client's to choose); under a flood the oldest are
-/// forgotten before the grace is up.
-const SENT_CAP: usize = 4096;
-const SENT_BYTES: usize = 2 * 1024 * 1024;
 
 /// What one invalidation heard (another instance's, or this one's) covers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,12 +128,7 @@ pub(crate) struct Target {
 }
 
 impl Target {
-    /// Bytes held for it in the sent log (its keys, and a slot's worth).
-    fn size(&self) -> usize {
-        self.full.len() + self.key.len() + self.tags.iter().map(String::len).sum::<usize>() + 96
-    }
-
-    fn covered_by(&self, scope: &Scope) -> bool {
+    pub(crate) fn covered_by(&self, scope: &Scope) -> bool {
         scope.covers(&self.hash, &self.full, &self.tags)
     }
 }
@@ -147,57 +142,6 @@ struct State {
     log: VecDeque<(u64, Scope)>,
     /// Fills sent lately, oldest first.
     sent: SentLog,
-}
-
-/// The fills sent within the grace, oldest first, within [`SENT_CAP`] and
-/// [`SENT_BYTES`].
-#[derive(Default)]
-struct SentLog {
-    fills: VecDeque<(Instant, Target)>,
-    bytes: usize,
-}
-
-impl SentLog {
-    fn push(&mut self, at: Instant, fill: Target) {
-        self.bytes += fill.size();
-        self.fills.push_back((at, fill));
-        while self.fills.len() > SENT_CAP || self.bytes > SENT_BYTES {
-            self.pop_front();
-        }
-    }
-
-    /// Forgets the fills sent more than `grace` before `now`.
-    fn age(&mut self, now: Instant, grace: Duration) {
-        while self
-            .fills
-            .front()
-            .is_some_and(|(at, _)| now.saturating_duration_since(*at) > grace)
-        {
-            self.pop_front();
-        }
-    }
-
-    fn pop_front(&mut self) {
-        if let Some((_, fill)) = self.fills.pop_front() {
-            self.bytes -= fill.size();
-        }
-    }
-
-    /// Takes out the fills `scope` covers.
-    fn take_covered(&mut self, scope: &Scope) -> Vec<Undo> {
-        let mut taken = Vec::new();
-        let mut freed = 0;
-        self.fills.retain(|(_, fill)| {
-            let hit = fill.covered_by(scope);
-            if hit {
-                freed += fill.size();
-                taken.push((fill.key.clone(), fill.stamp.clone()));
-            }
-            !hit
-        });
-        self.bytes -= freed;
-        taken
-    }
 }
 
 impl State {

@@ -1,0 +1,137 @@
+//! The engine's tag index: it follows L1, stays within its room, and
+//! reaches every live key under a tag.
+
+use crate::tests::{TTL, engine};
+use crate::*;
+
+/// The key of the `i`th entry a test stores.
+fn key(i: u32) -> CacheKey {
+    CacheKey::new(i.to_le_bytes())
+}
+
+/// A policy of the test's ttl under `tag` alone.
+fn own_tag(tag: &str) -> Policy {
+    Policy::ttl(TTL).tag(tag.to_owned()).build().unwrap()
+}
+
+/// Stores `n` entries in turn (the `i`th under `policy(i)`), with at most
+/// `live` of them in L1 at once: the older ones leave it (evicted or
+/// expired; here dropped by hand).
+fn churn(cache: &TieredCache, n: u32, live: u32, policy: impl Fn(u32) -> Policy) {
+    for i in 0..n {
+        cache.put(&key(i), Value::from_body("v"), &policy(i));
+        if i >= live {
+            cache.forget_local(&key(i - live));
+        }
+    }
+}
+
+/// A tag with more keys than the L1 index keeps still reaches every one of
+/// them: the index knows it overflowed, and drops all of L1 instead.
+#[tokio::test]
+async fn a_tag_past_the_index_bound_still_reaches_every_key() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let tagged = Policy::ttl(TTL).tag("wide").build().unwrap();
+    let keys: Vec<CacheKey> = (0..200).map(key).collect();
+    for key in &keys {
+        cache.put(key, Value::from_body("v"), &tagged);
+    }
+    cache.invalidate_tag("wide").await.unwrap();
+    assert!(keys.iter().all(|k| !cache.l1_contains(k)));
+}
+
+/// A tag's index kept the keys of entries L1 had dropped: past its bound
+/// (64 here) the tag was marked overflowed, and its next invalidation
+/// dropped all of L1, though only a few of its keys were still alive. The
+/// keys L1 no longer holds are pruned first.
+#[tokio::test]
+async fn a_tag_whose_keys_left_l1_does_not_overflow_into_dropping_all_of_l1() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let tagged = Policy::ttl(TTL).tag("route").build().unwrap();
+    let plain = Policy::ttl(TTL).build().unwrap();
+    let home = CacheKey::new("home");
+    cache.put(&home, Value::from_body("home"), &plain);
+    // 300 keys stored under the tag over time, at most 40 alive at once.
+    churn(&cache, 300, 40, |_| tagged.clone());
+    cache.invalidate_tag("route").await.unwrap();
+    assert!(
+        (260..300).all(|i| !cache.l1_contains(&key(i))),
+        "a live tagged key survived"
+    );
+    assert!(
+        cache.l1_contains(&home),
+        "the tag's invalidation dropped all of L1"
+    );
+}
+
+/// Every `Vary`ing URL has a tag of its own: a crawl of unique URLs grew
+/// the tag index by one tag each, outside the L1 budget, until its bound
+/// pushed tags out and the next tag invalidation dropped all of L1. Tags
+/// whose keys left L1 leave the index.
+#[tokio::test]
+async fn the_tag_index_follows_l1_through_a_crawl_of_unique_tags() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    // L1 holds 100 of them at a time.
+    churn(&cache, 5_000, 100, |i| own_tag(&format!("url-{i}")));
+    let inner = cache.inner_for_tests();
+    inner.tags.run_pending_tasks();
+    let tags = inner.tags.entry_count();
+    assert!(
+        tags <= 100 + 100 / 4 + 1024,
+        "{tags} tags held for 100 live entries"
+    );
+    // The live ones are still reached by their tags.
+    cache.invalidate_tag("url-4999").await.unwrap();
+    assert!(!cache.l1_contains(&key(4_999)));
+    assert!(cache.l1_contains(&key(4_998)));
+}
+
+/// Stale records (of keys L1 had dropped) could use up the room all tags
+/// share before a prune came (it came at a quarter past the last live
+/// count, which may be past the room): every tag recorded then was marked
+/// overflowed, and its invalidation dropped all of L1. Prunes come before
+/// the room runs out (the room is 1,000 records here).
+#[tokio::test]
+async fn stale_tag_records_never_use_up_the_room_of_live_ones() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let plain = Policy::ttl(TTL).build().unwrap();
+    let home = CacheKey::new("home");
+    cache.put(&home, Value::from_body("home"), &plain);
+    // 850 live at a time, each under a tag of its own.
+    churn(&cache, 5_000, 850, |i| own_tag(&format!("t{i}")));
+    cache.invalidate_tag("t4999").await.unwrap();
+    assert!(!cache.l1_contains(&key(4_999)));
+    assert!(
+        cache.l1_contains(&key(4_998)),
+        "a live key of another tag went"
+    );
+    assert!(
+        cache.l1_contains(&home),
+        "the tag's invalidation dropped all of L1"
+    );
+}
+
+/// The tag index follows L1 but lies outside it: a `Vary`ing URL's two
+/// entries share a tag of their own (~500 bytes in the index), and a flood
+/// of them held 1.20x a 32 MiB budget. An entry stored under tags weighs
+/// its records there too.
+#[tokio::test]
+async fn an_entry_stored_under_tags_weighs_its_records_in_the_tag_index() {
+    let clock = MockClock::new();
+    let plain = engine(&clock);
+    let tagged = engine(&clock);
+    let key = CacheKey::new("k");
+    plain.put(
+        &key,
+        Value::from_body("v"),
+        &Policy::ttl(TTL).build().unwrap(),
+    );
+    let policy = Policy::ttl(TTL).tag("a").tag("bb").build().unwrap();
+    tagged.put(&key, Value::from_body("v"), &policy);
+    let more = tagged.l1_weighted_size() - plain.l1_weighted_size();
+    assert_eq!(more, 2 * 250 + 1 + 2, "{more} bytes more for two tags");
+}
