@@ -85,7 +85,85 @@ impl Subscriber for Capture {
     }
 }
 
+thread_local! {
+    /// The capture of the test running on this thread, if it installed one.
+    static CAPTURE: std::cell::RefCell<Option<Capture>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The one global subscriber of this file's tests: it forwards to the
+/// capture its thread installed. Thread-local subscribers (`set_default`)
+/// race with another test thread's first use of a callsite, which
+/// tracing-core may then cache as "never" for every subscriber: a capture
+/// saw no span once in CI.
+struct Forward;
+
+impl Forward {
+    fn to<T>(&self, f: impl FnOnce(&Capture) -> T) -> Option<T> {
+        CAPTURE.with(|c| c.borrow().as_ref().map(f))
+    }
+}
+
+impl Subscriber for Forward {
+    fn register_callsite(&self, _: &'static Metadata<'static>) -> tracing_core::Interest {
+        // Asked again on every use: whether this thread captures.
+        tracing_core::Interest::sometimes()
+    }
+
+    fn enabled(&self, _: &Metadata<'_>) -> bool {
+        self.to(|_| true).unwrap_or(false)
+    }
+
+    fn new_span(&self, span: &Attributes<'_>) -> Id {
+        // Not enabled without a capture; an id is still owed.
+        self.to(|c| c.new_span(span))
+            .unwrap_or_else(|| Id::from_u64(u64::MAX))
+    }
+
+    fn record(&self, span: &Id, values: &Record<'_>) {
+        self.to(|c| c.record(span, values));
+    }
+
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+
+    fn event(&self, event: &Event<'_>) {
+        self.to(|c| c.event(event));
+    }
+
+    fn enter(&self, span: &Id) {
+        self.to(|c| c.enter(span));
+    }
+
+    fn exit(&self, span: &Id) {
+        self.to(|c| c.exit(span));
+    }
+
+    fn current_span(&self) -> tracing_core::span::Current {
+        self.to(|c| c.current_span())
+            .unwrap_or_else(tracing_core::span::Current::none)
+    }
+}
+
+/// Uninstalls this thread's capture when dropped.
+struct Installed;
+
+impl Drop for Installed {
+    fn drop(&mut self) {
+        CAPTURE.with(|c| c.borrow_mut().take());
+    }
+}
+
 impl Capture {
+    /// Captures what this thread traces until the guard drops.
+    fn install(&self) -> Installed {
+        static FORWARD: std::sync::Once = std::sync::Once::new();
+        FORWARD.call_once(|| {
+            tracing::subscriber::set_global_default(Forward)
+                .expect("no other global subscriber in this test binary");
+        });
+        CAPTURE.with(|c| *c.borrow_mut() = Some(self.clone()));
+        Installed
+    }
+
     /// The fields of span `id`.
     fn span(&self, id: u64) -> Vec<(String, String)> {
         let fields = self.fields.lock().unwrap();
@@ -109,7 +187,7 @@ impl Capture {
 #[tokio::test]
 async fn each_cached_request_has_a_span_with_outcome_tier_and_key_hash_only() {
     let capture = Capture::default();
-    let _default = tracing::subscriber::set_default(capture.clone());
+    let _installed = capture.install();
     let engine = TieredCache::builder().sweep_interval(None).build().unwrap();
     let cache = ResponseCacheLayer::new(engine);
     let route = cache.route(Policy::ttl(Duration::from_secs(60))).unwrap();
@@ -316,7 +394,7 @@ async fn a_routes_early_refreshes_are_counted_under_its_label() {
 #[tokio::test]
 async fn cookies_causing_most_bypasses_are_warned_about_once() {
     let capture = Capture::default();
-    let _guard = tracing::subscriber::set_default(capture.clone());
+    let _installed = capture.install();
     let engine = TieredCache::builder().sweep_interval(None).build().unwrap();
     let layer = ResponseCacheLayer::new(engine);
     let app = app_r(&layer, "pages");

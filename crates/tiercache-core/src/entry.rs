@@ -1,6 +1,7 @@
 //! Stored entries: a response-shaped value plus the times that decide its freshness.
 
 use std::any::Any;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
@@ -128,6 +129,8 @@ pub struct Entry(Arc<EntryInner>);
 
 #[derive(Debug)]
 struct EntryInner {
+    /// See [`Entry::id`].
+    id: u64,
     key: Bytes,
     variant: Bytes,
     value: Value,
@@ -168,7 +171,10 @@ impl Entry {
         times: Times,
         origin_latency: Duration,
     ) -> Self {
+        // Relaxed: the number only has to be unique, not ordered.
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         Self(Arc::new(EntryInner {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             key,
             variant,
             value,
@@ -207,6 +213,25 @@ impl Entry {
             .view
             .get_or_init(|| Box::new(init(self)))
             .downcast_ref::<T>()
+    }
+
+    /// A number no other entry of this process has had or will have: it
+    /// tells entries apart where an address could not (an entry dropped
+    /// and another built in its memory), for a reader remembering what it
+    /// built from one.
+    ///
+    /// ```
+    /// # use std::time::{Duration, SystemTime};
+    /// # use tiercache_core::{Entry, Times, Value};
+    /// # let now = SystemTime::now();
+    /// # let times = Times::fresh(now, now);
+    /// let a = Entry::new("k".into(), Default::default(), Value::from_body("v"), times, Duration::ZERO);
+    /// let b = Entry::new("k".into(), Default::default(), Value::from_body("v"), times, Duration::ZERO);
+    /// assert_ne!(a.id(), b.id());
+    /// assert_eq!(a.id(), a.clone().id());
+    /// ```
+    pub fn id(&self) -> u64 {
+        self.0.id
     }
 
     /// The full key this entry was stored under.

@@ -383,7 +383,9 @@ fn recent_digest(full: &Bytes) -> KeyHash {
                 Some((bytes, hash)) if bytes == full => *hash,
                 _ => {
                     let hash = digest(full);
-                    recent[slot] = Some((full.clone(), hash));
+                    // A copy: `full` may be a slice of a larger buffer (an
+                    // L2 read's, body included) that the slot would pin.
+                    recent[slot] = Some((Bytes::copy_from_slice(full), hash));
                     hash
                 }
             }
@@ -462,6 +464,20 @@ mod tests {
                 assert_eq!(CacheKey::from_full(key.clone()).hash(), digest(key));
             }
         }
+    }
+
+    /// A key may be a slice of an L2 read's buffer (the whole payload):
+    /// the table of recent digests keeps a copy, never a share of it.
+    #[test]
+    fn a_remembered_digest_holds_no_share_of_its_keys_buffer() {
+        let payload = Bytes::from(vec![b'k'; 64 * 1024]);
+        let key = CacheKey::from_full(payload.slice(..40));
+        drop(key);
+        assert!(payload.is_unique(), "the digest table pins the payload");
+        assert_eq!(
+            CacheKey::from_full(payload.slice(..40)).hash(),
+            digest(&payload[..40])
+        );
     }
 
     #[test]

@@ -13,6 +13,8 @@ use http::{HeaderMap, HeaderName, request};
 use tiercache_core::key::fingerprint;
 use tiercache_core::{CacheKey, Entry, KeyBuilder, KeyPattern};
 
+use crate::target_keys::{self, Target};
+
 /// Builds the cache key of a request: its target, GET and HEAD alike.
 ///
 /// ```
@@ -24,21 +26,35 @@ use tiercache_core::{CacheKey, Entry, KeyBuilder, KeyPattern};
 /// assert_eq!(request_key(&a), request_key(&b));
 /// ```
 pub fn request_key(req: &request::Parts) -> CacheKey {
-    target_key(req, 0).finish()
+    let target = target_of(req);
+    target_keys::key_of(target, || target_key(req, 0).finish())
+}
+
+/// The parts of a request's target that its key is built from.
+fn target_of(req: &request::Parts) -> Target<'_> {
+    Target {
+        scheme: req.uri.scheme_str().unwrap_or("http"),
+        authority: req
+            .uri
+            .authority()
+            .map(|a| a.as_str().as_bytes())
+            .or_else(|| req.headers.get(HOST).map(|h| h.as_bytes()))
+            .unwrap_or_default(),
+        path: req.uri.path(),
+        query: req.uri.query(),
+    }
 }
 
 /// The key parts of a request's target, with room for `more` bytes of
 /// parts to follow (credentials, keyed cookies and headers, each section
 /// tagged).
 pub(crate) fn target_key(req: &request::Parts, more: usize) -> KeyBuilder {
-    let authority = req
-        .uri
-        .authority()
-        .map(|a| a.as_str().as_bytes())
-        .or_else(|| req.headers.get(HOST).map(|h| h.as_bytes()))
-        .unwrap_or_default();
-    let scheme = req.uri.scheme_str().unwrap_or("http");
-    let (path, query) = (req.uri.path(), req.uri.query());
+    let Target {
+        scheme,
+        authority,
+        path,
+        query,
+    } = target_of(req);
     let size = uri_key_len(scheme, authority, path, query) + more;
     push_uri(
         CacheKey::builder_with_capacity(size),
@@ -60,6 +76,9 @@ pub(crate) fn uri_key(
     let key = CacheKey::builder_with_capacity(uri_key_len(scheme, authority, path, query));
     push_uri(key, scheme, authority, path, query)
 }
+
+/// The first two parts of every target's key (`http/v1`, `GET`), as bytes.
+pub(crate) const TARGET_HEAD: &[u8] = b"\x07\x00\x00\x00http/v1\x03\x00\x00\x00GET";
 
 fn push_uri(
     mut key: KeyBuilder,
@@ -299,7 +318,7 @@ fn put_part(out: &mut BytesMut, part: &[u8]) {
     out.put_slice(part);
 }
 
-fn take_part<'a>(rest: &mut &'a [u8]) -> Option<&'a [u8]> {
+pub(crate) fn take_part<'a>(rest: &mut &'a [u8]) -> Option<&'a [u8]> {
     let len = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
     let part = rest.get(4..4 + len)?;
     *rest = &rest[4 + len..];
@@ -312,6 +331,20 @@ mod tests {
     use http::Request;
     use std::time::{Duration, SystemTime};
     use tiercache_core::{Times, Value};
+
+    #[test]
+    fn every_target_key_starts_with_the_fixed_head() {
+        let key = uri_key("http", b"h", "/", None).finish();
+        assert!(key.full().starts_with(TARGET_HEAD));
+        assert_eq!(
+            &key.full()[..TARGET_HEAD.len()],
+            CacheKey::builder()
+                .part(b"http/v1")
+                .part(b"GET")
+                .finish()
+                .full()
+        );
+    }
 
     #[test]
     fn a_target_key_is_built_in_an_allocation_of_its_size() {

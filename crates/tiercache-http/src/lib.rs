@@ -54,6 +54,7 @@ pub mod request;
 mod respond;
 mod route;
 mod service;
+mod target_keys;
 mod values;
 mod variants;
 mod write;

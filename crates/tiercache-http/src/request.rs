@@ -12,13 +12,14 @@ use http::header::{
     AUTHORIZATION, CACHE_CONTROL, COOKIE, IF_MODIFIED_SINCE, IF_NONE_MATCH, PRAGMA,
 };
 use http::{HeaderMap, HeaderName, HeaderValue, Method, request};
-use tiercache_core::CacheKey;
+use tiercache_core::key::fingerprint;
+use tiercache_core::{CacheKey, KeyBuilder};
 
 use crate::cache_control::{directive_value, has_directive};
 use crate::cacheable::{Reason, Scan, cacheable_scanned};
 use crate::config::{Cookies, HttpConfig};
 use crate::freshness::parse_http_date;
-use crate::key::target_key;
+use crate::key::{request_key, target_key};
 
 /// Request fields a cache does not key on and an origin may still act on
 /// to build links, rewrite paths or change the method: the whole family
@@ -106,12 +107,13 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
     if scan.cookie && config.cookies == Cookies::Bypass {
         return Err(Reason::Cookie);
     }
-    // Room for what follows the target on a keyed route (a credential's
-    // or cookies' digest takes 4 + 16 bytes after its 4 + name).
     let keyed = scan.authorization
         || matches!(config.cookies, Cookies::Key(_))
         || !config.keyed_headers.is_empty();
-    let mut key = target_key(parts, if keyed { 96 } else { 0 });
+    // A request keyed on its target alone (the common case) takes its key
+    // from this thread's recent ones (see `target_keys`); a keyed one's is
+    // built on, part by part.
+    let mut key = Key::of(parts, keyed);
     let headers = &mut parts.headers;
     let mut credentialed = false;
     if scan.authorization {
@@ -189,6 +191,46 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
         reload,
         range,
     })
+}
+
+/// A request's key while [`prepare`] builds it.
+enum Key {
+    /// A keyed request's: its target's parts, more to follow.
+    Building(KeyBuilder),
+    /// The target's alone.
+    Target(CacheKey),
+}
+
+impl Key {
+    fn of(parts: &request::Parts, keyed: bool) -> Self {
+        if keyed {
+            // Room for what follows the target (a credential's or cookies'
+            // digest takes 4 + 16 bytes after its 4 + name).
+            Key::Building(target_key(parts, 96))
+        } else {
+            Key::Target(request_key(parts))
+        }
+    }
+
+    /// Appends a part. A key of the target alone takes it as one more part
+    /// (a copy; `prepare` never does this: such requests are not keyed).
+    fn push(&mut self, part: &[u8]) {
+        match self {
+            Key::Building(key) => key.push(part),
+            Key::Target(key) => *key = key.with_part(part),
+        }
+    }
+
+    fn push_secret(&mut self, part: &[u8]) {
+        self.push(&fingerprint(part));
+    }
+
+    fn finish(self) -> CacheKey {
+        match self {
+            Key::Building(key) => key.finish(),
+            Key::Target(key) => key,
+        }
+    }
 }
 
 /// `Cache-Control: no-cache` or `max-age=0`, or `Pragma: no-cache` without `Cache-Control`.

@@ -38,6 +38,19 @@ fn table(build: impl Fn(usize, &mut String), n: usize) -> Vec<HeaderValue> {
 /// (60 KB) rather than kept as a `HeaderValue` of its own: a table of those
 /// cost 400 KB more, built by the first response of a process.
 pub(crate) fn hit_ratio(ratio: f64) -> HeaderValue {
+    hit_ratio_at(hit_ratio_step(ratio))
+}
+
+/// `ratio` in `0.0..=1.0` as the step of 0.0001 it rounds to (`0..=10_000`):
+/// two ratios of one step share their `x-cache-hit-ratio`.
+pub(crate) fn hit_ratio_step(ratio: f64) -> u16 {
+    // `+ 0.5` then truncation rounds a non-negative value without a call
+    // to libm's `round`; NaN casts to 0.
+    ((ratio.clamp(0.0, 1.0) * 10_000.0 + 0.5) as u16).min(10_000)
+}
+
+/// `x-cache-hit-ratio` for a [`hit_ratio_step`].
+pub(crate) fn hit_ratio_at(step: u16) -> HeaderValue {
     const WIDTH: usize = "0.0000".len();
     static ALL: OnceLock<&'static str> = OnceLock::new();
     let all = ALL.get_or_init(|| {
@@ -47,9 +60,7 @@ pub(crate) fn hit_ratio(ratio: f64) -> HeaderValue {
         }
         Box::leak(all.into_boxed_str())
     });
-    // `+ 0.5` then truncation rounds a non-negative value without a call
-    // to libm's `round`; NaN casts to 0.
-    let i = ((ratio.clamp(0.0, 1.0) * 10_000.0 + 0.5) as usize).min(10_000);
+    let i = usize::from(step.min(10_000));
     HeaderValue::from_static(&all[i * WIDTH..(i + 1) * WIDTH])
 }
 

@@ -112,3 +112,91 @@ fn proxy_specific_fields_are_never_stored() {
     let names: Vec<&[u8]> = stored.headers.iter().map(|(n, _)| n.as_ref()).collect();
     assert_eq!(names, vec![&b"content-type"[..]]);
 }
+
+/// A plain L1 hit's head is kept per thread (see `labelled`): whatever was
+/// kept, each response is the one its own entry, age, ttl and hit ratio
+/// build, as a response built without the table would be.
+#[test]
+fn a_kept_head_answers_only_its_own_entry_and_values() {
+    use std::time::Duration;
+    use tiercache_core::{Times, Value};
+
+    let created = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+    let entry = |version: &'static str| {
+        let value = Value {
+            status: 200,
+            headers: vec![("x-version".into(), version.into())],
+            body: "body".into(),
+        };
+        let times = Times::fresh(created, created + Duration::from_secs(600));
+        Entry::new("k".into(), Bytes::new(), value, times, Duration::ZERO)
+    };
+    let respond = |entry: &Entry, age: u64, ttl: u64, ratio: f64| {
+        let view = view(entry, &[]);
+        let now = created + Duration::from_secs(age);
+        let outcome = Outcome::Hit {
+            tier: Source::L1,
+            ttl,
+            collapsed: false,
+        };
+        from_entry::<()>(entry, &view, now, false, false, Some((&outcome, ratio)))
+    };
+    let (old, new) = (entry("old"), entry("new"));
+    // Each case three times: built, built and kept, then from the table.
+    for (entry, version, age, ttl, ratio) in [
+        (&old, "old", 5, 595, 0.5),
+        (&new, "new", 5, 595, 0.5),
+        (&old, "old", 6, 595, 0.5),
+        (&old, "old", 6, 594, 0.5),
+        (&old, "old", 6, 594, 0.75),
+        (&new, "new", 6, 594, 0.75),
+    ] {
+        for round in 0..3 {
+            let res = respond(entry, age, ttl, ratio);
+            let h = res.headers();
+            let case = format!("{version} age {age} ttl {ttl} ratio {ratio}, round {round}");
+            assert_eq!(h["x-version"], version, "{case}");
+            assert_eq!(h[AGE], age.to_string().as_str(), "{case}");
+            assert_eq!(h[X_CACHE], "HIT", "{case}");
+            assert_eq!(h[X_CACHE_TIER], "l1", "{case}");
+            assert_eq!(
+                h[X_CACHE_HIT_RATIO],
+                format!("{ratio:.4}").as_str(),
+                "{case}"
+            );
+            assert_eq!(
+                h[CACHE_STATUS],
+                format!("tiercache; hit; ttl={ttl}; detail=l1").as_str(),
+                "{case}"
+            );
+            assert_eq!(h.get_all(X_CACHE).iter().count(), 1, "{case}");
+        }
+    }
+    // With a head kept for these values: a HEAD gets it and no body, a
+    // matching validator a 304 of its own fields.
+    let outcome = Outcome::Hit {
+        tier: Source::L1,
+        ttl: 594,
+        collapsed: false,
+    };
+    let now = created + Duration::from_secs(6);
+    let view = view(&new, &[]);
+    let label = Some((&outcome, 0.75));
+    let head = from_entry::<http_body_util::Empty<Bytes>>(&new, &view, now, true, false, label);
+    assert_eq!(head.status(), StatusCode::OK);
+    assert_eq!(head.headers()["x-version"], "new");
+    assert_eq!(head.headers()[AGE], "6");
+    assert_eq!(head.headers()[http::header::CONTENT_LENGTH], "4");
+    assert_eq!(http_body::Body::size_hint(head.body()).exact(), Some(0));
+    let not_modified = from_entry::<()>(&new, &view, now, false, true, label);
+    assert_eq!(not_modified.status(), StatusCode::NOT_MODIFIED);
+    assert!(not_modified.headers().get("x-version").is_none());
+    assert!(
+        not_modified
+            .headers()
+            .get(http::header::CONTENT_LENGTH)
+            .is_none()
+    );
+    assert_eq!(not_modified.headers()[AGE], "6");
+    assert_eq!(not_modified.headers()[X_CACHE], "HIT");
+}

@@ -24,6 +24,8 @@ pub(crate) struct HeadView {
     pub(crate) encoding: Option<HeaderValue>,
     etag: Option<HeaderValue>,
     last_modified: Option<SystemTime>,
+    /// Small enough for a thread to keep its finished head (see `labelled`).
+    pub(super) keepable: bool,
 }
 
 impl HeadView {
@@ -114,7 +116,13 @@ fn head_view(entry: &Entry, targets: &[HeaderName]) -> HeadView {
     for name in &OWN_FIELDS {
         headers.insert(name.clone(), HeaderValue::from_static(""));
     }
+    let head_bytes: usize = headers
+        .iter()
+        .map(|(n, v)| n.as_str().len() + v.len())
+        .sum();
     HeadView {
+        keepable: head_bytes <= super::labelled::MAX_HEAD_BYTES
+            && headers.len() <= super::labelled::MAX_HEAD_FIELDS,
         status: StatusCode::from_u16(value.status).unwrap_or(StatusCode::OK),
         // A clone holds no spare room: the view lives as long as its entry,
         // and a map sized for growth cost ~700 bytes more per entry.
