@@ -177,9 +177,10 @@ async fn an_instance_never_answers_from_an_l2_copy_its_pending_invalidation_cove
 }
 
 /// The same for a tag: the pending invalidation's keys are only those this
-/// instance's own tag index held, and L2 copies carry no tags, so a member
-/// another instance stored (this one never held it) was answered from L2.
-/// Until it lands, no L2 copy older than it answers.
+/// instance's own tag index held, and L2 copies carried no tags (an
+/// envelope of version 2 still does not), so a member another instance
+/// stored (this one never held it) was answered from L2. Until it lands,
+/// no L2 copy older than it answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pending_tag_invalidation_covers_members_this_instance_never_held() {
     let server = ValkeyServer::start();
@@ -213,6 +214,55 @@ async fn a_pending_tag_invalidation_covers_members_this_instance_never_held() {
     );
 
     server.cmd(&["ACL", "SETUSER", "app", "+@all"]);
+    bounded("the invalidation lands", async {
+        eventually("nothing pending", || {
+            a.engine.stats().invalidations.pending == 0
+        })
+        .await;
+    })
+    .await;
+}
+
+/// A copy this instance promoted from L2 is dropped by its own tag
+/// invalidation while Valkey is down: the tag's set, which names the copy,
+/// is in Valkey, but the copy came with its tags and was recorded under
+/// them. Before, it answered from L1 until the invalidation landed. (With
+/// Valkey answering reads, the tier reads the set and drops the members in
+/// this instance: `a_pending_tag_invalidation_covers_members_…`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tag_invalidation_while_valkey_is_down_drops_the_copies_this_instance_promoted() {
+    let mut server = ValkeyServer::start();
+    let origin = Origin::default();
+    let tagged = || {
+        Policy::ttl(Duration::from_secs(60))
+            .lock_timeout(Duration::from_secs(5))
+            .tag("versions")
+    };
+    let a = instance_with(&server.url(), &origin, tagged()).await;
+    let b = instance_with(&server.url(), &origin, tagged()).await;
+    assert_eq!(send(&b.app, "GET", "/v/5").await.2, "v0");
+    b.tier.flush().await;
+    let (_, headers, _) = send(&a.app, "GET", "/v/5").await;
+    assert_eq!(header(&headers, "x-cache-tier"), "l2", "{headers:?}");
+    let (_, headers, _) = send(&a.app, "GET", "/v/5").await;
+    assert_eq!(
+        header(&headers, "x-cache-tier"),
+        "l1",
+        "promoted: {headers:?}"
+    );
+
+    server.kill();
+    let queued = a.engine.invalidate_tag("versions").await;
+    assert!(queued.is_err(), "Valkey is down: {queued:?}");
+    let (_, headers, body) = send(&a.app, "GET", "/v/5").await;
+    assert_ne!(
+        header(&headers, "x-cache-tier"),
+        "l1",
+        "answered from a promoted copy its own tag invalidation covers"
+    );
+    assert_eq!(body, "v0");
+
+    server.restart();
     bounded("the invalidation lands", async {
         eventually("nothing pending", || {
             a.engine.stats().invalidations.pending == 0

@@ -136,8 +136,8 @@ struct EntryInner {
     value: Value,
     times: Times,
     origin_latency: Duration,
-    /// Its share of the tag index (see [`TAG_ALLOWANCE`]).
-    tags_weight: u32,
+    /// The tags it was stored under (see [`Entry::with_tags`]).
+    tags: Box<[Bytes]>,
     /// A representation of the value built once by a reader and reused on
     /// every later hit (the HTTP layer keeps a ready `HeaderMap` here).
     view: OnceLock<Box<dyn Any + Send + Sync>>,
@@ -180,19 +180,47 @@ impl Entry {
             value,
             times,
             origin_latency,
-            tags_weight: 0,
+            tags: Box::default(),
             view: OnceLock::new(),
         }))
     }
 
-    /// Weighs in the tag index's records of this entry under `tags` (for
-    /// an entry not shared yet; a shared one is left as it is).
-    pub(crate) fn weighing_tags(mut self, tags: &[Bytes]) -> Self {
-        if let Some(inner) = Arc::get_mut(&mut self.0) {
-            let weight: usize = tags.iter().map(|t| t.len() + TAG_ALLOWANCE).sum();
-            inner.tags_weight = u32::try_from(weight).unwrap_or(u32::MAX);
+    /// This entry, stored under `tags`: they travel with it (to L2 and
+    /// back, and when it is renewed), so that wherever it lands it is
+    /// recorded under them, and it weighs their records in the tag index.
+    ///
+    /// ```
+    /// # use std::time::{Duration, SystemTime};
+    /// # use tiercache_core::{Entry, Times, Value};
+    /// # let now = SystemTime::now();
+    /// # let times = Times::fresh(now, now);
+    /// let entry = Entry::new("k".into(), Default::default(), Value::from_body("v"), times, Duration::ZERO);
+    /// let tagged = entry.clone().with_tags(&["reports".into()]);
+    /// assert!(entry.tags().is_empty());
+    /// assert_eq!(tagged.tags(), ["reports"]);
+    /// assert!(tagged.weight() > entry.weight());
+    /// ```
+    pub fn with_tags(mut self, tags: &[Bytes]) -> Self {
+        match Arc::get_mut(&mut self.0) {
+            Some(inner) => {
+                inner.tags = tags.into();
+                self
+            }
+            // Shared: a new entry (a new id) with the same parts.
+            None => Entry::new(
+                self.key().clone(),
+                self.variant().clone(),
+                self.value().clone(),
+                self.times(),
+                self.origin_latency(),
+            )
+            .with_tags(tags),
         }
-        self
+    }
+
+    /// The tags this entry was stored under.
+    pub fn tags(&self) -> &[Bytes] {
+        &self.0.tags
     }
 
     /// A reader's view of this entry, built by `init` on first use and shared
@@ -311,8 +339,13 @@ impl Entry {
             + self.0.value.weight()
             + BOOKKEEPING
             + VIEW_ALLOWANCE
-            + self.0.tags_weight as usize;
+            + self.tags_weight();
         u32::try_from(w).unwrap_or(u32::MAX)
+    }
+
+    /// Its share of the tag index (see [`TAG_ALLOWANCE`]).
+    fn tags_weight(&self) -> usize {
+        self.0.tags.iter().map(|t| t.len() + TAG_ALLOWANCE).sum()
     }
 
     /// Whether two handles share one allocation.

@@ -135,3 +135,65 @@ async fn an_entry_stored_under_tags_weighs_its_records_in_the_tag_index() {
     let more = tagged.l1_weighted_size() - plain.l1_weighted_size();
     assert_eq!(more, 2 * 250 + 1 + 2, "{more} bytes more for two tags");
 }
+
+/// A copy promoted from L2 is recorded under the tags it was stored with,
+/// as a fill of this instance's own is: its own invalidation of one of
+/// them drops it from L1. (The tag's set is in the shared tier, which may
+/// not answer: then only this index reaches the copy.)
+#[tokio::test]
+async fn a_promoted_copy_is_reached_by_this_instances_own_tag_invalidation() {
+    let clock = MockClock::new();
+    let l2 = MemoryTier::new(std::sync::Arc::new(clock.clone()));
+    let build = || {
+        TieredCache::builder()
+            .clock(clock.clone())
+            .l2(l2.clone())
+            .sweep_interval(None)
+            .build()
+            .unwrap()
+    };
+    let (writer, reader) = (build(), build());
+    let (tagged, untagged) = (key(1), key(2));
+    writer.put(&tagged, Value::from_body("v"), &own_tag("reports"));
+    writer.put(&untagged, Value::from_body("v"), &own_tag("other"));
+    assert!(reader.get(&tagged).await.is_some(), "promoted");
+    assert!(reader.get(&untagged).await.is_some(), "promoted");
+    reader.invalidate_tag("reports").await.unwrap();
+    assert!(
+        reader.get(&tagged).await.is_none(),
+        "the promoted copy outlived its tag's invalidation in this instance"
+    );
+    assert!(
+        reader.get(&untagged).await.is_some(),
+        "another tag's copy stays"
+    );
+}
+
+/// `touch` stores the entry again with its lifetime renewed: under every
+/// tag it had (a fill's own, not only the policy's), so a copy another
+/// instance promotes is still reached by their invalidation.
+#[tokio::test]
+async fn a_touched_entry_keeps_its_fills_own_tags() {
+    let clock = MockClock::new();
+    let l2 = MemoryTier::new(std::sync::Arc::new(clock.clone()));
+    let build = || {
+        TieredCache::builder()
+            .clock(clock.clone())
+            .l2(l2.clone())
+            .sweep_interval(None)
+            .build()
+            .unwrap()
+    };
+    let (writer, reader) = (build(), build());
+    let plain = Policy::ttl(TTL).build().unwrap();
+    let k = key(1);
+    let fill = crate::Fill::new(Value::from_body("v")).tags(vec!["surrogate".into()]);
+    writer.store_now(&k, fill, &plain);
+    assert!(writer.touch(&k, &plain).await, "a fresh value to touch");
+    assert!(reader.get(&k).await.is_some(), "promoted");
+    reader.invalidate_tag("surrogate").await.unwrap();
+    assert!(
+        reader.get(&k).await.is_none(),
+        "the touched copy lost its fill's tag"
+    );
+}

@@ -7,8 +7,15 @@
 //!           status:u16 key:(u32 len, bytes) variant:(u32 len, bytes)
 //!           header_count:u16 { name:(u16 len, bytes) value:(u32 len, bytes) }*
 //!           body:(u32 len, bytes)
+//!           tag_count:u16 { tag:(u32 len, bytes) }*          (version 3)
 //! checksum = CRC-32 (IEEE) of payload
 //! ```
+//!
+//! Version 3 added the tags an entry was stored under, so that an instance
+//! that promotes a copy records it under them: its own tag invalidations
+//! then reach the copy even when Valkey cannot (the tag's set is in
+//! Valkey). A version 2 envelope (an instance of the build before) still
+//! reads, with no tags.
 //!
 //! The checksum catches damage, not forgery: whoever can write to Valkey can
 //! write a valid envelope whatever the checksum. CRC-32 (version 2) replaced
@@ -27,8 +34,10 @@ use tiercache_core::{Entry, Times, Value};
 
 /// The envelope's first bytes.
 pub const MAGIC: &[u8; 3] = b"TCE";
-/// The format version this build writes and reads.
-pub const VERSION: u8 = 2;
+/// The format version this build writes (it reads this and version 2).
+pub const VERSION: u8 = 3;
+/// The oldest format version this build reads.
+const OLDEST_READ: u8 = 2;
 const HEADER_LEN: usize = 3 + 1 + 4;
 const CHECKSUM_LEN: usize = 4;
 
@@ -63,7 +72,9 @@ pub fn encode(entry: &Entry) -> Bytes {
         + 2
         + headers_len
         + 4
-        + value.body.len();
+        + value.body.len()
+        + 2
+        + tags(entry).map(|t| 4 + t.len()).sum::<usize>();
     let mut out = BytesMut::with_capacity(HEADER_LEN + payload_len + CHECKSUM_LEN);
     out.put_slice(MAGIC);
     out.put_u8(VERSION);
@@ -85,6 +96,10 @@ pub fn encode(entry: &Entry) -> Bytes {
         put_long(&mut out, v);
     }
     put_long(&mut out, &value.body);
+    out.put_u16_le(tags(entry).count() as u16);
+    for tag in tags(entry) {
+        put_long(&mut out, tag);
+    }
     let checksum = crc32fast::hash(&out[HEADER_LEN..]);
     out.put_u32_le(checksum);
     out.freeze()
@@ -95,8 +110,9 @@ pub fn decode(bytes: Bytes) -> Result<Entry, DecodeError> {
     if bytes.len() < HEADER_LEN + CHECKSUM_LEN || &bytes[..3] != MAGIC {
         return Err(DecodeError::Foreign);
     }
-    if bytes[3] != VERSION {
-        return Err(DecodeError::Version(bytes[3]));
+    let version = bytes[3];
+    if !(OLDEST_READ..=VERSION).contains(&version) {
+        return Err(DecodeError::Version(version));
     }
     let payload_len = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes")) as usize;
     if bytes.len() != HEADER_LEN + payload_len + CHECKSUM_LEN {
@@ -138,6 +154,20 @@ pub fn decode(bytes: Bytes) -> Result<Entry, DecodeError> {
         headers.push((name, value));
     }
     let body = r.long()?;
+    let mut tags: Vec<Bytes> = Vec::new();
+    if version >= 3 {
+        let count = r.u16()?;
+        let start = r.pos;
+        let mut spans = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            let len = r.long()?.len();
+            spans.push(r.pos - start - len..r.pos - start);
+        }
+        // One copy of the tags' bytes: the tag index keeps tags past the
+        // entry, and a slice of the payload would keep all of it with them.
+        let block = Bytes::copy_from_slice(&r.buf[start..r.pos]);
+        tags = spans.into_iter().map(|span| block.slice(span)).collect();
+    }
     if r.pos != r.buf.len() {
         return Err(DecodeError::Length);
     }
@@ -164,7 +194,13 @@ pub fn decode(bytes: Bytes) -> Result<Entry, DecodeError> {
             hard_until,
         },
         origin_latency,
-    ))
+    )
+    .with_tags(&tags))
+}
+
+/// The tags `entry` is encoded with (at most `u16::MAX`).
+fn tags(entry: &Entry) -> impl Iterator<Item = &Bytes> {
+    entry.tags().iter().take(u16::MAX as usize)
 }
 
 /// Why bytes read from L2 are not an entry.
@@ -189,7 +225,7 @@ impl fmt::Display for DecodeError {
             DecodeError::Foreign => f.write_str("not a tiercache envelope"),
             DecodeError::Version(v) => write!(
                 f,
-                "envelope format version {v}, this build reads version {VERSION}"
+                "envelope format version {v}, this build reads versions {OLDEST_READ} to {VERSION}"
             ),
             DecodeError::Length => f.write_str("envelope truncated or its lengths do not add up"),
             DecodeError::Checksum => f.write_str("envelope checksum mismatch"),
@@ -307,6 +343,41 @@ mod tests {
     }
 
     #[test]
+    fn tags_round_trip() {
+        let e = entry().with_tags(&["reports".into(), "family:/p".into()]);
+        let encoded = encode(&e);
+        let back = decode(encoded.clone()).unwrap();
+        assert_eq!(back.tags(), e.tags());
+        assert_eq!(back.value(), e.value());
+        // The tags hold no share of the payload (the index keeps them past
+        // the entry).
+        let tags = back.tags().to_vec();
+        drop(back);
+        assert!(encoded.is_unique(), "decoded tags pin the envelope");
+        assert_eq!(tags, e.tags());
+        assert!(decode(encode(&entry())).unwrap().tags().is_empty());
+    }
+
+    /// An envelope of the build before (version 2: no tags) still reads.
+    #[test]
+    fn a_version_2_envelope_reads_with_no_tags() {
+        let e = entry();
+        let v3 = encode(&e);
+        // Version 3 less its tag count (two zero bytes), relabelled.
+        let payload = &v3[HEADER_LEN..v3.len() - CHECKSUM_LEN - 2];
+        let mut v2 = BytesMut::new();
+        v2.put_slice(MAGIC);
+        v2.put_u8(2);
+        v2.put_u32_le(payload.len() as u32);
+        v2.put_slice(payload);
+        v2.put_u32_le(crc32fast::hash(payload));
+        let back = decode(v2.freeze()).unwrap();
+        assert_eq!(back.value(), e.value());
+        assert_eq!(back.times(), e.times());
+        assert!(back.tags().is_empty());
+    }
+
+    #[test]
     fn every_damage_is_an_error_never_a_panic() {
         let good = encode(&entry());
         assert_eq!(
@@ -314,7 +385,7 @@ mod tests {
             Some(DecodeError::Foreign)
         );
         assert_eq!(decode(Bytes::new()).err(), Some(DecodeError::Foreign));
-        for version in [1, 3] {
+        for version in [1, VERSION + 1] {
             let mut other = good.to_vec();
             other[3] = version;
             assert_eq!(

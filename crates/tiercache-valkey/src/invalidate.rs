@@ -83,8 +83,9 @@ impl ValkeyTier {
                 .iter()
                 .filter_map(|m| KeyHash::from_hex(m))
                 .collect();
-            // This instance's L1 too: it may hold copies promoted from L2,
-            // which its own tag index never saw.
+            // This instance's L1 too: a copy it promoted is in its tag
+            // index only if it came with its tags (not from a version 2
+            // envelope) and the tag did not overflow the index.
             if let Some(sink) = self.inner.bus.sink() {
                 sink.apply(&Invalidation::Keys(page.clone()));
             }

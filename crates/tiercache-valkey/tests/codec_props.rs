@@ -33,6 +33,7 @@ prop_compose! {
         created in 0u64..4_000_000_000_000,
         gaps in proptest::collection::vec(0u64..1_000_000_000, 3),
         latency_us in 0u64..10_000_000,
+        tags in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..24), 0..4),
     ) -> Entry {
         // The order every entry the engine builds has (and the decoder checks).
         let t = |ms: u64| UNIX_EPOCH + Duration::from_millis(ms);
@@ -53,7 +54,9 @@ prop_compose! {
                 .collect(),
             body: Bytes::from(body),
         };
+        let tags: Vec<Bytes> = tags.into_iter().map(Bytes::from).collect();
         Entry::new(Bytes::from(key), Bytes::from(variant), value, times, Duration::from_micros(latency_us))
+            .with_tags(&tags)
     }
 }
 
@@ -63,6 +66,7 @@ fn same(a: &Entry, b: &Entry) -> bool {
         && a.value() == b.value()
         && a.times() == b.times()
         && a.origin_latency() == b.origin_latency()
+        && a.tags() == b.tags()
 }
 
 proptest! {

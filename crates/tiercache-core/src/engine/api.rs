@@ -356,10 +356,9 @@ impl TieredCache {
     /// Sets `key` to expire at `at` (stale windows dropped), in L1 and L2.
     /// Returns whether there was a fresh value to expire.
     ///
-    /// The entry's tags are not known here: in L2 the tag's set keeps its
-    /// first expiry, so a tag invalidation after that misses an entry
-    /// extended past it. Renew a tagged entry with
-    /// [`touch`](Self::touch), which takes the policy and its tags.
+    /// The entry keeps the tags it was stored under (in L2 their sets
+    /// are renewed with it). [`touch`](Self::touch) renews a fresh lifetime
+    /// drawn from a policy instead, and adds the policy's tags.
     ///
     /// ```
     /// use std::time::{Duration, SystemTime};
@@ -404,7 +403,9 @@ impl TieredCache {
         let fill = Fill::new(entry.value().clone())
             .variant(entry.variant().clone())
             .origin_latency(entry.origin_latency())
-            .tags(policy.tags().to_vec());
+            // Every tag it had (a fill's own too), and the policy's.
+            .tags(entry.tags().to_vec())
+            .add_tags(policy.tags());
         self.store_since(key, fill, policy, epoch);
         true
     }
@@ -438,14 +439,15 @@ impl TieredCache {
             entry.value().clone(),
             times,
             entry.origin_latency(),
-        );
+        )
+        .with_tags(entry.tags());
         let footprint = Footprint {
             hashes: &[key.hash()],
             fulls: &[key.full().as_ref()],
-            tags: &[],
+            tags: entry.tags(),
         };
-        self.inner
-            .journal
-            .unless_overtaken(epoch, &footprint, || self.insert(key, renewed, ttl, &[]));
+        self.inner.journal.unless_overtaken(epoch, &footprint, || {
+            self.insert(key, renewed.clone(), ttl, renewed.tags())
+        });
     }
 }

@@ -17,6 +17,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime};
 
 use crate::stats::{Counters, bump};
+use bytes::Bytes;
+
 use crate::{CacheKey, Invalidation, KeyPattern, Tier};
 
 /// An invalidation that reached this instance's L1 but not yet the shared
@@ -56,19 +58,22 @@ struct Pending {
 }
 
 impl Pending {
-    fn covers(&self, key: &CacheKey, created_at: SystemTime) -> bool {
+    fn covers(&self, key: &CacheKey, created_at: SystemTime, tags: &[Bytes]) -> bool {
         if created_at >= self.at {
             return false;
         }
         match &self.invalidation {
             Invalidation::Keys(hashes) => hashes.contains(&key.hash()),
-            // L2 copies carry no tags, and the hashes are only the members
-            // this instance's own index held (copies another instance
-            // stored are members too, named only by the tag's set in
-            // Valkey): once it is queued, every older copy is refused
-            // until it lands. During its first attempt (every write
-            // invalidates its URL's family tag) only the known ones are.
-            Invalidation::Tag(_, hashes) => self.queued || hashes.contains(&key.hash()),
+            // A copy carries its tags (an envelope of the build before
+            // carries none), and the hashes are only the members this
+            // instance's own index held: a copy under the tag, or a known
+            // member, is refused at once; once the invalidation is queued,
+            // every older copy is, until it lands. (During its first
+            // attempt, every write invalidates its URL's family tag: not
+            // every copy then.)
+            Invalidation::Tag(tag, hashes) => {
+                self.queued || tags.contains(tag) || hashes.contains(&key.hash())
+            }
             Invalidation::Prefix(pattern) => pattern.matches(key),
         }
     }
@@ -153,12 +158,15 @@ impl Outbox {
     }
 
     /// Whether a pending invalidation covers an L2 copy of `key` created at
-    /// `created_at` (it must not answer).
-    pub(crate) fn covers(&self, key: &CacheKey, created_at: SystemTime) -> bool {
+    /// `created_at` under `tags` (it must not answer).
+    pub(crate) fn covers(&self, key: &CacheKey, created_at: SystemTime, tags: &[Bytes]) -> bool {
         if self.len.load(Relaxed) == 0 {
             return false;
         }
-        self.lock().items.iter().any(|p| p.covers(key, created_at))
+        self.lock()
+            .items
+            .iter()
+            .any(|p| p.covers(key, created_at, tags))
     }
 
     /// Starts the task that retries the queue, unless one runs.
@@ -236,12 +244,12 @@ mod tests {
         let (a, b) = (CacheKey::new("a"), CacheKey::new("b"));
         outbox.push(Invalidation::Keys(vec![a.hash()]), now, &counters);
         let before = now - Duration::from_secs(1);
-        assert!(outbox.covers(&a, before));
+        assert!(outbox.covers(&a, before, &[]));
         assert!(
-            !outbox.covers(&a, now + Duration::from_secs(1)),
+            !outbox.covers(&a, now + Duration::from_secs(1), &[]),
             "a newer fill"
         );
-        assert!(!outbox.covers(&b, before));
+        assert!(!outbox.covers(&b, before, &[]));
     }
 
     /// A tag invalidation names only the members this instance's index
@@ -260,14 +268,20 @@ mod tests {
             &counters,
         );
         let before = now - Duration::from_secs(1);
-        assert!(outbox.covers(&known, before));
+        assert!(outbox.covers(&known, before, &[]));
         assert!(
-            !outbox.covers(&elsewhere, before),
+            !outbox.covers(&elsewhere, before, &[]),
             "during its first attempt"
         );
+        // A copy that came with the tag is refused at once (one promoted
+        // while the first attempt runs, say), and only an older one.
+        let family = [Bytes::from_static(b"family")];
+        assert!(outbox.covers(&elsewhere, before, &family));
+        assert!(!outbox.covers(&elsewhere, now + Duration::from_secs(1), &family));
+        assert!(!outbox.covers(&elsewhere, before, &[Bytes::from_static(b"other")]));
         outbox.queued(id);
-        assert!(outbox.covers(&elsewhere, before), "once queued");
-        assert!(!outbox.covers(&elsewhere, now + Duration::from_secs(1)));
+        assert!(outbox.covers(&elsewhere, before, &[]), "once queued");
+        assert!(!outbox.covers(&elsewhere, now + Duration::from_secs(1), &[]));
     }
 
     #[test]
@@ -290,7 +304,7 @@ mod tests {
         );
         // Nothing was lost: a key of a merged invalidation is still covered.
         let merged = CacheKey::new(7u32.to_le_bytes());
-        assert!(outbox.covers(&merged, t0));
-        assert!(outbox.covers(&CacheKey::new("never named"), t0));
+        assert!(outbox.covers(&merged, t0, &[]));
+        assert!(outbox.covers(&CacheKey::new("never named"), t0, &[]));
     }
 }

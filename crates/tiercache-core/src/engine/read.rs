@@ -142,7 +142,10 @@ impl TieredCache {
             || !usable
             || !accept(&hit.entry)
             // Invalidated here, and the shared tier has not heard yet.
-            || self.inner.outbox.covers(key, hit.entry.times().created_at)
+            || self
+                .inner
+                .outbox
+                .covers(key, hit.entry.times().created_at, hit.entry.tags())
         {
             return None;
         }
@@ -155,17 +158,25 @@ impl TieredCache {
             hit.entry.value().clone(),
             hit.entry.times().capped(until),
             hit.entry.origin_latency(),
-        );
+        )
+        .with_tags(hit.entry.tags());
         let hashes = [key.hash()];
         let fulls = [key.full().as_ref()];
+        // Not by its tags: a fleet waiter reads with its fill's epoch, from
+        // before its wait, and an invalidation of a route-wide tag during
+        // the wait would refuse the entry the holder just stored. A pending
+        // tag invalidation is checked by the outbox above (by tag).
         let footprint = Footprint {
             hashes: &hashes,
             fulls: &fulls,
             tags: &[],
         };
-        // Read before an invalidation landed: the copy may be the one it removed.
+        // Read before an invalidation landed: the copy may be the one it
+        // removed. Recorded under its tags, as a fill is: this instance's
+        // own tag invalidations then reach it too, Valkey down or not.
         self.inner.journal.unless_overtaken(epoch, &footprint, || {
             self.inner.l1.insert(key.hash(), promoted.clone());
+            self.inner.record_tags(key.hash(), promoted.tags());
         })?;
         Some(promoted)
     }

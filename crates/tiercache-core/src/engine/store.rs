@@ -190,7 +190,7 @@ impl TieredCache {
                 times,
                 fill.origin_latency,
             )
-            .weighing_tags(&fill.tags)
+            .with_tags(&fill.tags)
         };
         let mut under = fill.under.iter();
         let key = under.next().unwrap_or(key);
