@@ -11,6 +11,10 @@
 //! runs 100,000 requests of one app and nothing else; read the inclusive
 //! count of `hit_path::one` (`callgrind_annotate --inclusive=yes`).
 //!
+//! 2026-12-04, last: layer 11,931 instructions per L1 hit, bare 7,870
+//! (1.52x); the layer's `call` 6,782 → 5,498: a hot entry's finished head
+//! (its own fields set) and a hot target's key are kept per thread.
+//!
 //! 2026-12-04, later: the layer's `call` 6,912 → 6,782 instructions (a
 //! target's key is built in an allocation of its exact size, so turning it
 //! into `Bytes` allocates nothing more and dropping it frees once).
