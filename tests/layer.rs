@@ -718,3 +718,51 @@ async fn the_layer_wraps_a_plain_hyper_service() {
         assert_eq!(body, "call 1");
     }
 }
+
+/// Routers nested under different prefixes, each caching its own `/users`
+/// with the same engine: axum strips the prefix before the layer sees the
+/// request, and the layer keys on the URL the client asked for, so
+/// `/v1/users` and `/v2/users` never share an entry (each nest's handler
+/// still sees its own path), and a write under one prefix invalidates
+/// that prefix's URL.
+#[tokio::test]
+async fn nested_routers_never_share_an_entry_under_the_stripped_path() {
+    let layer = cache();
+    let nest = |name: &'static str| {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(0usize));
+        let writes = seen.clone();
+        Router::new().route(
+            "/users",
+            get(move |uri: axum::http::Uri| {
+                let seen = seen.clone();
+                async move { format!("{name} {} v{}", uri.path(), seen.lock().unwrap()) }
+            })
+            .post(move || {
+                let writes = writes.clone();
+                async move {
+                    *writes.lock().unwrap() += 1;
+                    "ok"
+                }
+            })
+            .layer(layer.route(policy()).unwrap()),
+        )
+    };
+    let app = Router::new()
+        .nest("/v1", nest("one"))
+        .nest("/v2", nest("two"));
+    assert_eq!(send(&app, get_req("/v1/users")).await.2, "one /users v0");
+    let (_, headers, body) = send(&app, get_req("/v2/users")).await;
+    assert_eq!(body, "two /users v0", "answered with another nest's entry");
+    assert_eq!(headers["x-cache"], "MISS");
+    assert_eq!(send(&app, get_req("/v1/users")).await.1["x-cache"], "HIT");
+    // A write under /v2 invalidates /v2/users, and /v1's entry stays.
+    let write = Request::post("/v2/users")
+        .header("host", "shop.test")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(send(&app, write).await.0, StatusCode::OK);
+    assert_eq!(send(&app, get_req("/v2/users")).await.2, "two /users v1");
+    let (_, headers, body) = send(&app, get_req("/v1/users")).await;
+    assert_eq!(body, "one /users v0");
+    assert_eq!(headers["x-cache"], "HIT");
+}

@@ -52,7 +52,9 @@ pub fn targeted<'a>(headers: &'a HeaderMap, targets: &[HeaderName]) -> Cow<'a, H
             continue;
         };
         let mut out = headers.clone();
+        // Both set aside for the targeted field (RFC 9213 §2.2).
         out.remove(CACHE_CONTROL);
+        out.remove(http::header::EXPIRES);
         if let Ok(value) = HeaderValue::try_from(value) {
             out.insert(CACHE_CONTROL, value);
         }

@@ -71,7 +71,7 @@ fn age(headers: &HeaderMap) -> Duration {
         .get(AGE)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.split(',').next())
-        .and_then(|v| v.trim().parse::<u64>().ok())
+        .and_then(delta_seconds)
         .map(|s| Duration::from_secs(s.min(365 * 24 * 3600 * 10)))
         .unwrap_or_default()
 }
@@ -81,8 +81,19 @@ fn age(headers: &HeaderMap) -> Duration {
 /// "invalid is stale").
 fn directive_seconds(headers: &HeaderMap, name: &str) -> Option<Duration> {
     let arg = crate::cache_control::directive_value(headers, name)?;
-    let secs = arg.trim().parse::<u64>().unwrap_or(0).min(365 * 24 * 3600);
+    let secs = delta_seconds(&arg).unwrap_or(0).min(365 * 24 * 3600);
     Some(Duration::from_secs(secs))
+}
+
+/// RFC 9111 §1.2.2 delta-seconds: one or more digits (no sign, no space
+/// inside), `None` otherwise; a value too large to represent is the
+/// largest there is, not an error.
+fn delta_seconds(text: &str) -> Option<u64> {
+    let digits = text.trim();
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some(digits.parse().unwrap_or(u64::MAX))
 }
 
 fn expires_lifetime(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
@@ -214,6 +225,64 @@ mod tests {
             now,
         );
         assert!(f.no_stale);
+    }
+
+    /// Delta-seconds are digits alone (RFC 9111 §1.2.2): a value too large
+    /// to represent is the largest (so a huge `Age` is stale, a huge
+    /// `max-age` a long lifetime, not none); a sign makes it invalid.
+    #[test]
+    fn delta_seconds_are_digits_and_saturate() {
+        let now = SystemTime::now();
+        let year = Duration::from_secs(365 * 24 * 3600);
+        let f = |pairs: &[(&str, &str)]| OriginFreshness::parse(&headers(pairs), now);
+        let huge = "99999999999999999999";
+        let max_age = format!("max-age={huge}");
+        assert_eq!(f(&[("cache-control", &max_age)]).lifetime, Some(year));
+        let stale = f(&[("cache-control", "max-age=3600"), ("age", huge)]);
+        assert_eq!(
+            stale.remaining(),
+            Some(Duration::ZERO),
+            "a huge Age is stale"
+        );
+        assert_eq!(
+            f(&[("cache-control", "max-age=+60")]).lifetime,
+            Some(Duration::ZERO),
+            "a signed max-age is invalid: stale"
+        );
+        let signed_age = f(&[("cache-control", "max-age=60"), ("age", "+30")]);
+        assert_eq!(
+            signed_age.remaining(),
+            Some(Duration::from_secs(60)),
+            "ignored"
+        );
+        let swr = format!("max-age=1, stale-while-revalidate={huge}");
+        assert_eq!(
+            f(&[("cache-control", &swr)]).stale_while_revalidate,
+            Some(year)
+        );
+    }
+
+    /// With a valid targeted field, `Cache-Control` and `Expires` are both
+    /// ignored (RFC 9213 §2.2): a far `Expires` lends no lifetime.
+    #[test]
+    fn a_targeted_field_sets_expires_aside_too() {
+        let now = SystemTime::now();
+        let far = format_http_date(now + Duration::from_secs(365 * 24 * 3600));
+        let past = format_http_date(now - Duration::from_secs(60));
+        let cdn = [http::HeaderName::from_static("cdn-cache-control")];
+        for expires in [far, past] {
+            let h = headers(&[
+                ("cdn-cache-control", "public"),
+                ("cache-control", "max-age=10"),
+                ("expires", &expires),
+            ]);
+            let targeted = crate::cache_control::targeted(&h, &cdn);
+            assert_eq!(
+                OriginFreshness::parse(&targeted, now).lifetime,
+                None,
+                "{expires}"
+            );
+        }
     }
 
     #[test]

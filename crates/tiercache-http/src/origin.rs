@@ -96,7 +96,7 @@ where
             request_headers: req.headers().clone(),
             started: tokio::time::Instant::now(),
         };
-        let res = match inner.oneshot(req).await {
+        let res = match inner.oneshot(crate::service::for_inner(req)).await {
             Ok(res) => res,
             Err(e) => {
                 route.metrics.origin(load.started.elapsed());

@@ -108,11 +108,12 @@ where
         // any runtime (one relaxed load per request once started).
         route.engine_metrics.keep_current(&route.engine);
         let (mut parts, body) = req.into_parts();
+        key_on_original_uri(&mut parts);
         route.canonicalize(&mut parts);
         if !is_safe(&parts.method) {
             route.bypass(Reason::Method);
             let (keys, target) = invalidation_keys(&parts, &route.config);
-            let future = self.inner.call(Request::from_parts(parts, body));
+            let future = self.inner.call(for_inner(Request::from_parts(parts, body)));
             let also = std::mem::take(&mut self.also);
             let write = write_through(route, future, keys, target, also);
             return ResponseFuture::boxed(Box::pin(write));
@@ -135,7 +136,7 @@ where
                     .config
                     .emit_headers
                     .then(|| (Outcome::Bypass(reason), route.engine.clone()));
-                let req = Request::from_parts(parts, body);
+                let req = for_inner(Request::from_parts(parts, body));
                 return ResponseFuture::inner(self.inner.call(req), label);
             }
         };
@@ -244,4 +245,35 @@ impl<S> Layer<S> for ResponseCacheLayer {
         );
         ResponseCache::new(inner, self.clone())
     }
+}
+
+/// The URI the inner service routed the request by, when the cache keys
+/// on another (see [`key_on_original_uri`]).
+#[derive(Debug, Clone)]
+struct InnerUri(http::Uri);
+
+/// Puts the URI the client sent in `parts` when an outer axum router
+/// changed it: inside a nested router (`Router::nest("/v1", ..)`) a request
+/// for `/v1/users` arrives as `/users`, and keyed on that, `/v1/users` and
+/// `/v2/users` would share one entry (and a write to one would invalidate
+/// the other's key). The key, the invalidations and `Location` are all
+/// about the URL the client asked for; the inner service gets back the
+/// URI it routes by ([`for_inner`]).
+fn key_on_original_uri(parts: &mut http::request::Parts) {
+    let Some(axum::extract::OriginalUri(original)) = parts.extensions.get() else {
+        return;
+    };
+    if *original == parts.uri {
+        return;
+    }
+    let inner = std::mem::replace(&mut parts.uri, original.clone());
+    parts.extensions.insert(InnerUri(inner));
+}
+
+/// `req` with the URI its inner service routes by (see [`key_on_original_uri`]).
+pub(crate) fn for_inner<B>(mut req: Request<B>) -> Request<B> {
+    if let Some(InnerUri(uri)) = req.extensions_mut().remove() {
+        *req.uri_mut() = uri;
+    }
+    req
 }
