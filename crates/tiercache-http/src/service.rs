@@ -263,7 +263,16 @@ fn key_on_original_uri(parts: &mut http::request::Parts) {
     let Some(axum::extract::OriginalUri(original)) = parts.extensions.get() else {
         return;
     };
-    if *original == parts.uri {
+    // Most often a clone of the URI itself: the same bytes, found without
+    // comparing them.
+    let same_bytes = std::ptr::eq(original.path(), parts.uri.path())
+        && match (original.query(), parts.uri.query()) {
+            (Some(a), Some(b)) => std::ptr::eq(a, b),
+            (a, b) => a.is_none() && b.is_none(),
+        }
+        && original.authority() == parts.uri.authority()
+        && original.scheme() == parts.uri.scheme();
+    if same_bytes || *original == parts.uri {
         return;
     }
     let inner = std::mem::replace(&mut parts.uri, original.clone());

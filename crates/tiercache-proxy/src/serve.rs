@@ -12,10 +12,10 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use axum::Router;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
-use http::Request;
+use bytes::Bytes;
+use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
@@ -35,7 +35,19 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// unread (as nginx's `send_timeout`: hyper has no write timer, and a
 /// client that never reads would hold its connection, and the body it
 /// pins, for ever).
-pub(crate) async fn serve(listener: TcpListener, app: Router, timeout: Duration) {
+///
+/// `app` is any service (an axum `Router` for the admin port; the proxy's
+/// own dispatch for the main one, which needs no router's work a request).
+pub(crate) async fn serve<S, B>(listener: TcpListener, app: S, timeout: Duration)
+where
+    S: tower::Service<Request<Body>, Response = Response<B>, Error = std::convert::Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: hyper::body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let mut builder = Builder::new(TokioExecutor::new());
     builder
         .http1()
