@@ -46,7 +46,9 @@
 //!
 //! Instructions per hit, which the machine's load does not move:
 //! `benches/support/http_instructions.sh` runs each server under callgrind
-//! (2026-12-04, latest: limit 18,941; layer 20,465–20,486, 1.08×, with a
+//! (2026-12-04, latest: limit 19,382, layer 21,087, 1.088×, proxy 18,703,
+//! 0.965×, once axum records `OriginalUri` and the proxy answers without a
+//! `Router`; before those, limit 18,941; layer 20,465–20,486, 1.08×, with a
 //! hot entry's finished head and a hot target's key kept per thread;
 //! proxy 20,776; axum-response-cache 21,842. Before: limit 18,901; layer
 //! 21,746, 1.15×, later 21,658–21,678

@@ -10,7 +10,7 @@
 use std::time::SystemTime;
 
 use bytes::Bytes;
-use http::header::{CONTENT_LENGTH, CONTENT_RANGE, ETAG, IF_RANGE, LAST_MODIFIED, RANGE};
+use http::header::{CONTENT_LENGTH, CONTENT_RANGE, DATE, ETAG, IF_RANGE, LAST_MODIFIED, RANGE};
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 
 use crate::body::CacheBody;
@@ -112,8 +112,12 @@ impl RangeAsk {
     }
 
     /// Whether `If-Range` lets the range apply to a response with these
-    /// validators (a strong `ETag` equal, or `Last-Modified` the same date).
-    fn applies(&self, etag: Option<&HeaderValue>, last_modified: Option<&HeaderValue>) -> bool {
+    /// validators: a strong `ETag` equal, or `Last-Modified` the same date
+    /// and strong, that is at least a second before the response's `Date`
+    /// (RFC 9110 §13.1.5, §8.8.2.2: within the second it was modified, a
+    /// resource may have changed again under the same date).
+    fn applies(&self, headers: &HeaderMap) -> bool {
+        let (etag, last_modified) = (headers.get(ETAG), headers.get(LAST_MODIFIED));
         let Some(cond) = &self.if_range else {
             return true;
         };
@@ -122,11 +126,18 @@ impl RangeAsk {
             return !cond.starts_with(b"W/")
                 && etag.is_some_and(|e| !e.as_bytes().starts_with(b"W/") && e.as_bytes() == cond);
         }
-        let date = std::str::from_utf8(cond).ok().and_then(parse_http_date);
-        let modified: Option<SystemTime> = last_modified
-            .and_then(|v| v.to_str().ok())
-            .and_then(parse_http_date);
-        date.is_some() && date == modified
+        let time = |v: Option<&HeaderValue>| -> Option<SystemTime> {
+            v.and_then(|v| v.to_str().ok()).and_then(parse_http_date)
+        };
+        let asked = std::str::from_utf8(cond).ok().and_then(parse_http_date);
+        let modified = time(last_modified);
+        let strong = match (modified, time(headers.get(DATE))) {
+            (Some(modified), Some(date)) => date
+                .duration_since(modified)
+                .is_ok_and(|d| d.as_secs() >= 1),
+            _ => false,
+        };
+        asked.is_some() && asked == modified && strong
     }
 
     /// Cuts the range from a full `200` answer whose body is `body`: a `206`,
@@ -136,9 +147,7 @@ impl RangeAsk {
         res: Response<CacheBody<B>>,
         body: &Bytes,
     ) -> Response<CacheBody<B>> {
-        if res.status() != StatusCode::OK
-            || !self.applies(res.headers().get(ETAG), res.headers().get(LAST_MODIFIED))
-        {
+        if res.status() != StatusCode::OK || !self.applies(res.headers()) {
             return res;
         }
         let len = body.len() as u64;
@@ -217,6 +226,33 @@ mod tests {
         assert_eq!(whole.status(), StatusCode::OK);
         let weak = ask("bytes=0-1", Some("W/\"a\"")).answer(full("W/\"a\""), &body);
         assert_eq!(weak.status(), StatusCode::OK);
+    }
+
+    #[test]
+    fn if_range_with_a_date_needs_a_strong_last_modified() {
+        let body = Bytes::from_static(b"0123456789");
+        let t = "Sat, 04 Dec 2027 10:00:00 GMT";
+        let with = |date: Option<&str>| {
+            let mut res = full("\"a\"");
+            res.headers_mut()
+                .insert(LAST_MODIFIED, HeaderValue::from_static(t));
+            if let Some(date) = date {
+                res.headers_mut()
+                    .insert(DATE, HeaderValue::from_str(date).unwrap());
+            }
+            res
+        };
+        let status = |date| ask("bytes=0-1", Some(t)).answer(with(date), &body).status();
+        let later = Some("Sat, 04 Dec 2027 10:00:01 GMT");
+        assert_eq!(status(later), StatusCode::PARTIAL_CONTENT);
+        assert_eq!(
+            status(Some(t)),
+            StatusCode::OK,
+            "modified within its Date's second"
+        );
+        assert_eq!(status(None), StatusCode::OK, "no Date: a weak validator");
+        let other = ask("bytes=0-1", Some("Sat, 04 Dec 2027 09:00:00 GMT"));
+        assert_eq!(other.answer(with(later), &body).status(), StatusCode::OK);
     }
 
     #[test]
