@@ -68,11 +68,11 @@ impl Route {
             Err(FetchError::Panicked(panic)) if panic.is_own() => panic.resume(),
             Err(FetchError::Panicked(_)) => {
                 self.metrics.served(Source::Origin);
-                Ok(self.error_response(StatusCode::INTERNAL_SERVER_ERROR))
+                Ok(self.error_response(StatusCode::INTERNAL_SERVER_ERROR, ask.head))
             }
             Err(_) => {
                 self.metrics.served(Source::Origin);
-                Ok(self.error_response(StatusCode::BAD_GATEWAY))
+                Ok(self.error_response(StatusCode::BAD_GATEWAY, ask.head))
             }
         }
     }
@@ -126,10 +126,16 @@ impl Route {
         self.entry_response(entry, now, ask, &outcome)
     }
 
-    fn error_response<B>(&self, status: StatusCode) -> Response<CacheBody<B>> {
-        let mut res = Response::new(CacheBody::full(Bytes::from_static(
-            b"the origin failed while loading this resource\n",
-        )));
+    /// The cache's own answer to a load that failed; no body for a HEAD
+    /// (RFC 9110 §9.3.2; over HTTP/2 nobody else takes it off).
+    fn error_response<B>(&self, status: StatusCode, head: bool) -> Response<CacheBody<B>> {
+        let mut res = Response::new(if head {
+            CacheBody::empty()
+        } else {
+            CacheBody::full(Bytes::from_static(
+                b"the origin failed while loading this resource\n",
+            ))
+        });
         *res.status_mut() = status;
         let outcome = Outcome::Miss {
             stored: false,

@@ -193,10 +193,13 @@ impl tower::Service<Request<Body>> for Forward {
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let head = req.method() == http::Method::HEAD;
         // RFC 9112 §3.2: a server answers 400 to more than one `Host`.
         if req.headers().get_all(HOST).iter().nth(1).is_some() {
             let text = "tiercache-proxy: a request may carry one Host field\n";
-            return Box::pin(async move { Ok(own_answer(StatusCode::BAD_REQUEST, text.into())) });
+            return Box::pin(
+                async move { Ok(own_answer(StatusCode::BAD_REQUEST, text.into(), head)) },
+            );
         }
         let upstream = self.upstream_request(req);
         let client = self.client.clone();
@@ -205,7 +208,7 @@ impl tower::Service<Request<Body>> for Forward {
             let answered = tokio::time::timeout(timeout, client.request(upstream)).await;
             let Ok(answered) = answered else {
                 let text = format!("tiercache-proxy: upstream sent no answer within {timeout:?}\n");
-                return Ok(own_answer(StatusCode::GATEWAY_TIMEOUT, text));
+                return Ok(own_answer(StatusCode::GATEWAY_TIMEOUT, text, head));
             };
             match answered {
                 Ok(res) => {
@@ -219,7 +222,7 @@ impl tower::Service<Request<Body>> for Forward {
                 }
                 Err(e) => {
                     let text = format!("tiercache-proxy: upstream unreachable: {e}\n");
-                    Ok(own_answer(StatusCode::BAD_GATEWAY, text))
+                    Ok(own_answer(StatusCode::BAD_GATEWAY, text, head))
                 }
             }
         })
@@ -227,8 +230,15 @@ impl tower::Service<Request<Body>> for Forward {
 }
 
 /// An answer of the proxy's own: `status`, and `text` saying why.
-fn own_answer(status: StatusCode, text: String) -> Response<UpstreamBody> {
-    let mut res = Response::new(http_body_util::Either::Right(Body::from(text)));
+/// The proxy's own answer, with `text` as its body (none for a HEAD: RFC
+/// 9110 §9.3.2; over HTTP/2, hyper sends whatever body a HEAD's answer has).
+fn own_answer(status: StatusCode, text: String, head: bool) -> Response<UpstreamBody> {
+    let body = if head {
+        Body::empty()
+    } else {
+        Body::from(text)
+    };
+    let mut res = Response::new(http_body_util::Either::Right(body));
     *res.status_mut() = status;
     res
 }

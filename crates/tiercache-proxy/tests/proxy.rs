@@ -196,6 +196,46 @@ async fn an_unreachable_upstream_is_a_502() {
     assert!(proxy.engine().l1_entry_count() == 0, "a 502 is not stored");
 }
 
+/// A HEAD answered by the proxy itself (here a 502: the upstream is
+/// unreachable, with the cache and through it) carries no body, over
+/// HTTP/2 too, where hyper sends whatever body the answer has (RFC 9110
+/// §9.3.2: the answer to a HEAD has none).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_answered_by_the_proxy_itself_has_no_body_over_h2c() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead = listener.local_addr().unwrap();
+    drop(listener);
+    let config = ProxyConfig::new(format!("http://{dead}").parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let proxy = Proxy::start(config).await.unwrap();
+    let stream = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .expect("the proxy speaks h2c");
+    tokio::spawn(conn);
+    // A cached route, then one with two `Host` fields (refused by the
+    // forwarder itself, before any upstream).
+    for (path, hosts) in [("/x", 1), ("/y", 2)] {
+        let mut req =
+            Request::head(format!("http://{}{path}", proxy.addr())).version(http::Version::HTTP_2);
+        for _ in 1..hosts {
+            req = req.header("host", "a.test").header("host", "b.test");
+        }
+        let res = sender
+            .send_request(req.body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        let status = res.status();
+        assert!(
+            status.is_client_error() || status.is_server_error(),
+            "{path}: {status}"
+        );
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        assert!(body.is_empty(), "{path}: a HEAD answered with {body:?}");
+    }
+}
+
 #[tokio::test]
 async fn the_binary_serves_and_rejects_bad_flags() {
     use tokio::io::AsyncBufReadExt;
