@@ -279,7 +279,7 @@ pub(crate) struct Conditional {
 }
 
 impl Conditional {
-    fn take(headers: &mut HeaderMap) -> Self {
+    pub(crate) fn take(headers: &mut HeaderMap) -> Self {
         let mut if_none_match: Option<Vec<u8>> = None;
         for v in headers.get_all(IF_NONE_MATCH) {
             let list = if_none_match.get_or_insert_with(Vec::new);

@@ -200,3 +200,43 @@ fn a_kept_head_answers_only_its_own_entry_and_values() {
     assert_eq!(not_modified.headers()[AGE], "6");
     assert_eq!(not_modified.headers()[X_CACHE], "HIT");
 }
+
+/// `If-Modified-Since` against a stored response without `Last-Modified`
+/// is weighed against its `Date`, else the time it was stored (RFC 9111
+/// §4.3.2): a client whose copy is that recent gets a 304.
+#[test]
+fn if_modified_since_without_last_modified_weighs_the_stored_date() {
+    use std::time::Duration;
+    use tiercache_core::{Times, Value};
+
+    let t = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+    let stored = |date: Option<SystemTime>, created: SystemTime| {
+        let headers = date
+            .map(|d| ("date".into(), crate::freshness::format_http_date(d).into()))
+            .into_iter()
+            .collect();
+        let value = Value {
+            status: 200,
+            headers,
+            body: "body".into(),
+        };
+        let times = Times::fresh(created, created + Duration::from_secs(60));
+        Entry::new("k".into(), Bytes::new(), value, times, Duration::ZERO)
+    };
+    let since = |at: SystemTime| {
+        let mut h = HeaderMap::new();
+        let v = crate::freshness::format_http_date(at);
+        h.insert(http::header::IF_MODIFIED_SINCE, v.parse().unwrap());
+        crate::request::Conditional::take(&mut h)
+    };
+    let second = Duration::from_secs(1);
+    // With a Date (stored a little after it).
+    let dated = stored(Some(t), t + 3 * second);
+    assert!(view(&dated, &[]).not_modified(&since(t)));
+    assert!(view(&dated, &[]).not_modified(&since(t + second)));
+    assert!(!view(&dated, &[]).not_modified(&since(t - second)));
+    // Without one: the time it was stored.
+    let undated = stored(None, t);
+    assert!(view(&undated, &[]).not_modified(&since(t)));
+    assert!(!view(&undated, &[]).not_modified(&since(t - second)));
+}

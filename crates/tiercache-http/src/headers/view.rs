@@ -3,7 +3,7 @@
 
 use std::time::SystemTime;
 
-use http::header::{CONTENT_ENCODING, CONTENT_LENGTH, ETAG, LAST_MODIFIED, VARY};
+use http::header::{CONTENT_ENCODING, CONTENT_LENGTH, DATE, ETAG, LAST_MODIFIED, VARY};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use tiercache_core::Entry;
 
@@ -23,6 +23,8 @@ pub(crate) struct HeadView {
     /// accept it may get this entry.
     pub(crate) encoding: Option<HeaderValue>,
     etag: Option<HeaderValue>,
+    /// `Last-Modified`, else `Date`, else when it was stored: what
+    /// `If-Modified-Since` is weighed against.
     last_modified: Option<SystemTime>,
     /// Small enough for a thread to keep its finished head (see `labelled`).
     pub(super) keepable: bool,
@@ -97,10 +99,17 @@ fn head_view(entry: &Entry, targets: &[HeaderName]) -> HeadView {
         })
         .cloned();
     let etag = headers.get(ETAG).cloned();
-    let last_modified = headers
-        .get(LAST_MODIFIED)
-        .and_then(|v| v.to_str().ok())
-        .and_then(parse_http_date);
+    let time = |name| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_http_date)
+    };
+    // What `If-Modified-Since` is weighed against: `Last-Modified`, else
+    // the stored `Date`, else the time it was stored (RFC 9111 §4.3.2).
+    let last_modified = time(LAST_MODIFIED)
+        .or_else(|| time(DATE))
+        .or(Some(entry.times().created_at));
     // The body is stored whole, so its length is known: framing the answer
     // here spares the server inserting it into the cloned map on every hit
     // (which, with no spare room in a clone, regrows the map). A stored
