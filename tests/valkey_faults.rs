@@ -41,8 +41,17 @@ async fn instance(server: &ValkeyServer, origin: &Origin) -> Instance {
 }
 
 async fn instance_at(url: &str, origin: &Origin) -> Instance {
-    let policy = Policy::ttl(Duration::from_secs(60)).lock_timeout(Duration::from_secs(5));
-    instance_with(url, origin, policy).await
+    instance_with(url, origin, policy()).await
+}
+
+/// The instances' policy: 60 s, and a lock wait of 5 s.
+fn policy() -> tiercache::PolicyBuilder {
+    Policy::ttl(Duration::from_secs(60)).lock_timeout(Duration::from_secs(5))
+}
+
+/// The same, every entry under the tag `versions`.
+fn tagged() -> tiercache::PolicyBuilder {
+    policy().tag("versions")
 }
 
 async fn instance_with(url: &str, origin: &Origin, policy: tiercache::PolicyBuilder) -> Instance {
@@ -189,11 +198,6 @@ async fn a_pending_tag_invalidation_covers_members_this_instance_never_held() {
     ]);
     let url = format!("redis://app:pw@127.0.0.1:{}", server.port());
     let origin = Origin::default();
-    let tagged = || {
-        Policy::ttl(Duration::from_secs(60))
-            .lock_timeout(Duration::from_secs(5))
-            .tag("versions")
-    };
     let a = instance_with(&url, &origin, tagged()).await;
     let b = instance_with(&server.url(), &origin, tagged()).await;
     assert_eq!(send(&b.app, "GET", "/v/3").await.2, "v0");
@@ -233,11 +237,6 @@ async fn a_pending_tag_invalidation_covers_members_this_instance_never_held() {
 async fn a_tag_invalidation_while_valkey_is_down_drops_the_copies_this_instance_promoted() {
     let mut server = ValkeyServer::start();
     let origin = Origin::default();
-    let tagged = || {
-        Policy::ttl(Duration::from_secs(60))
-            .lock_timeout(Duration::from_secs(5))
-            .tag("versions")
-    };
     let a = instance_with(&server.url(), &origin, tagged()).await;
     let b = instance_with(&server.url(), &origin, tagged()).await;
     assert_eq!(send(&b.app, "GET", "/v/5").await.2, "v0");

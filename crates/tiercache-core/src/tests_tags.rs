@@ -136,12 +136,8 @@ async fn an_entry_stored_under_tags_weighs_its_records_in_the_tag_index() {
     assert_eq!(more, 2 * 250 + 1 + 2, "{more} bytes more for two tags");
 }
 
-/// A copy promoted from L2 is recorded under the tags it was stored with,
-/// as a fill of this instance's own is: its own invalidation of one of
-/// them drops it from L1. (The tag's set is in the shared tier, which may
-/// not answer: then only this index reaches the copy.)
-#[tokio::test]
-async fn a_promoted_copy_is_reached_by_this_instances_own_tag_invalidation() {
+/// Two engines sharing an in-memory L2 (one writes, the other reads).
+fn sharing_l2() -> (TieredCache, TieredCache) {
     let clock = MockClock::new();
     let l2 = MemoryTier::new(std::sync::Arc::new(clock.clone()));
     let build = || {
@@ -152,7 +148,16 @@ async fn a_promoted_copy_is_reached_by_this_instances_own_tag_invalidation() {
             .build()
             .unwrap()
     };
-    let (writer, reader) = (build(), build());
+    (build(), build())
+}
+
+/// A copy promoted from L2 is recorded under the tags it was stored with,
+/// as a fill of this instance's own is: its own invalidation of one of
+/// them drops it from L1. (The tag's set is in the shared tier, which may
+/// not answer: then only this index reaches the copy.)
+#[tokio::test]
+async fn a_promoted_copy_is_reached_by_this_instances_own_tag_invalidation() {
+    let (writer, reader) = sharing_l2();
     let (tagged, untagged) = (key(1), key(2));
     writer.put(&tagged, Value::from_body("v"), &own_tag("reports"));
     writer.put(&untagged, Value::from_body("v"), &own_tag("other"));
@@ -174,17 +179,7 @@ async fn a_promoted_copy_is_reached_by_this_instances_own_tag_invalidation() {
 /// instance promotes is still reached by their invalidation.
 #[tokio::test]
 async fn a_touched_entry_keeps_its_fills_own_tags() {
-    let clock = MockClock::new();
-    let l2 = MemoryTier::new(std::sync::Arc::new(clock.clone()));
-    let build = || {
-        TieredCache::builder()
-            .clock(clock.clone())
-            .l2(l2.clone())
-            .sweep_interval(None)
-            .build()
-            .unwrap()
-    };
-    let (writer, reader) = (build(), build());
+    let (writer, reader) = sharing_l2();
     let plain = Policy::ttl(TTL).build().unwrap();
     let k = key(1);
     let fill = crate::Fill::new(Value::from_body("v")).tags(vec!["surrogate".into()]);

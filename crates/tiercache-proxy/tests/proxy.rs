@@ -182,14 +182,19 @@ async fn miss_then_hit_and_stats_on_the_admin_address() {
     assert_eq!(horizon["entries"], 1);
 }
 
-#[tokio::test]
-async fn an_unreachable_upstream_is_a_502() {
+/// A proxy whose upstream's port nothing listens on.
+async fn proxy_to_a_dead_upstream() -> Proxy {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let dead = listener.local_addr().unwrap();
     drop(listener);
     let config = ProxyConfig::new(format!("http://{dead}").parse().unwrap())
         .listen(SocketAddr::from(([127, 0, 0, 1], 0)));
-    let proxy = Proxy::start(config).await.unwrap();
+    Proxy::start(config).await.unwrap()
+}
+
+#[tokio::test]
+async fn an_unreachable_upstream_is_a_502() {
+    let proxy = proxy_to_a_dead_upstream().await;
     let (status, headers, _) = fetch(get_req(proxy.addr(), "/x")).await;
     assert_eq!(status, StatusCode::BAD_GATEWAY);
     assert_eq!(headers["x-cache"], "MISS");
@@ -202,12 +207,7 @@ async fn an_unreachable_upstream_is_a_502() {
 /// §9.3.2: the answer to a HEAD has none).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_head_answered_by_the_proxy_itself_has_no_body_over_h2c() {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let dead = listener.local_addr().unwrap();
-    drop(listener);
-    let config = ProxyConfig::new(format!("http://{dead}").parse().unwrap())
-        .listen(SocketAddr::from(([127, 0, 0, 1], 0)));
-    let proxy = Proxy::start(config).await.unwrap();
+    let proxy = proxy_to_a_dead_upstream().await;
     let stream = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
     let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
         .handshake(hyper_util::rt::TokioIo::new(stream))

@@ -370,66 +370,66 @@ pub(crate) fn from_entry<B>(
         CacheBody::full(entry.value().body.clone())
     };
     let age = entry.age(now);
-    let (status, headers) = match label {
-        // A plain L1 hit: a hot entry's finished head is kept per thread.
+    // A plain L1 hit: a hot entry's finished head is kept per thread.
+    let stamp = match label {
         Some((
-            outcome @ &Outcome::Hit {
+            &Outcome::Hit {
                 tier: Source::L1,
                 ttl,
                 collapsed: false,
             },
             hit_ratio,
-        )) if !not_modified && view.keepable => {
-            let stamp = labelled::Stamp {
-                entry: entry.id(),
-                age,
-                ttl,
-                ratio: values::hit_ratio_step(hit_ratio),
-            };
-            let headers = match labelled::recall(stamp) {
-                labelled::Remembered::Head(headers) => headers,
-                labelled::Remembered::Build(keep) => {
-                    let mut headers = view.headers.clone();
-                    let [x_cache, tier, ratio, status] = own_values(outcome, hit_ratio);
-                    let age = Some(values::age(age));
-                    set_own_fields(&mut headers, [age, x_cache, tier, ratio, status]);
-                    if keep {
-                        labelled::keep(stamp, &headers);
-                    }
-                    headers
-                }
-            };
-            (view.status, headers)
-        }
-        _ => {
-            let (status, mut headers) = if not_modified {
-                let mut headers =
-                    HeaderMap::with_capacity(NOT_MODIFIED_FIELDS.len() + OWN_FIELDS.len());
-                for name in NOT_MODIFIED_FIELDS.iter().chain(&OWN_FIELDS) {
-                    for v in view.headers.get_all(name) {
-                        headers.append(name.clone(), v.clone());
-                    }
-                }
-                (StatusCode::NOT_MODIFIED, headers)
-            } else {
-                (view.status, view.headers.clone())
-            };
-            let age = Some(values::age(age));
-            match label {
-                Some((outcome, hit_ratio)) => {
-                    let [x_cache, tier, ratio, status] = own_values(outcome, hit_ratio);
-                    set_own_fields(&mut headers, [age, x_cache, tier, ratio, status]);
-                }
-                None => {
-                    set_own_fields(&mut headers, [age, None, None, None, None]);
-                    for name in &OWN_FIELDS[1..] {
-                        headers.remove(name);
-                    }
-                }
-            }
-            (status, headers)
-        }
+        )) if !not_modified && view.keepable => Some(labelled::Stamp {
+            entry: entry.id(),
+            age,
+            ttl,
+            ratio: values::hit_ratio_step(hit_ratio),
+        }),
+        _ => None,
     };
+    let keep = match stamp.map(labelled::recall) {
+        Some(labelled::Remembered::Head(headers)) => {
+            return response(body, view.status, headers);
+        }
+        Some(labelled::Remembered::Build(keep)) => keep,
+        None => false,
+    };
+    let (status, mut headers) = if not_modified {
+        let mut headers = HeaderMap::with_capacity(NOT_MODIFIED_FIELDS.len() + OWN_FIELDS.len());
+        for name in NOT_MODIFIED_FIELDS.iter().chain(&OWN_FIELDS) {
+            for v in view.headers.get_all(name) {
+                headers.append(name.clone(), v.clone());
+            }
+        }
+        (StatusCode::NOT_MODIFIED, headers)
+    } else {
+        (view.status, view.headers.clone())
+    };
+    let age = Some(values::age(age));
+    match label {
+        Some((outcome, hit_ratio)) => {
+            let [x_cache, tier, ratio, status] = own_values(outcome, hit_ratio);
+            set_own_fields(&mut headers, [age, x_cache, tier, ratio, status]);
+        }
+        None => {
+            set_own_fields(&mut headers, [age, None, None, None, None]);
+            for name in &OWN_FIELDS[1..] {
+                headers.remove(name);
+            }
+        }
+    }
+    if let Some(stamp) = stamp.filter(|_| keep) {
+        labelled::keep(stamp, &headers);
+    }
+    response(body, status, headers)
+}
+
+/// A response of these parts.
+fn response<B>(
+    body: CacheBody<B>,
+    status: StatusCode,
+    headers: HeaderMap,
+) -> Response<CacheBody<B>> {
     let mut res = Response::new(body);
     *res.status_mut() = status;
     *res.headers_mut() = headers;
