@@ -207,15 +207,25 @@ impl Entry {
                 self
             }
             // Shared: a new entry (a new id) with the same parts.
-            None => Entry::new(
-                self.key().clone(),
-                self.variant().clone(),
-                self.value().clone(),
-                self.times(),
-                self.origin_latency(),
-            )
-            .with_tags(tags),
+            None => self.rebuilt(self.times()).with_tags(tags),
         }
+    }
+
+    /// A new entry (a new id) with this one's parts and tags and `times`
+    /// (a copy promoted from L2, a renewed one).
+    pub(crate) fn with_times(&self, times: Times) -> Entry {
+        self.rebuilt(times).with_tags(self.tags())
+    }
+
+    /// A new entry with this one's parts, untagged, and `times`.
+    fn rebuilt(&self, times: Times) -> Entry {
+        Entry::new(
+            self.key().clone(),
+            self.variant().clone(),
+            self.value().clone(),
+            times,
+            self.origin_latency(),
+        )
     }
 
     /// The tags this entry was stored under.

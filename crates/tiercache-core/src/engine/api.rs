@@ -433,14 +433,7 @@ impl TieredCache {
     /// Stores `entry` again with new `times`, unless an invalidation since
     /// `epoch` (taken before `entry` was read) covers it.
     fn renew(&self, key: &CacheKey, entry: &Entry, times: Times, ttl: Duration, epoch: u64) {
-        let renewed = Entry::new(
-            entry.key().clone(),
-            entry.variant().clone(),
-            entry.value().clone(),
-            times,
-            entry.origin_latency(),
-        )
-        .with_tags(entry.tags());
+        let renewed = entry.with_times(times);
         let footprint = Footprint {
             hashes: &[key.hash()],
             fulls: &[key.full().as_ref()],

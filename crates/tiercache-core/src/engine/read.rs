@@ -152,14 +152,7 @@ impl TieredCache {
         let until = now
             .checked_add(hit.remaining)
             .unwrap_or(hit.entry.times().hard_until);
-        let promoted = Entry::new(
-            hit.entry.key().clone(),
-            hit.entry.variant().clone(),
-            hit.entry.value().clone(),
-            hit.entry.times().capped(until),
-            hit.entry.origin_latency(),
-        )
-        .with_tags(hit.entry.tags());
+        let promoted = hit.entry.with_times(hit.entry.times().capped(until));
         let hashes = [key.hash()];
         let fulls = [key.full().as_ref()];
         // Not by its tags: a fleet waiter reads with its fill's epoch, from
