@@ -2,7 +2,7 @@
 
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -361,5 +361,21 @@ impl Entry {
     /// Whether two handles share one allocation.
     pub fn ptr_eq(&self, other: &Entry) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// A handle that does not keep the entry's parts alive.
+    pub(crate) fn downgrade(&self) -> WeakEntry {
+        WeakEntry(Arc::downgrade(&self.0))
+    }
+}
+
+/// An [`Entry`] that may have been dropped everywhere else: it keeps only
+/// the entry's fixed-size record, not its body or head.
+pub(crate) struct WeakEntry(Weak<EntryInner>);
+
+impl WeakEntry {
+    /// The entry, if anything else still holds it.
+    pub(crate) fn upgrade(&self) -> Option<Entry> {
+        self.0.upgrade().map(Entry)
     }
 }

@@ -196,6 +196,11 @@ impl Inner {
             self.tag_keys.store(0, Relaxed);
         } else {
             self.drop_hashes(&keys);
+            // The index leaves out keys moka no longer shows (pruned by
+            // `contains`), among them entries past moka's own expiry that
+            // its housekeeping has not removed yet, so no listener has
+            // moved their shard: a thread's table may still answer one.
+            self.l1.forget_thread_copies();
         }
         keys
     }
