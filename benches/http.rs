@@ -46,7 +46,9 @@
 //!
 //! Instructions per hit, which the machine's load does not move:
 //! `benches/support/http_instructions.sh` runs each server under callgrind
-//! (2026-12-04, latest: limit 19,382, layer 21,087, 1.088×, proxy 18,703,
+//! (2026-12-05, latest: limit 19,339, layer 20,016–20,099, 1.035–1.039×,
+//! proxy 17,850, 0.923×, with a per-thread table in front of moka. Before,
+//! 2026-12-04: limit 19,382, layer 21,087, 1.088×, proxy 18,703,
 //! 0.965×, once axum records `OriginalUri` and the proxy answers without a
 //! `Router`; before those, limit 18,941; layer 20,465–20,486, 1.08×, with a
 //! hot entry's finished head and a hot target's key kept per thread;
@@ -56,7 +58,14 @@
 //! axum-response-cache 21,850; tower-http-cache 43,822; hitbox 46,007;
 //! http-cache-tower-server 614,092).
 //!
-//! Last measured (2 cores, shared machine, 2026-12-03, two runs; nginx
+//! Latest run (2026-12-05, after the per-thread table in front of moka; limit
+//! 71,488 req/s, 13.8 µs), req/s × limit / CPU × limit, medians of five
+//! rounds: layer 0.94 [0.90-0.99] / 1.07 [1.02-1.10]; proxy 0.98 / 1.02;
+//! axum-response-cache 0.98 / 1.03; tower-http-cache 0.70 / 1.44; hitbox
+//! 0.61 / 1.66; http-cache-tower-server 0.20 / 5.13; nginx 0.58 / 1.75;
+//! Varnish 0.44 / 2.29; the same origin calls as below.
+//!
+//! Earlier (2 cores, shared machine, 2026-12-03, two runs; nginx
 //! 1.22, Varnish 7.1 from Debian 12), req/s × limit / CPU per request ×
 //! limit (limit 93,043 / 104,920 req/s, 9.5 / 9.1 µs): bare origin 1.01 /
 //! 1.03, 0.90 / 1.11; layer 1.01 / 1.08, 0.87 / 1.19; tiercache-proxy 0.94
