@@ -26,6 +26,9 @@ pub struct Stats {
     pub refreshes_deferred: u64,
     /// Calls that reached the origin on behalf of the cache.
     pub origin_loads: u64,
+    /// Fills cancelled when their caller went away while
+    /// `max_detached_fills` others ran on without theirs.
+    pub fills_cancelled: u64,
     /// Requests that waited on another request's origin load instead of making their own.
     pub coalesced: u64,
     /// Followers that gave up waiting after `lock_timeout` and went to the origin.
@@ -112,6 +115,7 @@ pub(crate) struct Counters {
     pub(crate) early_refreshes: AtomicU64,
     pub(crate) refreshes_deferred: AtomicU64,
     pub(crate) origin_loads: AtomicU64,
+    pub(crate) fills_cancelled: AtomicU64,
     pub(crate) coalesced: AtomicU64,
     pub(crate) lock_timeouts: AtomicU64,
     pub(crate) l2_errors: AtomicU64,
@@ -171,6 +175,7 @@ impl Counters {
             early_refreshes: self.early_refreshes.load(Relaxed),
             refreshes_deferred: self.refreshes_deferred.load(Relaxed),
             origin_loads: count,
+            fills_cancelled: self.fills_cancelled.load(Relaxed),
             coalesced: self.coalesced.load(Relaxed),
             lock_timeouts: self.lock_timeouts.load(Relaxed),
             l2_errors: self.l2_errors.load(Relaxed) + l2.write_errors,

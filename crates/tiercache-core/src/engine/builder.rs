@@ -22,6 +22,7 @@ pub struct TieredCacheBuilder {
     sweep_interval: Option<Duration>,
     rng_seed: Option<u64>,
     max_refreshes: usize,
+    max_detached_fills: usize,
 }
 
 impl Default for TieredCacheBuilder {
@@ -33,6 +34,7 @@ impl Default for TieredCacheBuilder {
             sweep_interval: Some(TieredCacheBuilder::DEFAULT_SWEEP_INTERVAL),
             rng_seed: None,
             max_refreshes: TieredCacheBuilder::DEFAULT_MAX_REFRESHES,
+            max_detached_fills: TieredCacheBuilder::DEFAULT_MAX_DETACHED_FILLS,
         }
     }
 }
@@ -42,6 +44,8 @@ impl TieredCacheBuilder {
     pub const DEFAULT_L1_CAPACITY: u64 = 256 * 1024 * 1024;
     /// Default [`max_refreshes`](Self::max_refreshes): 32.
     pub const DEFAULT_MAX_REFRESHES: usize = 32;
+    /// Default [`max_detached_fills`](Self::max_detached_fills): 1,024.
+    pub const DEFAULT_MAX_DETACHED_FILLS: usize = 1024;
     /// Default sweeper tick: 1 s.
     pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -88,6 +92,29 @@ impl TieredCacheBuilder {
         self
     }
 
+    /// Most fills running on after their caller stopped waiting (default
+    /// 1,024). A fill runs in a task of its own so that a client who
+    /// disconnects strands nobody: it goes on to store its answer, and
+    /// anyone who joined the flight meanwhile gets it. Past this many at
+    /// once, the fill of a caller that goes away is cancelled instead, as
+    /// the origin call would be without a cache (those waiting on it load
+    /// again, one of them leading): an origin that never answers cannot
+    /// pile up tasks one abandoned request at a time. `/stats` counts them
+    /// (`fills_cancelled`).
+    ///
+    /// ```
+    /// use tiercache_core::TieredCache;
+    ///
+    /// let cache = TieredCache::builder().sweep_interval(None).max_detached_fills(64).build();
+    /// assert!(cache.is_ok());
+    /// let refused = TieredCache::builder().sweep_interval(None).max_detached_fills(0).build();
+    /// assert!(refused.unwrap_err().to_string().contains("max_detached_fills"));
+    /// ```
+    pub fn max_detached_fills(mut self, n: usize) -> Self {
+        self.max_detached_fills = n;
+        self
+    }
+
     /// Seeds the jitter RNG, for reproducible tests and experiments.
     pub fn rng_seed(mut self, seed: u64) -> Self {
         self.rng_seed = Some(seed);
@@ -109,6 +136,13 @@ impl TieredCacheBuilder {
                 field: "max_refreshes",
                 value: "0".into(),
                 allowed: "at least 1 (background refreshes at once)",
+            }));
+        }
+        if self.max_detached_fills == 0 {
+            return Err(BuildError::Config(PolicyError {
+                field: "max_detached_fills",
+                value: "0".into(),
+                allowed: "at least 1 (fills running on after their caller left)",
             }));
         }
         if self.sweep_interval.is_some_and(|i| i.is_zero()) {
@@ -167,6 +201,7 @@ impl TieredCacheBuilder {
             journal: Journal::default(),
             outbox: Arc::default(),
             refreshes: Arc::new(tokio::sync::Semaphore::new(self.max_refreshes)),
+            detached: Arc::new(tokio::sync::Semaphore::new(self.max_detached_fills)),
         });
         if let Some(l2) = &inner.l2 {
             let sink: Weak<dyn InvalidationSink> = Arc::downgrade(&inner) as _;

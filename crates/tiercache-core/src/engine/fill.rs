@@ -2,13 +2,17 @@
 //! origin, storage, stale-if-error), what its followers make of its result,
 //! and loads outside any flight.
 
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use super::TieredCache;
 use super::fetch::Keys;
 use crate::fleet::{FleetJoin, FleetLock};
 use crate::flight::{FlightError, FlightResult, Leader};
-use crate::stats::bump;
+use crate::stats::{Counters, bump};
 use crate::{
     Answer, CacheKey, Entry, FetchError, Fetched, Loaded, Origin, Panic, Policy, Select, Served,
     Source, StaleReason, Unlocked,
@@ -22,6 +26,54 @@ pub(super) enum Filled<T> {
     /// A stale copy from L2 answers while a refresh runs (stale-while-revalidate).
     Revalidating(Entry),
     Passed(T),
+}
+
+/// A fill's task, as its caller holds it. Dropped before the task ends
+/// (the caller went away, or took a stale answer at the soft timeout), it
+/// lets the fill run on while a `max_detached_fills` slot is free, held
+/// until the fill ends; otherwise it cancels the fill.
+struct FillTask<T> {
+    handle: tokio::task::JoinHandle<T>,
+    /// The slot the fill holds once detached: shared with the task, which
+    /// drops its handle when it ends, so the slot is freed then.
+    slot: Arc<Mutex<Option<OwnedSemaphorePermit>>>,
+    slots: Arc<Semaphore>,
+    counters: Arc<Counters>,
+}
+
+impl<T: Send + 'static> FillTask<T> {
+    fn spawn(engine: &TieredCache, fill: impl Future<Output = T> + Send + 'static) -> Self {
+        let slot = Arc::new(Mutex::new(None));
+        let held = slot.clone();
+        let handle = tokio::spawn(async move {
+            let filled = fill.await;
+            drop(held);
+            filled
+        });
+        Self {
+            handle,
+            slot,
+            slots: engine.inner.detached.clone(),
+            counters: engine.inner.counters.clone(),
+        }
+    }
+}
+
+impl<T> Drop for FillTask<T> {
+    fn drop(&mut self) {
+        if self.handle.is_finished() {
+            return;
+        }
+        match self.slots.clone().try_acquire_owned() {
+            // Freed when the task drops its handle on the slot (or now,
+            // if it ended meanwhile: this handle is then the last).
+            Ok(permit) => *self.slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(permit),
+            Err(_) => {
+                self.handle.abort();
+                bump(&self.counters.fills_cancelled);
+            }
+        }
+    }
 }
 
 /// An origin behind a lock: `Sync` for any `Send` origin, so a future may
@@ -97,9 +149,9 @@ impl TieredCache {
             served: Served::Stale(why),
             collapsed: false,
         };
-        let mut task = tokio::spawn(self.clone().fill(lead, origin));
+        let mut task = FillTask::spawn(self, self.clone().fill(lead, origin));
         let joined = match (usable, soft) {
-            (Some(stale), Some(soft)) => match tokio::time::timeout(soft, &mut task).await {
+            (Some(stale), Some(soft)) => match tokio::time::timeout(soft, &mut task.handle).await {
                 Ok(joined) => joined,
                 // The origin is slow and a stale answer is at hand: give it
                 // now; the fill goes on in the background.
@@ -109,7 +161,7 @@ impl TieredCache {
                     return Ok(Fetched::Entry(answer));
                 }
             },
-            _ => task.await,
+            _ => (&mut task.handle).await,
         };
         let filled = match joined {
             Ok(filled) => filled?,

@@ -85,6 +85,8 @@ pub(crate) struct Inner {
     outbox: Arc<Outbox>,
     /// Slots for background refreshes (see `max_refreshes`).
     refreshes: Arc<tokio::sync::Semaphore>,
+    /// Slots for fills whose caller left (see `max_detached_fills`).
+    detached: Arc<tokio::sync::Semaphore>,
 }
 
 /// A hit-for-miss mark leaves memory when it lapses on the engine's clock
