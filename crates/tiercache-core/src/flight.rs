@@ -222,6 +222,28 @@ impl Leader {
     pub(crate) fn waiters(&self) -> usize {
         self.slot.tx.receiver_count()
     }
+
+    /// A view of this flight that outlives the leader (its task's handle
+    /// holds one).
+    pub(crate) fn watch(&self) -> FlightWatch {
+        FlightWatch(self.slot.clone())
+    }
+}
+
+/// Whether anyone waits on a flight, and until when.
+pub(crate) struct FlightWatch(Arc<Slot>);
+
+impl FlightWatch {
+    /// Whether a follower is waiting right now.
+    pub(crate) fn waited_on(&self) -> bool {
+        self.0.tx.receiver_count() > 0
+    }
+
+    /// What is left of the flight's deadline, past which its followers
+    /// stop waiting on it.
+    pub(crate) fn time_left(&self) -> Duration {
+        self.0.deadline.saturating_duration_since(Instant::now())
+    }
 }
 
 impl Drop for Leader {

@@ -116,3 +116,50 @@ async fn a_fill_whose_caller_left_still_fills_the_cache() {
     assert_eq!(settle(&alive, 0).await, 4, "loads left running");
     assert_eq!(cache.stats().fills_cancelled, 0);
 }
+
+/// Past the cap, a fill others wait on is not cancelled when its caller
+/// leaves: they would each load again from the start (one leading, then,
+/// at a soft timeout, the next...). It answers them.
+#[tokio::test]
+async fn a_fill_others_wait_on_runs_on_past_the_cap_and_answers_them() {
+    let cache = engine(1);
+    let alive = Arc::new(AtomicUsize::new(0));
+    abandon_hung_loads(&cache, 1, &alive).await; // the one slot, taken
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    let key = CacheKey::new("shared");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let load = |body: String| {
+        let (calls, gate, cache, policy, key) = (
+            calls.clone(),
+            gate.clone(),
+            cache.clone(),
+            policy.clone(),
+            key.clone(),
+        );
+        tokio::spawn(async move {
+            cache
+                .get_or_load(&key, &policy, move || async move {
+                    calls.fetch_add(1, SeqCst);
+                    gate.notified().await;
+                    Ok::<_, ()>(Value::from_body(body))
+                })
+                .await
+        })
+    };
+    let leader = load("the leader's".to_owned());
+    while calls.load(SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
+    let follower = load("the follower's own".to_owned());
+    while cache.stats().coalesced == 0 {
+        tokio::task::yield_now().await;
+    }
+    leader.abort();
+    assert!(leader.await.unwrap_err().is_cancelled());
+    gate.notify_one();
+    let answer = follower.await.unwrap().unwrap();
+    assert_eq!(answer.body, "the leader's");
+    assert_eq!(calls.load(SeqCst), 1);
+    assert_eq!(cache.stats().fills_cancelled, 0);
+}

@@ -45,7 +45,7 @@ where
         + Send
         + 'static,
     S::Future: Send + 'static,
-    B: hyper::body::Body<Data = Bytes> + Send + 'static,
+    B: hyper::body::Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let mut builder = Builder::new(TokioExecutor::new());
@@ -83,16 +83,7 @@ where
                 continue;
             }
         };
-        // Requests started on this connection, for HTTP/2's idle watchdog.
-        let started = Arc::new(AtomicU64::new(0));
-        let counter = started.clone();
-        let service = app.clone().map_request(move |req: Request<Incoming>| {
-            counter.fetch_add(1, Relaxed);
-            let mut req = req.map(Body::new);
-            req.extensions_mut()
-                .insert(ConnectInfo::<SocketAddr>(remote));
-            req
-        });
+        let app = app.clone();
         let builder = builder.clone();
         tokio::spawn(async move {
             // hyper reads the first bytes to tell HTTP/1 from HTTP/2 with
@@ -103,12 +94,38 @@ where
                 return;
             };
             let h2 = first == H2_PREFACE;
+            // For HTTP/2's watchdog: requests started, and what the
+            // connection waits on other than the client.
+            let started = Arc::new(AtomicU64::new(0));
+            let sending = h2.then(|| Arc::new(Sending::default()));
+            let (counter, answering, watched) = (started.clone(), sending.clone(), sending.clone());
+            let service = app
+                .map_request(move |req: Request<Incoming>| {
+                    counter.fetch_add(1, Relaxed);
+                    let mut req = req.map(Body::new);
+                    req.extensions_mut()
+                        .insert(ConnectInfo::<SocketAddr>(remote));
+                    req
+                })
+                .map_future(move |answer| {
+                    let answering = answering.as_ref().map(|s| InService::new(s.clone()));
+                    async move {
+                        let answer = answer.await;
+                        drop(answering);
+                        answer
+                    }
+                })
+                .map_response(move |res: Response<B>| {
+                    res.map(|body| Watched::new(body, watched.clone()))
+                });
+            let written = Arc::new(AtomicU64::new(0));
             let io = TokioIo::new(Replayed {
                 first,
                 at: 0,
                 stream,
                 send_timeout: timeout,
                 stalled: None,
+                written: written.clone(),
             });
             let service = TowerToHyperService::new(service);
             let mut conn = pin!(builder.serve_connection_with_upgrades(io, service));
@@ -117,25 +134,141 @@ where
                 let _ = conn.await;
                 return;
             }
+            let Some(sending) = sending else { return };
             // hyper has no idle timeout for HTTP/2 (HTTP/1's is its header
             // timer): a connection that starts no request for `timeout` is
-            // shut down gracefully (streams in flight finish first).
+            // shut down gracefully, streams in flight finishing first. And
+            // no send timer: a client that takes no data (its flow-control
+            // window left shut) leaves no write pending for `Replayed` to
+            // time, and h2 holds what hyper handed it. So once closing, a
+            // connection that wrote next to nothing for `timeout` while
+            // waiting on nothing but its client is closed.
             let mut seen = 0;
+            let mut closing = false;
+            let mut written_before = 0;
             loop {
                 tokio::select! {
                     _ = conn.as_mut() => return,
                     () = tokio::time::sleep(timeout) => {
-                        let now = started.load(Relaxed);
-                        if now == seen {
-                            conn.as_mut().graceful_shutdown();
-                            let _ = conn.as_mut().await;
+                        let written_now = written.load(Relaxed);
+                        if closing
+                            && written_now - written_before < PROGRESS_BYTES
+                            && !sending.waits_on_source()
+                        {
                             return;
                         }
+                        let now = started.load(Relaxed);
+                        if now == seen && !closing {
+                            conn.as_mut().graceful_shutdown();
+                            closing = true;
+                        }
                         seen = now;
+                        written_before = written_now;
                     }
                 }
             }
         });
+    }
+}
+
+/// Fewer bytes written in a watchdog tick than this, by a closing HTTP/2
+/// connection, is no progress: its GOAWAY and the pings are ~50.
+const PROGRESS_BYTES: u64 = 1024;
+
+/// What an HTTP/2 connection waits on other than its client.
+#[derive(Default)]
+struct Sending {
+    /// Requests whose response head has not come yet.
+    in_service: AtomicU64,
+    /// Response bodies whose last poll was pending on their own source
+    /// (the upstream, or the cache's fill).
+    on_source: AtomicU64,
+}
+
+impl Sending {
+    /// Whether the connection waits on an upstream (whose own timeout
+    /// bounds it), not only on its client.
+    fn waits_on_source(&self) -> bool {
+        self.in_service.load(Relaxed) > 0 || self.on_source.load(Relaxed) > 0
+    }
+}
+
+/// A request of an HTTP/2 connection being answered (counted until its
+/// response head comes, or it is dropped).
+struct InService(Arc<Sending>);
+
+impl InService {
+    fn new(sending: Arc<Sending>) -> Self {
+        sending.in_service.fetch_add(1, Relaxed);
+        Self(sending)
+    }
+}
+
+impl Drop for InService {
+    fn drop(&mut self) {
+        self.0.in_service.fetch_sub(1, Relaxed);
+    }
+}
+
+/// A response body, watched for the HTTP/2 watchdog (`None`: HTTP/1, whose
+/// writes `Replayed` times).
+struct Watched<B> {
+    body: B,
+    sending: Option<Arc<Sending>>,
+    /// Its last poll was pending on the body's own source.
+    on_source: bool,
+}
+
+impl<B> Watched<B> {
+    fn new(body: B, sending: Option<Arc<Sending>>) -> Self {
+        Self {
+            body,
+            sending,
+            on_source: false,
+        }
+    }
+}
+
+impl<B: hyper::body::Body + Unpin> hyper::body::Body for Watched<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<B::Data>, B::Error>>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        if let Some(sending) = &this.sending {
+            let on_source = polled.is_pending();
+            if on_source != this.on_source {
+                this.on_source = on_source;
+                if on_source {
+                    sending.on_source.fetch_add(1, Relaxed);
+                } else {
+                    sending.on_source.fetch_sub(1, Relaxed);
+                }
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl<B> Drop for Watched<B> {
+    fn drop(&mut self) {
+        if let Some(sending) = &self.sending
+            && self.on_source
+        {
+            sending.on_source.fetch_sub(1, Relaxed);
+        }
     }
 }
 
@@ -168,9 +301,17 @@ struct Replayed {
     send_timeout: Duration,
     /// Since when a write has been pending.
     stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Bytes written, for HTTP/2's watchdog.
+    written: Arc<AtomicU64>,
 }
 
 impl Replayed {
+    fn count(&self, polled: &Poll<io::Result<usize>>) {
+        if let Poll::Ready(Ok(n)) = polled {
+            self.written.fetch_add(*n as u64, Relaxed);
+        }
+    }
+
     /// Runs a write step: a pending one starts (or goes on) the send
     /// timer, which fails it once it runs out; one that is ready stops it.
     fn timed<T>(
@@ -223,7 +364,10 @@ impl AsyncWrite for Replayed {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        self.get_mut().timed(cx, |s, cx| s.poll_write(cx, buf))
+        let this = self.get_mut();
+        let polled = this.timed(cx, |s, cx| s.poll_write(cx, buf));
+        this.count(&polled);
+        polled
     }
 
     fn poll_write_vectored(
@@ -231,8 +375,10 @@ impl AsyncWrite for Replayed {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        self.get_mut()
-            .timed(cx, |s, cx| s.poll_write_vectored(cx, bufs))
+        let this = self.get_mut();
+        let polled = this.timed(cx, |s, cx| s.poll_write_vectored(cx, bufs));
+        this.count(&polled);
+        polled
     }
 
     fn is_write_vectored(&self) -> bool {

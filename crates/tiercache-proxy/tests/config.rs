@@ -662,6 +662,126 @@ async fn a_client_that_sends_no_head_is_cut_off() {
     );
 }
 
+/// An HTTP/2 client that asks and then takes no data (its stream's window
+/// left shut, at 0 or at 1 byte) leaves nothing pending on the socket for
+/// the send timer to see, and h2 keeps what hyper handed it; the idle
+/// watchdog's graceful shutdown waits for the stream, so the connection,
+/// and the body it pins, were held for as long as the client answered
+/// pings. A closing connection that writes next to nothing for
+/// `--client-timeout` while waiting on nothing but its client is now
+/// closed. The clock is paused: tokio moves it on while everything waits.
+#[tokio::test(start_paused = true)]
+async fn an_http2_client_that_takes_no_data_is_cut_off() {
+    let (server, _) = upstream().await;
+    let config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .client_timeout(Duration::from_secs(10));
+    let proxy = Proxy::start(config).await.unwrap();
+    for window in [0, 1] {
+        let stream = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
+        let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .initial_stream_window_size(window)
+            .handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .expect("the proxy speaks h2c");
+        let conn = tokio::spawn(conn);
+        let req = Request::get(format!("http://{}/a", proxy.addr()))
+            .version(axum::http::Version::HTTP_2)
+            .body(Body::empty())
+            .unwrap();
+        let res = sender.send_request(req).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        // Its body is held unread: the window stays shut.
+        let started = tokio::time::Instant::now();
+        tokio::time::timeout(Duration::from_secs(300), conn)
+            .await
+            .unwrap_or_else(|_| panic!("window {window}: still open after 300 s"))
+            .unwrap()
+            .ok();
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_secs(10) && took <= Duration::from_secs(31),
+            "window {window}: cut off after {took:?}"
+        );
+        drop(res);
+    }
+}
+
+/// A body of two chunks 35 s apart (a slow upstream).
+struct TwoChunks {
+    sent: u8,
+    gap: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl hyper::body::Body for TwoChunks {
+    type Data = axum::body::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        use std::task::Poll;
+        let chunk = match self.sent {
+            0 => "first ",
+            1 => match self.gap.as_mut().poll(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(()) => "second",
+            },
+            _ => return Poll::Ready(None),
+        };
+        self.sent += 1;
+        Poll::Ready(Some(Ok(hyper::body::Frame::data(chunk.into()))))
+    }
+}
+
+/// The other side of the watchdog above: a connection waiting on a slow
+/// upstream (35 s for a response's head, or between two chunks of its
+/// body: past two `--client-timeout`s, within `--origin-timeout`) waits on
+/// its source, not on the client: the answers arrive whole over HTTP/2.
+#[tokio::test(start_paused = true)]
+async fn an_http2_response_waiting_on_a_slow_upstream_is_not_cut_off() {
+    let slow = Router::new()
+        .route(
+            "/slow-body",
+            get(|| async {
+                let chunks = TwoChunks {
+                    sent: 0,
+                    gap: Box::pin(tokio::time::sleep(Duration::from_secs(35))),
+                };
+                ([("cache-control", "no-store")], Body::new(chunks))
+            }),
+        )
+        .route(
+            "/slow-head",
+            get(|| async {
+                tokio::time::sleep(Duration::from_secs(35)).await;
+                "first second"
+            }),
+        );
+    let server = Server::start(slow).await;
+    let config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .client_timeout(Duration::from_secs(10));
+    let proxy = Proxy::start(config).await.unwrap();
+    for path in ["/slow-body", "/slow-head"] {
+        let stream = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
+        let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .expect("the proxy speaks h2c");
+        tokio::spawn(conn);
+        let req = Request::get(format!("http://{}{path}", proxy.addr()))
+            .version(axum::http::Version::HTTP_2)
+            .body(Body::empty())
+            .unwrap();
+        let res = sender.send_request(req).await.expect(path);
+        assert_eq!(res.status(), StatusCode::OK, "{path}");
+        let body = res.into_body().collect().await.expect(path);
+        assert_eq!(body.to_bytes(), "first second", "{path}");
+    }
+}
+
 /// A request with two `Host` fields is refused with a 400 (RFC 9112 §3.2),
 /// not forwarded with both (which one the upstream reads is its business;
 /// a black-box audit saw both sent on).

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use super::TieredCache;
 use super::fetch::Keys;
 use crate::fleet::{FleetJoin, FleetLock};
-use crate::flight::{FlightError, FlightResult, Leader};
+use crate::flight::{FlightError, FlightResult, FlightWatch, Leader};
 use crate::stats::{Counters, bump};
 use crate::{
     Answer, CacheKey, Entry, FetchError, Fetched, Loaded, Origin, Panic, Policy, Select, Served,
@@ -31,18 +31,25 @@ pub(super) enum Filled<T> {
 /// A fill's task, as its caller holds it. Dropped before the task ends
 /// (the caller went away, or took a stale answer at the soft timeout), it
 /// lets the fill run on while a `max_detached_fills` slot is free, held
-/// until the fill ends; otherwise it cancels the fill.
+/// until the fill ends. With no slot free, a fill others wait on runs on
+/// until they stop waiting (the flight's deadline); one nobody waits on is
+/// cancelled at once.
 struct FillTask<T> {
     handle: tokio::task::JoinHandle<T>,
     /// The slot the fill holds once detached: shared with the task, which
     /// drops its handle when it ends, so the slot is freed then.
     slot: Arc<Mutex<Option<OwnedSemaphorePermit>>>,
+    flight: FlightWatch,
     slots: Arc<Semaphore>,
     counters: Arc<Counters>,
 }
 
 impl<T: Send + 'static> FillTask<T> {
-    fn spawn(engine: &TieredCache, fill: impl Future<Output = T> + Send + 'static) -> Self {
+    fn spawn(
+        engine: &TieredCache,
+        flight: FlightWatch,
+        fill: impl Future<Output = T> + Send + 'static,
+    ) -> Self {
         let slot = Arc::new(Mutex::new(None));
         let held = slot.clone();
         let handle = tokio::spawn(async move {
@@ -53,6 +60,7 @@ impl<T: Send + 'static> FillTask<T> {
         Self {
             handle,
             slot,
+            flight,
             slots: engine.inner.detached.clone(),
             counters: engine.inner.counters.clone(),
         }
@@ -64,14 +72,33 @@ impl<T> Drop for FillTask<T> {
         if self.handle.is_finished() {
             return;
         }
-        match self.slots.clone().try_acquire_owned() {
+        if let Ok(permit) = self.slots.clone().try_acquire_owned() {
             // Freed when the task drops its handle on the slot (or now,
             // if it ended meanwhile: this handle is then the last).
-            Ok(permit) => *self.slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(permit),
-            Err(_) => {
-                self.handle.abort();
-                bump(&self.counters.fills_cancelled);
+            *self.slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(permit);
+            return;
+        }
+        let (task, counters) = (self.handle.abort_handle(), self.counters.clone());
+        let cancel = move || {
+            if !task.is_finished() {
+                task.abort();
+                bump(&counters.fills_cancelled);
             }
+        };
+        if !self.flight.waited_on() {
+            return cancel();
+        }
+        // Cancelled now, its followers would load again, one of them
+        // leading from the start: it answers them, unless it outlives
+        // their wait.
+        let left = self.flight.time_left();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(async move {
+                tokio::time::sleep(left).await;
+                cancel();
+            })),
+            // Dropped outside a runtime (one shutting down): nothing runs on.
+            Err(_) => cancel(),
         }
     }
 }
@@ -149,7 +176,8 @@ impl TieredCache {
             served: Served::Stale(why),
             collapsed: false,
         };
-        let mut task = FillTask::spawn(self, self.clone().fill(lead, origin));
+        let flight = lead.leader.watch();
+        let mut task = FillTask::spawn(self, flight, self.clone().fill(lead, origin));
         let joined = match (usable, soft) {
             (Some(stale), Some(soft)) => match tokio::time::timeout(soft, &mut task.handle).await {
                 Ok(joined) => joined,

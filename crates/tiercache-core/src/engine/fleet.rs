@@ -88,12 +88,15 @@ impl TieredCache {
         epoch: u64,
         accept: &impl Fn(&Entry) -> bool,
     ) -> FleetJoin {
+        // Held from here: a fill cancelled during the read below releases
+        // it (as not filled) instead of leaving it to its expiry.
+        let lock = FleetLock::held(l2.clone(), key.clone(), token);
         if let Some(entry) = self.lookup_l2(key, epoch, accept).await {
             // Filled, for the instances that began waiting on this lock
             // meanwhile: the entry is there to read.
-            l2.unlock(key, &token, Unlocked::Filled);
+            lock.release(Unlocked::Filled);
             return FleetJoin::Filled(entry);
         }
-        FleetJoin::Lead(FleetLock::held(l2.clone(), key.clone(), token))
+        FleetJoin::Lead(lock)
     }
 }
