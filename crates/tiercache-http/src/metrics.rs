@@ -19,6 +19,7 @@
 //! call; [`ResponseCacheLayer::publish_metrics`] publishes them at once:
 //! `tiercache_origin_loads_total`, `tiercache_coalesced_total`,
 //! `tiercache_lock_timeouts_total`, `tiercache_early_refreshes_total`,
+//! `tiercache_refreshes_deferred_total`, `tiercache_fills_cancelled_total`,
 //! `tiercache_stale_served_total`, `tiercache_l2_errors_total`,
 //! `tiercache_l2_timeouts_total`, `tiercache_l2_write_drops_total`,
 //! `tiercache_l2_corrupt_total`, `tiercache_l2_breaker_trips_total`,
@@ -250,6 +251,10 @@ const TOTALS: &[(&str, Read)] = &[
     ("tiercache_coalesced_total", |s| s.coalesced),
     ("tiercache_lock_timeouts_total", |s| s.lock_timeouts),
     ("tiercache_early_refreshes_total", |s| s.early_refreshes),
+    ("tiercache_refreshes_deferred_total", |s| {
+        s.refreshes_deferred
+    }),
+    ("tiercache_fills_cancelled_total", |s| s.fills_cancelled),
     ("tiercache_stale_served_total", |s| s.stale_served),
     ("tiercache_l2_errors_total", |s| s.l2_errors),
     ("tiercache_l2_timeouts_total", |s| s.l2_timeouts),
@@ -327,5 +332,29 @@ impl EngineMetrics {
             .gauge("tiercache_l1_entries")
             .set(l1_entries as f64);
         self.sink.gauge("tiercache_hit_ratio").set(stats.hit_ratio);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every engine counter in `Stats` that says something went wrong or
+    /// was held back reaches the exporter.
+    #[test]
+    fn deferred_refreshes_and_cancelled_fills_are_published() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let metrics = EngineMetrics::new(Sink::default());
+        let mut stats = Stats::default();
+        stats.refreshes_deferred = 2;
+        stats.fills_cancelled = 3;
+        metrics::with_local_recorder(&recorder, || metrics.publish(&stats, 0, 0));
+        let text = handle.render();
+        assert!(
+            text.contains("tiercache_refreshes_deferred_total 2"),
+            "{text}"
+        );
+        assert!(text.contains("tiercache_fills_cancelled_total 3"), "{text}");
     }
 }
