@@ -94,30 +94,12 @@ where
                 return;
             };
             let h2 = first == H2_PREFACE;
-            // For HTTP/2's watchdog: requests started, and what the
-            // connection waits on other than the client.
-            let started = Arc::new(AtomicU64::new(0));
-            let sending = h2.then(|| Arc::new(Sending::default()));
-            let (counter, answering, watched) = (started.clone(), sending.clone(), sending.clone());
-            let service = app
-                .map_request(move |req: Request<Incoming>| {
-                    counter.fetch_add(1, Relaxed);
-                    let mut req = req.map(Body::new);
-                    req.extensions_mut()
-                        .insert(ConnectInfo::<SocketAddr>(remote));
-                    req
-                })
-                .map_future(move |answer| {
-                    let answering = answering.as_ref().map(|s| InService::new(s.clone()));
-                    async move {
-                        let answer = answer.await;
-                        drop(answering);
-                        answer
-                    }
-                })
-                .map_response(move |res: Response<B>| {
-                    res.map(|body| Watched::new(body, watched.clone()))
-                });
+            let with_address = move |req: Request<Incoming>| {
+                let mut req = req.map(Body::new);
+                req.extensions_mut()
+                    .insert(ConnectInfo::<SocketAddr>(remote));
+                req
+            };
             let written = Arc::new(AtomicU64::new(0));
             let io = TokioIo::new(Replayed {
                 first,
@@ -127,14 +109,35 @@ where
                 stalled: None,
                 written: written.clone(),
             });
-            let service = TowerToHyperService::new(service);
-            let mut conn = pin!(builder.serve_connection_with_upgrades(io, service));
             if !h2 {
+                let service = TowerToHyperService::new(app.map_request(with_address));
                 // A connection's error (a reset, a timeout) is that client's.
-                let _ = conn.await;
+                let _ = builder.serve_connection_with_upgrades(io, service).await;
                 return;
             }
-            let Some(sending) = sending else { return };
+            // For HTTP/2's watchdog: requests started, and what the
+            // connection waits on other than the client.
+            let started = Arc::new(AtomicU64::new(0));
+            let sending = Arc::new(Sending::default());
+            let (counter, answering, watched) = (started.clone(), sending.clone(), sending.clone());
+            let service = app
+                .map_request(move |req| {
+                    counter.fetch_add(1, Relaxed);
+                    with_address(req)
+                })
+                .map_future(move |answer| {
+                    let answering = InService::new(answering.clone());
+                    async move {
+                        let answer = answer.await;
+                        drop(answering);
+                        answer
+                    }
+                })
+                .map_response(move |res: Response<B>| {
+                    res.map(|body| Watched::new(body, watched.clone()))
+                });
+            let service = TowerToHyperService::new(service);
+            let mut conn = pin!(builder.serve_connection_with_upgrades(io, service));
             // hyper has no idle timeout for HTTP/2 (HTTP/1's is its header
             // timer): a connection that starts no request for `timeout` is
             // shut down gracefully, streams in flight finishing first. And
@@ -210,17 +213,16 @@ impl Drop for InService {
     }
 }
 
-/// A response body, watched for the HTTP/2 watchdog (`None`: HTTP/1, whose
-/// writes `Replayed` times).
+/// An HTTP/2 response body, watched: whether it waits on its own source.
 struct Watched<B> {
     body: B,
-    sending: Option<Arc<Sending>>,
+    sending: Arc<Sending>,
     /// Its last poll was pending on the body's own source.
     on_source: bool,
 }
 
 impl<B> Watched<B> {
-    fn new(body: B, sending: Option<Arc<Sending>>) -> Self {
+    fn new(body: B, sending: Arc<Sending>) -> Self {
         Self {
             body,
             sending,
@@ -239,15 +241,13 @@ impl<B: hyper::body::Body + Unpin> hyper::body::Body for Watched<B> {
     ) -> Poll<Option<Result<hyper::body::Frame<B::Data>, B::Error>>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.body).poll_frame(cx);
-        if let Some(sending) = &this.sending {
-            let on_source = polled.is_pending();
-            if on_source != this.on_source {
-                this.on_source = on_source;
-                if on_source {
-                    sending.on_source.fetch_add(1, Relaxed);
-                } else {
-                    sending.on_source.fetch_sub(1, Relaxed);
-                }
+        let on_source = polled.is_pending();
+        if on_source != this.on_source {
+            this.on_source = on_source;
+            if on_source {
+                this.sending.on_source.fetch_add(1, Relaxed);
+            } else {
+                this.sending.on_source.fetch_sub(1, Relaxed);
             }
         }
         polled
@@ -264,10 +264,8 @@ impl<B: hyper::body::Body + Unpin> hyper::body::Body for Watched<B> {
 
 impl<B> Drop for Watched<B> {
     fn drop(&mut self) {
-        if let Some(sending) = &self.sending
-            && self.on_source
-        {
-            sending.on_source.fetch_sub(1, Relaxed);
+        if self.on_source {
+            self.sending.on_source.fetch_sub(1, Relaxed);
         }
     }
 }
