@@ -48,7 +48,8 @@
 //! `benches/support/http_instructions.sh` runs each server under callgrind
 //! (2026-12-05, latest: limit 19,339, layer 20,016–20,099, 1.035–1.039×,
 //! proxy 17,850, 0.923×, with a per-thread table in front of moka; proxy
-//! 17,698, 0.914×, with its HTTP/2 watchdog (bookkeeping on HTTP/2 only). Before,
+//! 17,698, 0.914× the limit's 19,369 in its run, with its HTTP/2 watchdog
+//! (bookkeeping on HTTP/2 only). Before,
 //! 2026-12-04: limit 19,382, layer 21,087, 1.088×, proxy 18,703,
 //! 0.965×, once axum records `OriginalUri` and the proxy answers without a
 //! `Router`; before those, limit 18,941; layer 20,465–20,486, 1.08×, with a

@@ -27,7 +27,8 @@ pub struct Stats {
     /// Calls that reached the origin on behalf of the cache.
     pub origin_loads: u64,
     /// Fills cancelled when their caller went away while
-    /// `max_detached_fills` others ran on without theirs.
+    /// `max_detached_fills` others ran on without theirs (a fill that
+    /// finished at that very moment may be counted too).
     pub fills_cancelled: u64,
     /// Requests that waited on another request's origin load instead of making their own.
     pub coalesced: u64,

@@ -34,7 +34,10 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// HTTP it speaks, and how long a client may leave what is sent to it
 /// unread (as nginx's `send_timeout`: hyper has no write timer, and a
 /// client that never reads would hold its connection, and the body it
-/// pins, for ever).
+/// pins, for ever). Over HTTP/2, a connection that starts no request for
+/// `timeout` is shut down gracefully, and closed if it then writes next
+/// to nothing for another `timeout` while waiting on no upstream (a
+/// client that keeps its flow-control window shut).
 ///
 /// `app` is any service (an axum `Router` for the admin port; the proxy's
 /// own dispatch for the main one, which needs no router's work a request).

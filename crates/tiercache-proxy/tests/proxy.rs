@@ -182,6 +182,31 @@ async fn miss_then_hit_and_stats_on_the_admin_address() {
     assert_eq!(horizon["entries"], 1);
 }
 
+/// Over h2c the client's address reaches the upstream too (HTTP/2
+/// connections build their service apart from HTTP/1's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwards_the_clients_address_over_h2c() {
+    let (server, _) = upstream().await;
+    let proxy = proxy_for(&server).await;
+    let stream = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .expect("the proxy speaks h2c");
+    tokio::spawn(conn);
+    let req = Request::post(format!("http://{}/echo", proxy.addr()))
+        .version(http::Version::HTTP_2)
+        .header("x-forwarded-for", "6.6.6.6")
+        .body(Body::from("request body"))
+        .unwrap();
+    let res = sender.send_request(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    let body = String::from_utf8_lossy(&body);
+    assert!(body.contains("x-forwarded-for: 127.0.0.1\n"), "{body}");
+    assert!(!body.contains("6.6.6.6"), "{body}");
+}
+
 /// A proxy whose upstream's port nothing listens on.
 async fn proxy_to_a_dead_upstream() -> Proxy {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

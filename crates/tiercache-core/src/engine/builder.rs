@@ -97,10 +97,12 @@ impl TieredCacheBuilder {
     /// disconnects strands nobody: it goes on to store its answer, and
     /// anyone who joined the flight meanwhile gets it. Past this many at
     /// once, the fill of a caller that goes away is cancelled instead, as
-    /// the origin call would be without a cache (those waiting on it load
-    /// again, one of them leading): an origin that never answers cannot
-    /// pile up tasks one abandoned request at a time. `/stats` counts them
-    /// (`fills_cancelled`).
+    /// the origin call would be without a cache, once nobody waits on it:
+    /// at once, or at the flight's deadline when others wait (they get its
+    /// answer if it comes first). A refresh left behind by a caller that
+    /// took the stale answer at the soft timeout counts too. An origin that
+    /// never answers cannot pile up tasks one abandoned request at a time.
+    /// `/stats` counts them (`fills_cancelled`).
     ///
     /// ```
     /// use tiercache_core::TieredCache;

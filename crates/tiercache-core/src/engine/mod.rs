@@ -22,6 +22,7 @@ use crate::{Clock, KeyHash, Stats, Tier};
 
 mod api;
 mod builder;
+mod detach;
 mod fetch;
 mod fill;
 mod fleet;
