@@ -10,6 +10,10 @@
 # cache); the difference of the two totals over N2 - N1 leaves out start-up
 # and shut-down.
 #
+# CACHE_SIM=1 adds callgrind's cache and branch simulation (a model: 32 KiB
+# L1s) and prints, per hit, the instructions and the instruction-cache
+# and data-cache read misses too.
+#
 # usage: benches/support/http_instructions.sh [N1 N2] [TARGET...]
 #   targets: limit bare layer proxy axum-response-cache hitbox
 #            tower-http-cache http-cache-tower-server (default: all)
@@ -70,14 +74,18 @@ total() {
   if (exec 3<>/dev/tcp/127.0.0.1/$PORT) 2>/dev/null; then
     echo "port $PORT is taken: stop what listens there" >&2; exit 1
   fi
-  valgrind --tool=callgrind --separate-threads=yes --callgrind-out-file="$out" "${cmd[@]}" >/dev/null 2>&1 &
+  local sim=()
+  [ -n "${CACHE_SIM:-}" ] && sim=(--cache-sim=yes --branch-sim=yes)
+  valgrind --tool=callgrind "${sim[@]}" --separate-threads=yes --callgrind-out-file="$out" "${cmd[@]}" >/dev/null 2>&1 &
   local pid=$!
   client $PORT "$n"
   # SIGTERM: a background job of a script ignores SIGINT.
   kill -TERM $pid; wait $pid 2>/dev/null || true
   # One file per thread (without that, a process ended by a signal was
-  # found to dump its main thread's counts only); their sum.
-  cat "$out"-* | awk '/^totals:/ {n += $2} END {printf "%.0f\n", n}'
+  # found to dump its main thread's counts only); their sums: Ir, and with
+  # the simulation I1mr and D1mr (the events' 1st, 4th and 5th fields).
+  cat "$out"-* | awk '/^totals:/ {ir += $2; i1 += $5; d1 += $6}
+    END {printf "%.0f %.0f %.0f\n", ir, i1, d1}'
 }
 
 if printf '%s\n' "${TARGETS[@]}" | grep -qx proxy; then
@@ -85,6 +93,11 @@ if printf '%s\n' "${TARGETS[@]}" | grep -qx proxy; then
 fi
 echo "instructions per hit over HTTP (callgrind, server process, $N1 vs $N2 hits of /p/7)"
 for t in "${TARGETS[@]}"; do
-  a=$(total "$t" "$N1"); b=$(total "$t" "$N2")
-  echo "$t $(( (b - a) / (N2 - N1) ))"
+  read -r a ai ad < <(total "$t" "$N1"); read -r b bi bd < <(total "$t" "$N2")
+  per() { echo $(( ($2 - $1) / (N2 - N1) )); }
+  if [ -n "${CACHE_SIM:-}" ]; then
+    echo "$t $(per "$a" "$b") I1mr $(per "$ai" "$bi") D1mr $(per "$ad" "$bd")"
+  else
+    echo "$t $(per "$a" "$b")"
+  fi
 done
