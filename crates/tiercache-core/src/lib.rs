@@ -43,7 +43,6 @@ mod fleet;
 mod flight;
 pub mod key;
 mod l1;
-mod l1_front;
 mod origin;
 mod policy;
 mod stats;

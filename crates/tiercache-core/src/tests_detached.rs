@@ -6,6 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::time::Duration;
 
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
 use crate::*;
 
 /// Counts the loads alive (started, not yet dropped).
@@ -32,17 +35,22 @@ fn engine(max_detached: usize) -> TieredCache {
         .unwrap()
 }
 
+fn policy() -> Policy {
+    Policy::ttl(Duration::from_secs(60)).build().unwrap()
+}
+
 /// Starts a request on each key whose load never answers, waits until every
 /// load has started, then cancels the requests (their clients went away).
-async fn abandon_hung_loads(cache: &TieredCache, keys: usize, alive: &Arc<AtomicUsize>) {
-    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+/// Returns the count of those loads still alive.
+async fn abandon_hung_loads(cache: &TieredCache, keys: usize) -> Arc<AtomicUsize> {
+    let alive = Arc::new(AtomicUsize::new(0));
     let mut requests = Vec::new();
     for i in 0..keys {
-        let (cache, policy, alive) = (cache.clone(), policy.clone(), alive.clone());
+        let (cache, alive) = (cache.clone(), alive.clone());
         requests.push(tokio::spawn(async move {
             let key = CacheKey::new(format!("hung/{i}"));
             let _ = cache
-                .get_or_load(&key, &policy, move || async move {
+                .get_or_load(&key, &policy(), move || async move {
                     let _alive = Alive::new(&alive);
                     std::future::pending::<Result<Value, ()>>().await
                 })
@@ -58,6 +66,7 @@ async fn abandon_hung_loads(cache: &TieredCache, keys: usize, alive: &Arc<Atomic
     for request in requests {
         assert!(request.await.unwrap_err().is_cancelled());
     }
+    alive
 }
 
 /// Yields until `alive` is down to `want` (the runtime drops cancelled tasks
@@ -72,11 +81,39 @@ async fn settle(alive: &Arc<AtomicUsize>, want: usize) -> usize {
     alive.load(SeqCst)
 }
 
+/// A request on `key` whose load counts itself in `calls`, then answers
+/// `body` once `gate` opens.
+fn gated_request(
+    cache: &TieredCache,
+    key: &str,
+    calls: &Arc<AtomicUsize>,
+    gate: &Arc<Notify>,
+    body: &str,
+) -> JoinHandle<Result<Value, LoadError<()>>> {
+    let (cache, key, body) = (cache.clone(), CacheKey::new(key), body.to_owned());
+    let (calls, gate) = (calls.clone(), gate.clone());
+    tokio::spawn(async move {
+        cache
+            .get_or_load(&key, &policy(), move || async move {
+                calls.fetch_add(1, SeqCst);
+                gate.notified().await;
+                Ok(Value::from_body(body))
+            })
+            .await
+    })
+}
+
+/// Yields until `done` holds.
+async fn until(done: impl Fn() -> bool) {
+    while !done() {
+        tokio::task::yield_now().await;
+    }
+}
+
 #[tokio::test]
 async fn fills_whose_callers_left_run_on_only_up_to_the_cap() {
     let cache = engine(4);
-    let alive = Arc::new(AtomicUsize::new(0));
-    abandon_hung_loads(&cache, 10, &alive).await;
+    let alive = abandon_hung_loads(&cache, 10).await;
     assert_eq!(settle(&alive, 4).await, 4, "loads left running");
     assert_eq!(cache.stats().fills_cancelled, 6);
 }
@@ -84,35 +121,21 @@ async fn fills_whose_callers_left_run_on_only_up_to_the_cap() {
 #[tokio::test]
 async fn a_fill_whose_caller_left_still_fills_the_cache() {
     let cache = engine(4);
-    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
-    let key = CacheKey::new("slow");
-    let gate = Arc::new(tokio::sync::Notify::new());
-    let started = Arc::new(tokio::sync::Notify::new());
-    let request = {
-        let (cache, policy, key) = (cache.clone(), policy.clone(), key.clone());
-        let (gate, started) = (gate.clone(), started.clone());
-        tokio::spawn(async move {
-            cache
-                .get_or_load(&key, &policy, move || async move {
-                    started.notify_one();
-                    gate.notified().await;
-                    Ok::<_, ()>(Value::from_body("filled"))
-                })
-                .await
-        })
-    };
-    started.notified().await;
+    let (calls, gate) = (Arc::new(AtomicUsize::new(0)), Arc::new(Notify::new()));
+    let request = gated_request(&cache, "slow", &calls, &gate, "filled");
+    until(|| calls.load(SeqCst) == 1).await;
     request.abort();
     assert!(request.await.unwrap_err().is_cancelled());
     gate.notify_one();
     let value = cache
-        .get_or_load(&key, &policy, || async { Err::<Value, _>("not called") })
+        .get_or_load(&CacheKey::new("slow"), &policy(), || async {
+            Err::<Value, _>("not called")
+        })
         .await
         .unwrap();
     assert_eq!(value.body, "filled");
     // Its slot was freed when it ended: four more fit.
-    let alive = Arc::new(AtomicUsize::new(0));
-    abandon_hung_loads(&cache, 4, &alive).await;
+    let alive = abandon_hung_loads(&cache, 4).await;
     assert_eq!(settle(&alive, 0).await, 4, "loads left running");
     assert_eq!(cache.stats().fills_cancelled, 0);
 }
@@ -123,38 +146,12 @@ async fn a_fill_whose_caller_left_still_fills_the_cache() {
 #[tokio::test]
 async fn a_fill_others_wait_on_runs_on_past_the_cap_and_answers_them() {
     let cache = engine(1);
-    let alive = Arc::new(AtomicUsize::new(0));
-    abandon_hung_loads(&cache, 1, &alive).await; // the one slot, taken
-    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
-    let key = CacheKey::new("shared");
-    let calls = Arc::new(AtomicUsize::new(0));
-    let gate = Arc::new(tokio::sync::Notify::new());
-    let load = |body: String| {
-        let (calls, gate, cache, policy, key) = (
-            calls.clone(),
-            gate.clone(),
-            cache.clone(),
-            policy.clone(),
-            key.clone(),
-        );
-        tokio::spawn(async move {
-            cache
-                .get_or_load(&key, &policy, move || async move {
-                    calls.fetch_add(1, SeqCst);
-                    gate.notified().await;
-                    Ok::<_, ()>(Value::from_body(body))
-                })
-                .await
-        })
-    };
-    let leader = load("the leader's".to_owned());
-    while calls.load(SeqCst) == 0 {
-        tokio::task::yield_now().await;
-    }
-    let follower = load("the follower's own".to_owned());
-    while cache.stats().coalesced == 0 {
-        tokio::task::yield_now().await;
-    }
+    abandon_hung_loads(&cache, 1).await; // the one slot, taken
+    let (calls, gate) = (Arc::new(AtomicUsize::new(0)), Arc::new(Notify::new()));
+    let leader = gated_request(&cache, "shared", &calls, &gate, "the leader's");
+    until(|| calls.load(SeqCst) == 1).await;
+    let follower = gated_request(&cache, "shared", &calls, &gate, "the follower's own");
+    until(|| cache.stats().coalesced == 1).await;
     leader.abort();
     assert!(leader.await.unwrap_err().is_cancelled());
     gate.notify_one();

@@ -120,14 +120,10 @@ where
             }
             // For HTTP/2's watchdog: requests started, and what the
             // connection waits on other than the client.
-            let started = Arc::new(AtomicU64::new(0));
             let sending = Arc::new(Sending::default());
-            let (counter, answering, watched) = (started.clone(), sending.clone(), sending.clone());
+            let (answering, watched) = (sending.clone(), sending.clone());
             let service = app
-                .map_request(move |req| {
-                    counter.fetch_add(1, Relaxed);
-                    with_address(req)
-                })
+                .map_request(with_address)
                 .map_future(move |answer| {
                     let answering = InService::new(answering.clone());
                     async move {
@@ -163,7 +159,7 @@ where
                         {
                             return;
                         }
-                        let now = started.load(Relaxed);
+                        let now = sending.started.load(Relaxed);
                         if now == seen && !closing {
                             conn.as_mut().graceful_shutdown();
                             closing = true;
@@ -184,6 +180,8 @@ const PROGRESS_BYTES: u64 = 1024;
 /// What an HTTP/2 connection waits on other than its client.
 #[derive(Default)]
 struct Sending {
+    /// Requests started (for the idle shutdown).
+    started: AtomicU64,
     /// Requests whose response head has not come yet.
     in_service: AtomicU64,
     /// Response bodies whose last poll was pending on their own source
@@ -205,6 +203,7 @@ struct InService(Arc<Sending>);
 
 impl InService {
     fn new(sending: Arc<Sending>) -> Self {
+        sending.started.fetch_add(1, Relaxed);
         sending.in_service.fetch_add(1, Relaxed);
         Self(sending)
     }

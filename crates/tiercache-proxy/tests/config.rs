@@ -15,6 +15,7 @@ use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tiercache_proxy::{Proxy, ProxyConfig, config_file};
+use tiercache_testkit::http::h2c;
 use tiercache_testkit::valkey::free_port;
 use tiercache_testkit::{Counter, Server, bounded};
 
@@ -678,13 +679,7 @@ async fn an_http2_client_that_takes_no_data_is_cut_off() {
         .client_timeout(Duration::from_secs(10));
     let proxy = Proxy::start(config).await.unwrap();
     for window in [0, 1] {
-        let stream = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
-        let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-            .initial_stream_window_size(window)
-            .handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .expect("the proxy speaks h2c");
-        let conn = tokio::spawn(conn);
+        let (mut sender, conn) = h2c(proxy.addr(), Some(window)).await;
         let req = Request::get(format!("http://{}/a", proxy.addr()))
             .version(axum::http::Version::HTTP_2)
             .body(Body::empty())
@@ -765,12 +760,7 @@ async fn an_http2_response_waiting_on_a_slow_upstream_is_not_cut_off() {
         .client_timeout(Duration::from_secs(10));
     let proxy = Proxy::start(config).await.unwrap();
     for path in ["/slow-body", "/slow-head"] {
-        let stream = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
-        let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-            .handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .expect("the proxy speaks h2c");
-        tokio::spawn(conn);
+        let (mut sender, _conn) = h2c(proxy.addr(), None).await;
         let req = Request::get(format!("http://{}{path}", proxy.addr()))
             .version(axum::http::Version::HTTP_2)
             .body(Body::empty())

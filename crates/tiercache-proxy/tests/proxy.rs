@@ -13,6 +13,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tiercache_proxy::{Proxy, ProxyConfig};
+use tiercache_testkit::http::h2c;
 use tiercache_testkit::{Counter, Gate, Server, bounded, eventually};
 
 #[derive(Clone, Default)]
@@ -188,12 +189,7 @@ async fn miss_then_hit_and_stats_on_the_admin_address() {
 async fn forwards_the_clients_address_over_h2c() {
     let (server, _) = upstream().await;
     let proxy = proxy_for(&server).await;
-    let stream = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-        .handshake(hyper_util::rt::TokioIo::new(stream))
-        .await
-        .expect("the proxy speaks h2c");
-    tokio::spawn(conn);
+    let (mut sender, _conn) = h2c(proxy.addr(), None).await;
     let req = Request::post(format!("http://{}/echo", proxy.addr()))
         .version(http::Version::HTTP_2)
         .header("x-forwarded-for", "6.6.6.6")
@@ -233,12 +229,7 @@ async fn an_unreachable_upstream_is_a_502() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_head_answered_by_the_proxy_itself_has_no_body_over_h2c() {
     let proxy = proxy_to_a_dead_upstream().await;
-    let stream = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-        .handshake(hyper_util::rt::TokioIo::new(stream))
-        .await
-        .expect("the proxy speaks h2c");
-    tokio::spawn(conn);
+    let (mut sender, _conn) = h2c(proxy.addr(), None).await;
     // A cached route, then one with two `Host` fields (refused by the
     // forwarder itself, before any upstream).
     for (path, hosts) in [("/x", 1), ("/y", 2)] {
@@ -405,12 +396,7 @@ async fn an_h2c_client_is_proxied_to_an_http1_upstream() {
     let (server, state) = upstream().await;
     state.gate.open();
     let proxy = proxy_for(&server).await;
-    let stream = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-        .handshake(hyper_util::rt::TokioIo::new(stream))
-        .await
-        .expect("the proxy speaks h2c");
-    tokio::spawn(conn);
+    let (mut sender, _conn) = h2c(proxy.addr(), None).await;
     for expected in ["MISS", "HIT"] {
         let req = Request::get(format!("http://{}/slow", proxy.addr()))
             .version(http::Version::HTTP_2)

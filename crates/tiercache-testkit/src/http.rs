@@ -125,3 +125,23 @@ impl Load {
         (self.ok.load(ordering), self.failed.load(ordering))
     }
 }
+
+/// A client connection to `addr` speaking HTTP/2 with prior knowledge
+/// (h2c), the stream window at `window` bytes (`None`: hyper's default):
+/// its sender, and the task driving it, which ends with the connection.
+pub async fn h2c(
+    addr: std::net::SocketAddr,
+    window: Option<u32>,
+) -> (
+    hyper::client::conn::http2::SendRequest<Body>,
+    tokio::task::JoinHandle<hyper::Result<()>>,
+) {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (sender, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .initial_stream_window_size(window)
+            .handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .expect("the server speaks h2c");
+    (sender, tokio::spawn(conn))
+}
