@@ -410,6 +410,72 @@ async fn a_body_over_the_cap_streams_through_unstored() {
     assert_eq!(layer.engine().l1_entry_count(), 0);
 }
 
+/// A body is copied into storage of its own frame by frame: each frame a
+/// connection hands over (a slice of its read buffer) is let go before the
+/// next is asked for, so the buffer is free for the next read and nothing
+/// stored keeps it alive.
+#[tokio::test]
+async fn each_frame_read_from_the_origin_is_let_go_before_the_next() {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    use std::sync::{Arc, Mutex};
+
+    /// Marks when the bytes it owns are dropped.
+    struct Tracked(Vec<u8>, Arc<AtomicBool>);
+    impl AsRef<[u8]> for Tracked {
+        fn as_ref(&self) -> &[u8] {
+            &self.0
+        }
+    }
+    impl Drop for Tracked {
+        fn drop(&mut self) {
+            self.1.store(true, SeqCst);
+        }
+    }
+    const HALF: usize = 32 * 1024;
+    for announced in [false, true] {
+        let released = Arc::new(AtomicBool::new(false));
+        // What `released` said when the second frame was asked for.
+        let seen: Arc<Mutex<Option<bool>>> = Arc::default();
+        let layer = cache();
+        let (r, s) = (released.clone(), seen.clone());
+        let app = app(&layer, Origin::default(), move |_| {
+            let mut first = Some(bytes::Bytes::from_owner(Tracked(
+                vec![b'a'; HALF],
+                r.clone(),
+            )));
+            let (r, s) = (r.clone(), s.clone());
+            let mut polls = 0;
+            let chunks = std::iter::from_fn(move || {
+                polls += 1;
+                match polls {
+                    1 => Some(Ok::<_, std::io::Error>(first.take()?.slice(..))),
+                    2 => {
+                        *s.lock().unwrap() = Some(r.load(SeqCst));
+                        Some(Ok(bytes::Bytes::from(vec![b'b'; HALF])))
+                    }
+                    _ => None,
+                }
+            });
+            let mut res = Response::new(Body::from_stream(futures_stream(chunks)));
+            if announced {
+                res.headers_mut()
+                    .insert("content-length", (2 * HALF).to_string().parse().unwrap());
+            }
+            res
+        });
+        for x_cache in ["MISS", "HIT"] {
+            let (status, headers, body) = send(&app, get_req("/r")).await;
+            assert_eq!((status, h(&headers, "x-cache")), (StatusCode::OK, x_cache));
+            assert_eq!(body, "a".repeat(HALF) + &"b".repeat(HALF));
+        }
+        assert_eq!(
+            *seen.lock().unwrap(),
+            Some(true),
+            "Content-Length given: {announced}: the first frame was held while the second was read"
+        );
+    }
+}
+
 fn futures_stream<I>(iter: I) -> impl futures_core::Stream<Item = I::Item> + Send + 'static
 where
     I: Iterator + Send + Unpin + 'static,

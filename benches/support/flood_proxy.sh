@@ -6,6 +6,8 @@
 # usage: benches/support/flood_proxy.sh BUDGET SECONDS [redis://VALKEY]
 #   e.g. benches/support/flood_proxy.sh 256MiB 25
 # BODY_BYTES=65536 (or 60, ...) changes the body size (default 1024);
+# BODY_SIZES="16384 20000 ..." serves ten sizes instead, cycling through the
+# list by a URL's last digit;
 # PROXY_BIN=path runs another build of the proxy; CONNECTIONS=4 sets wrk's
 # connections (default 16); VARY=1 has nginx answer `Vary: Accept-Encoding`
 # (each URL then has its own tag in the proxy's tag index).
@@ -19,6 +21,14 @@ trap 'kill $PROXY $NGINX 2>/dev/null; wait 2>/dev/null; rm -rf "$DIR"' EXIT
 # nginx's `return` refuses long strings, so the body is a file.
 chmod 755 "$DIR"; mkdir "$DIR/www"  # nginx workers read it as another user
 head -c "${BODY_BYTES:-1024}" /dev/zero | tr '\0' x > "$DIR/www/body"
+SIZED=""
+if [ -n "${BODY_SIZES:-}" ]; then
+  SIZED="location ~ ^/u/.*(\\d)\$ { root $DIR/www; default_type text/plain; try_files /body\$1 =404; }"
+  read -ra SIZES <<< "$BODY_SIZES"
+  for d in 0 1 2 3 4 5 6 7 8 9; do
+    head -c "${SIZES[$((d % ${#SIZES[@]}))]}" /dev/zero | tr '\0' x > "$DIR/www/body$d"
+  done
+fi
 cat > "$DIR/nginx.conf" <<CONF
 worker_processes 1;
 daemon off;
@@ -36,6 +46,7 @@ http {
   server {
     listen 127.0.0.1:18181;
     location / { root $DIR/www; default_type text/plain; try_files /body =404; ${VARY:+add_header Vary Accept-Encoding;} }
+    $SIZED
   }
 }
 CONF

@@ -31,10 +31,11 @@ impl Value {
         }
     }
 
-    /// Bytes this value holds, used by the L1 weigher: the body, and each
-    /// field's bytes plus what holding it costs (310 bytes, measured).
+    /// Bytes this value holds, used by the L1 weigher: the body (a large
+    /// one in whole pages, see [`crate::body`]), and each field's bytes plus
+    /// what holding it costs (310 bytes, measured).
     pub fn weight(&self) -> usize {
-        self.body.len()
+        crate::body::stored_size(self.body.len())
             + self
                 .headers
                 .iter()

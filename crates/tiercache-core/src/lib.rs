@@ -36,6 +36,7 @@
 //! | --- | --- |
 //! | `test-util` | `MockClock` and `MemoryTier`, for tests of code built on the engine |
 
+pub mod body;
 mod clock;
 mod engine;
 mod entry;

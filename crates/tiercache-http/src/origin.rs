@@ -7,7 +7,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::header::{
     ETAG, HeaderName, HeaderValue, IF_MATCH, IF_MODIFIED_SINCE, IF_NONE_MATCH, IF_RANGE,
     IF_UNMODIFIED_SINCE, LAST_MODIFIED,
@@ -15,6 +15,7 @@ use http::header::{
 use http::{HeaderMap, Method, Request, Response, StatusCode, response};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
+use tiercache_core::body::BodyBuilder;
 use tiercache_core::{
     CacheKey, Entry, Event, Fill, Freshness, Lifetime, Loaded, Origin, Select, Value,
 };
@@ -197,7 +198,7 @@ impl Load<'_> {
         {
             return self.pass(parts, CacheBody::stream(body), Reason::VaryLimit);
         }
-        let (body, total) = match self.read(&parts, body).await {
+        let body = match self.read(&parts, body).await {
             Ok(read) => read,
             Err((body, reason)) => return self.pass(parts, body, reason),
         };
@@ -205,7 +206,7 @@ impl Load<'_> {
         route.metrics.origin(took);
         let family = family_of(self.primary, varied.is_some());
         let tags = tags_for(route, &parts.headers, family.as_ref());
-        let value = headers::to_value(parts.status, &parts.headers, concat(body, total));
+        let value = headers::to_value(parts.status, &parts.headers, body);
         // δ (the origin's time, for XFetch) is measured by the engine.
         let validator =
             parts.headers.contains_key(ETAG) || parts.headers.contains_key(LAST_MODIFIED);
@@ -223,51 +224,63 @@ impl Load<'_> {
         Loaded::Store(fill)
     }
 
-    /// Reads the body within `max_body`; what cannot be stored (too large,
-    /// trailers, a read error) comes back as a body that replays what was
-    /// read and streams the rest, untouched.
+    /// Reads the body within `max_body` into storage of its own (see
+    /// [`tiercache_core::body`]): each frame is copied as it arrives, so the
+    /// connection's read buffer is free again at once and nothing stored
+    /// keeps it alive. What cannot be stored (too large, trailers, a read
+    /// error) comes back as a body that replays what was read and streams
+    /// the rest, the same bytes.
     async fn read<ResB>(
         &self,
         parts: &response::Parts,
         body: ResB,
-    ) -> Result<(VecDeque<Frame<Bytes>>, usize), (CacheBody<ResB>, Reason)>
+    ) -> Result<Bytes, (CacheBody<ResB>, Reason)>
     where
         ResB: Body<Data = Bytes>,
         ResB::Error: Into<BoxError>,
     {
         let max = self.route.config.max_body;
-        if content_length(&parts.headers).is_some_and(|len| len > max as u64) {
+        let announced = content_length(&parts.headers);
+        if announced.is_some_and(|len| len > max as u64) {
             return Err((CacheBody::stream(body), Reason::TooLarge));
         }
         let mut body = Box::pin(body);
-        let mut frames: VecDeque<Frame<Bytes>> = VecDeque::new();
-        let mut total = 0usize;
+        let mut read = BodyBuilder::with_capacity(announced.unwrap_or(0) as usize);
+        // What was read and the frame that stopped the read, to replay.
+        let replay = |read: BodyBuilder, last: Option<Frame<Bytes>>| {
+            let mut frames = VecDeque::new();
+            if !read.is_empty() {
+                frames.push_back(Frame::data(read.into_bytes()));
+            }
+            frames.extend(last);
+            frames
+        };
         while let Some(frame) = body.frame().await {
             match frame {
                 Ok(frame) => {
                     let Some(data) = frame.data_ref() else {
                         // Trailers cannot be stored: replay what was read, untouched.
-                        frames.push_back(frame);
+                        let frames = replay(read, Some(frame));
                         return Err((CacheBody::replay(frames, None, Some(body)), Reason::Body));
                     };
-                    total += data.len();
-                    frames.push_back(frame);
-                    if total > max {
+                    if read.len() + data.len() > max {
+                        let frames = replay(read, Some(frame));
                         return Err((
                             CacheBody::replay(frames, None, Some(body)),
                             Reason::TooLarge,
                         ));
                     }
+                    read.push(data);
                 }
                 Err(e) => {
                     return Err((
-                        CacheBody::replay(frames, Some(e.into()), None),
+                        CacheBody::replay(replay(read, None), Some(e.into()), None),
                         Reason::BodyFailed,
                     ));
                 }
             }
         }
-        Ok((frames, total))
+        Ok(read.finish())
     }
 
     /// An origin error any client may see: read it whole and share it with
@@ -284,11 +297,11 @@ impl Load<'_> {
         ResB::Error: Into<BoxError>,
     {
         match self.read(&parts, body).await {
-            Ok((frames, total)) => {
+            Ok(body) => {
                 let took = self.started.elapsed();
                 self.route.metrics.origin(took);
                 self.route.metrics.not_stored(reason);
-                let value = headers::to_value(parts.status, &parts.headers, concat(frames, total));
+                let value = headers::to_value(parts.status, &parts.headers, body);
                 Loaded::Share {
                     value,
                     failed: is_origin_error(parts.status),
@@ -425,18 +438,6 @@ fn tags_for(route: &Route, headers: &HeaderMap, family: Option<&CacheKey>) -> Ve
 pub const SURROGATE_KEY: HeaderName = HeaderName::from_static("surrogate-key");
 /// Most tags one response is recorded under (each costs a write to L2).
 const MAX_TAGS: usize = 32;
-
-/// The body as one owned, exact-size allocation. Never a slice of what the
-/// connection read: a body that arrived in one piece is a slice of hyper's
-/// per-connection read buffer, and storing it would keep that whole buffer
-/// alive as long as the entry (measured: ~10.7 KiB held per 1 KiB entry).
-fn concat(frames: VecDeque<Frame<Bytes>>, total: usize) -> Bytes {
-    let mut buf = BytesMut::with_capacity(total);
-    for data in frames.into_iter().filter_map(|f| f.into_data().ok()) {
-        buf.extend_from_slice(&data);
-    }
-    buf.freeze()
-}
 
 /// A HEAD is loaded as a GET so the entry it fills has the body.
 fn as_get<B>(req: Request<B>) -> Request<B> {

@@ -105,7 +105,8 @@ pub fn encode(entry: &Entry) -> Bytes {
     out.freeze()
 }
 
-/// Decodes an envelope; the body is a zero-copy slice of `bytes`.
+/// Decodes an envelope into an entry that owns its bytes (none of it a
+/// slice of `bytes`); the body in [`tiercache_core::body`] storage.
 pub fn decode(bytes: Bytes) -> Result<Entry, DecodeError> {
     if bytes.len() < HEADER_LEN + CHECKSUM_LEN || &bytes[..3] != MAGIC {
         return Err(DecodeError::Foreign);
@@ -137,6 +138,7 @@ pub fn decode(bytes: Bytes) -> Result<Entry, DecodeError> {
     if !(100..=999).contains(&status) {
         return Err(DecodeError::Field("status"));
     }
+    let head_start = r.pos;
     let key = r.long()?;
     let variant = r.long()?;
     let count = r.u16()?;
@@ -153,6 +155,7 @@ pub fn decode(bytes: Bytes) -> Result<Entry, DecodeError> {
         }
         headers.push((name, value));
     }
+    let head_end = r.pos;
     let body = r.long()?;
     let mut tags: Vec<Bytes> = Vec::new();
     if version >= 3 {
@@ -178,6 +181,22 @@ pub fn decode(bytes: Bytes) -> Result<Entry, DecodeError> {
     if !ordered {
         return Err(DecodeError::Field("times"));
     }
+    // Valid: the entry takes its own copies. Slices of the reply would keep
+    // all of it alive as long as the entry, and fred decodes a reply in
+    // place, as a slice of the connection's read buffer. The key, variant
+    // and fields in one block; the body in storage of its own.
+    let head = Bytes::copy_from_slice(&r.buf[head_start..head_end]);
+    let own = |part: &Bytes| {
+        if part.is_empty() {
+            return Bytes::new();
+        }
+        let at = part.as_ptr() as usize - r.buf.as_ptr() as usize - head_start;
+        head.slice(at..at + part.len())
+    };
+    let key = own(&key);
+    let variant = own(&variant);
+    let headers = headers.iter().map(|(n, v)| (own(n), own(v))).collect();
+    let body = tiercache_core::body::copy(&body);
     Ok(Entry::new(
         key,
         variant,
@@ -356,6 +375,32 @@ mod tests {
         assert!(encoded.is_unique(), "decoded tags pin the envelope");
         assert_eq!(tags, e.tags());
         assert!(decode(encode(&entry())).unwrap().tags().is_empty());
+    }
+
+    /// A reply is a slice of the connection's read buffer (fred decodes in
+    /// place): an entry holding slices of it would keep the whole buffer
+    /// alive as long as the entry stays in L1.
+    #[test]
+    fn a_decoded_entry_holds_no_share_of_the_reply() {
+        for body in [vec![7u8; 60], vec![7u8; 64 * 1024]] {
+            let mut e = entry();
+            let mut value = e.value().clone();
+            value.body = body.into();
+            e = Entry::new(
+                e.key().clone(),
+                e.variant().clone(),
+                value,
+                e.times(),
+                e.origin_latency(),
+            )
+            .with_tags(&["t".into()]);
+            let reply = encode(&e);
+            let back = decode(reply.clone()).unwrap();
+            assert!(reply.is_unique(), "the decoded entry pins the reply");
+            assert_eq!(back.value(), e.value());
+            assert_eq!(back.key(), e.key());
+            assert_eq!(back.variant(), e.variant());
+        }
     }
 
     /// An envelope of the build before (version 2: no tags) still reads.

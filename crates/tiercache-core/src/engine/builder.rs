@@ -226,8 +226,12 @@ async fn sweeper(engine: Weak<Inner>, every: Duration) {
             return;
         };
         // moka's housekeeping can take a while on a large cache: keep it off
-        // the async workers.
-        let _ = tokio::task::spawn_blocking(move || engine.sweep()).await;
+        // the async workers. Idle spare body mappings go back to the system.
+        let _ = tokio::task::spawn_blocking(move || {
+            engine.sweep();
+            crate::body::trim_spares();
+        })
+        .await;
     }
 }
 

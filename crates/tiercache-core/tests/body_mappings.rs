@@ -1,0 +1,100 @@
+//! Large bodies live in page mappings of their own: given back to the
+//! system when dropped (after a while as spares for the next body of the
+//! same size), never more of them than [`MAX_MAPPINGS`]. One test, in a
+//! binary of its own: the counts are process-wide.
+
+use bytes::Bytes;
+use tiercache_core::body::{
+    BodyBuilder, MAX_MAPPINGS, SPARE_BYTES, copy, mapped_from, mappings, trim_spares,
+};
+
+const LARGE: usize = 64 * 1024;
+
+/// A field of `/proc/self/status`, in bytes.
+fn status(field: &str) -> usize {
+    let status = std::fs::read_to_string("/proc/self/status").expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
+        .expect("RssAnon")
+        * 1024
+}
+
+#[test]
+fn large_bodies_take_mappings_that_are_reused_then_released() {
+    assert_eq!(mappings(), 0);
+    let small = copy(&vec![1; mapped_from() - 1]);
+    assert_eq!(mappings(), 0, "a small body is on the heap");
+
+    let a = copy(&[1; LARGE]);
+    let b = copy(&[2; LARGE]);
+    assert_eq!(mappings(), 2);
+    drop(a);
+    assert_eq!(mappings(), 2, "a dropped body's mapping is kept as a spare");
+    let c = copy(&[3; LARGE]);
+    assert_eq!(mappings(), 2, "the next body of its size reuses it");
+    assert!(c.iter().all(|&x| x == 3));
+    drop((b, c));
+    trim_spares();
+    assert_eq!(mappings(), 2, "a spare was reused since the last trim");
+    trim_spares();
+    assert_eq!(mappings(), 0, "idle spares are released on the next tick");
+
+    // Spares are bounded.
+    let many: Vec<Bytes> = (0..64).map(|_| copy(&[0; LARGE])).collect();
+    assert_eq!(mappings(), 64);
+    drop(many);
+    assert_eq!(mappings(), SPARE_BYTES / LARGE);
+    trim_spares();
+    assert_eq!(mappings(), 0);
+
+    // Their pages go back to the system: 64 MiB of bodies, dropped.
+    let before = status("RssAnon:");
+    let held: Vec<Bytes> = (0..1024).map(|i| copy(&[i as u8; LARGE])).collect();
+    let grown = status("RssAnon:").saturating_sub(before);
+    assert!(
+        grown >= 60 << 20,
+        "64 MiB of bodies: RSS grew {grown} bytes"
+    );
+    drop(held);
+    trim_spares();
+    let left = status("RssAnon:").saturating_sub(before);
+    assert!(
+        left <= 4 << 20,
+        "64 MiB of bodies dropped: {left} bytes still resident"
+    );
+
+    // A body's announced length is not taken on trust: 8 MiB announced,
+    // one byte sent, reserves 1 MiB at most.
+    let before = status("VmSize:");
+    let held: Vec<BodyBuilder> = (0..16)
+        .map(|_| {
+            let mut body = BodyBuilder::with_capacity(8 << 20);
+            body.push(b"x");
+            body
+        })
+        .collect();
+    let reserved = status("VmSize:").saturating_sub(before);
+    assert!(
+        reserved <= 17 << 20,
+        "16 bodies announcing 8 MiB reserved {reserved} bytes"
+    );
+    assert!(held.into_iter().all(|b| b.finish() == "x"));
+    trim_spares();
+    trim_spares();
+    assert_eq!(mappings(), 0);
+
+    // Past the cap, bodies go to the heap (untouched pages: no memory).
+    let held: Vec<BodyBuilder> = (0..MAX_MAPPINGS + 10)
+        .map(|_| BodyBuilder::with_capacity(mapped_from()))
+        .collect();
+    assert_eq!(mappings(), MAX_MAPPINGS);
+    let stored = copy(&[5; 20_000]);
+    assert_eq!(mappings(), MAX_MAPPINGS, "past the cap: on the heap");
+    assert!(stored.len() == 20_000 && stored.iter().all(|&b| b == 5));
+    drop(held);
+    trim_spares();
+    assert_eq!(mappings(), 0);
+    assert_eq!(small.len(), mapped_from() - 1);
+}
