@@ -60,9 +60,22 @@
 //! axum-response-cache 21,850; tower-http-cache 43,822; hitbox 46,007;
 //! http-cache-tower-server 614,092).
 //!
-//! Latest run (2026-12-05, after the per-thread table in front of moka; limit
-//! 71,488 req/s, 13.8 µs), req/s × limit / CPU × limit, medians of five
-//! rounds: layer 0.94 [0.90-0.99] / 1.07 [1.02-1.10]; proxy 0.98 / 1.02;
+//! Latest run (2026-12-05, every Rust server built with `lto = "fat"` and
+//! `codegen-units = 1`, the workspace's release profile and `benches/peers`'
+//! now; limit 87,886 req/s, 11.2 µs), req/s × limit / CPU × limit, medians
+//! of five rounds (one disturbed): layer 0.97 [0.85-1.66] / 1.04
+//! [0.60-1.16]; proxy 0.94 / 1.06; axum-response-cache 0.90 / 1.12;
+//! tower-http-cache 0.74 / 1.37; hitbox 0.62 / 1.63; http-cache-tower-server
+//! 0.17 / 5.76; nginx 0.51 / 1.97; Varnish 0.39 / 2.59; the same origin
+//! calls as below. The layer against the limit alone, ten pinned rounds of
+//! each build (`benches/support/limit_vs_layer.sh`): 0.978 / 1.026 built so,
+//! 0.910 / 1.098 with Cargo's default release profile. Instructions a hit
+//! (LTO): limit 17,365, layer 17,744 (1.022×), proxy 17,822,
+//! axum-response-cache 19,039.
+//!
+//! The run before (after the per-thread table in front of moka, Cargo's
+//! default profile; limit 71,488 req/s, 13.8 µs), req/s × limit / CPU ×
+//! limit, medians of five rounds: layer 0.94 [0.90-0.99] / 1.07 [1.02-1.10]; proxy 0.98 / 1.02;
 //! axum-response-cache 0.98 / 1.03; tower-http-cache 0.70 / 1.44; hitbox
 //! 0.61 / 1.66; http-cache-tower-server 0.20 / 5.13; nginx 0.58 / 1.75;
 //! Varnish 0.44 / 2.29; the same origin calls as below.

@@ -22,13 +22,15 @@
 #   cargo build --release -p tiercache-proxy
 #   CARGO_TARGET_DIR=target/bench-peers cargo build --release --locked \
 #     --manifest-path benches/peers/Cargo.toml
+# BENCH_TARGET_DIR=target/other reads the HTTP bench's binary from another
+# target directory (another build of it, e.g. another profile).
 # Ports 18191-18192.
 set -euo pipefail
 N1=${1:-1000}; N2=${2:-4000}; shift $(( $# >= 2 ? 2 : $# ))
 TARGETS=("$@")
 [ ${#TARGETS[@]} -eq 0 ] && TARGETS=(limit bare layer proxy axum-response-cache hitbox tower-http-cache http-cache-tower-server)
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-HTTP_BIN=$(ls -t "$ROOT"/target/release/deps/http-* | grep -v '\.d$' | head -1)
+HTTP_BIN=$(ls -t "$ROOT"/${BENCH_TARGET_DIR:-target}/release/deps/http-* | grep -v '\.d$' | head -1)
 PEER_BIN=$ROOT/target/bench-peers/release/bench-peer
 PROXY_BIN=$ROOT/target/release/tiercache-proxy
 ORIGIN_PORT=18191; PORT=18192
