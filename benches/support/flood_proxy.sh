@@ -10,7 +10,8 @@
 # list by a URL's last digit;
 # PROXY_BIN=path runs another build of the proxy; CONNECTIONS=4 sets wrk's
 # connections (default 16); VARY=1 has nginx answer `Vary: Accept-Encoding`
-# (each URL then has its own tag in the proxy's tag index).
+# (each URL then has its own tag in the proxy's tag index); SETTLE=5 reads
+# RSS again after 5 more seconds idle (the allocator's purge, spares).
 # Needs nginx and wrk (apt-get install nginx wrk) and
 # `cargo build --release -p tiercache-proxy` first. Ports 18181-18183.
 set -euo pipefail
@@ -71,14 +72,21 @@ wrk -t1 -c"${CONNECTIONS:-16}" -d"${SECS}s" -s "$DIR/unique.lua" http://127.0.0.
 sleep 1
 AFTER=$(rss)
 curl -s http://127.0.0.1:18183/metrics | grep -E "^tiercache_l1_(bytes|entries)|^tiercache_l2_write_drops" || true
-python3 - "$BEFORE" "$AFTER" "$BUDGET" <<'PY'
+report() {
+python3 - "$BEFORE" "$1" "$BUDGET" "$2" <<'PY'
 import re, sys
 budget = sys.argv[3]
 before, after = (list(map(int, v)) for v in map(str.split, sys.argv[1:3]))
 n, unit = re.fullmatch(r"(\d+)(KiB|MiB|GiB)?", budget).groups()
 budget_kib = int(n) * {"KiB": 1, "MiB": 1024, "GiB": 1024 * 1024, None: 1 / 1024}[unit]
 grown, anon, file = (a - b for a, b in zip(after, before))
-print(f"RSS grew {grown / 1024:.1f} MiB for a {budget} budget ({grown / budget_kib:.2f}x): "
+print(f"{sys.argv[4]}RSS grew {grown / 1024:.1f} MiB for a {budget} budget ({grown / budget_kib:.2f}x): "
       f"anonymous {anon / 1024:.1f} MiB ({anon / budget_kib:.2f}x), "
       f"file-backed {file / 1024:.1f} MiB")
 PY
+}
+report "$AFTER" ""
+if [ -n "${SETTLE:-}" ]; then
+  sleep "$SETTLE"
+  report "$(rss)" "after $((SETTLE + 1)) s idle: "
+fi
