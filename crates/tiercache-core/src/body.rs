@@ -30,7 +30,7 @@
 //! ```
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Mutex, PoisonError};
 
 use bytes::Bytes;
@@ -210,6 +210,13 @@ pub fn mappings() -> usize {
     MAPPINGS.load(Relaxed)
 }
 
+/// Bodies of [`mapped_from`] bytes or more that went to the heap since the
+/// process started: past [`MAX_MAPPINGS`], or refused a mapping by the
+/// system. Such bodies pin the allocator's pages as smaller ones do.
+pub fn heap_fallbacks() -> u64 {
+    HEAP_FALLBACKS.load(Relaxed)
+}
+
 /// Releases the spare mappings unless one was reused since the last call.
 /// Each engine's sweeper calls it on its tick (a process with several
 /// engines trims more often), so an idle process keeps none; without a
@@ -231,6 +238,7 @@ fn page_size() -> usize {
 }
 
 static MAPPINGS: AtomicUsize = AtomicUsize::new(0);
+static HEAP_FALLBACKS: AtomicU64 = AtomicU64::new(0);
 static SPARES: Mutex<Spares> = Mutex::new(Spares {
     maps: VecDeque::new(),
     bytes: 0,
@@ -267,12 +275,14 @@ impl Pages {
         }
         if MAPPINGS.fetch_add(1, Relaxed) >= MAX_MAPPINGS {
             MAPPINGS.fetch_sub(1, Relaxed);
+            HEAP_FALLBACKS.fetch_add(1, Relaxed);
             return None;
         }
         match MmapMut::map_anon(size) {
             Ok(map) => Some(Self(Some(map))),
             Err(_) => {
                 MAPPINGS.fetch_sub(1, Relaxed);
+                HEAP_FALLBACKS.fetch_add(1, Relaxed);
                 None
             }
         }

@@ -27,7 +27,11 @@
 //! `tiercache_evicted_total`, `tiercache_sweeps_total`,
 //! `tiercache_invalidations_received_total`, `tiercache_resyncs_total`,
 //! `tiercache_fleet_locks_acquired_total`, `tiercache_fleet_lock_waits_total`,
-//! `tiercache_l1_bytes`, `tiercache_l1_entries`, `tiercache_hit_ratio` (gauges).
+//! `tiercache_l1_bytes`, `tiercache_l1_entries`, `tiercache_hit_ratio` (gauges);
+//! for the process (see `tiercache_core::body`): `tiercache_body_mappings`
+//! (gauge: large bodies' page mappings, spares included) and
+//! `tiercache_body_heap_fallbacks_total` (large bodies stored on the heap:
+//! past the mappings' cap, or refused one by the system).
 //!
 //! Each series is registered on its first use, so a scrape shows what
 //! happened (a route's first bypass adds its `reason` series), not a wall of
@@ -47,7 +51,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use metrics::{Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder};
-use tiercache_core::{Source, Stats, TieredCache};
+use tiercache_core::{Source, Stats, TieredCache, body};
 
 use crate::cacheable::Reason;
 
@@ -332,6 +336,13 @@ impl EngineMetrics {
             .gauge("tiercache_l1_entries")
             .set(l1_entries as f64);
         self.sink.gauge("tiercache_hit_ratio").set(stats.hit_ratio);
+        let body = (body::mappings(), body::heap_fallbacks());
+        self.sink
+            .gauge("tiercache_body_mappings")
+            .set(body.0 as f64);
+        self.sink
+            .counter("tiercache_body_heap_fallbacks_total", Vec::new())
+            .absolute(body.1);
     }
 }
 
@@ -356,5 +367,28 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("tiercache_fills_cancelled_total 3"), "{text}");
+    }
+
+    /// Large bodies' page mappings are a process resource: their count and
+    /// the bodies that fell back to the heap are published with the rest.
+    #[test]
+    fn the_body_mappings_are_published() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let metrics = EngineMetrics::new(Sink::default());
+        let held = body::copy(&vec![1; 64 * 1024]);
+        metrics::with_local_recorder(&recorder, || metrics.publish(&Stats::default(), 0, 0));
+        let text = handle.render();
+        let mappings: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("tiercache_body_mappings "))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no tiercache_body_mappings in {text}"));
+        assert!(mappings >= 1.0, "{text}");
+        assert!(
+            text.contains("tiercache_body_heap_fallbacks_total "),
+            "{text}"
+        );
+        drop(held);
     }
 }
