@@ -6,8 +6,9 @@
 # usage: benches/support/flood_proxy.sh BUDGET SECONDS [redis://VALKEY]
 #   e.g. benches/support/flood_proxy.sh 256MiB 25
 # BODY_BYTES=65536 (or 60, ...) changes the body size (default 1024);
-# BODY_SIZES="16384 20000 ..." serves ten sizes instead, cycling through the
-# list by a URL's last digit;
+# BODY_SIZES="16384 20000 ..." serves the sizes listed instead, the one
+# at (a URL's last digit) modulo the list's length (a list of ten or five
+# weighs each size alike);
 # PROXY_BIN=path runs another build of the proxy; CONNECTIONS=4 sets wrk's
 # connections (default 16); VARY=1 has nginx answer `Vary: Accept-Encoding`
 # (each URL then has its own tag in the proxy's tag index); SETTLE=5 reads
@@ -24,8 +25,9 @@ chmod 755 "$DIR"; mkdir "$DIR/www"  # nginx workers read it as another user
 head -c "${BODY_BYTES:-1024}" /dev/zero | tr '\0' x > "$DIR/www/body"
 SIZED=""
 if [ -n "${BODY_SIZES:-}" ]; then
-  SIZED="location ~ ^/u/.*(\\d)\$ { root $DIR/www; default_type text/plain; try_files /body\$1 =404; }"
+  SIZED="location ~ ^/u/.*(\\d)\$ { root $DIR/www; default_type text/plain; try_files /body\$1 =404; ${VARY:+add_header Vary Accept-Encoding;} }"
   read -ra SIZES <<< "$BODY_SIZES"
+  [ ${#SIZES[@]} -gt 0 ] || { echo "BODY_SIZES lists no size" >&2; exit 2; }
   for d in 0 1 2 3 4 5 6 7 8 9; do
     head -c "${SIZES[$((d % ${#SIZES[@]}))]}" /dev/zero | tr '\0' x > "$DIR/www/body$d"
   done

@@ -19,8 +19,9 @@ BINS=("$@")
 OUT=$(mktemp)
 trap 'rm -f "$OUT"' EXIT
 for r in $(seq 1 "$ROUNDS"); do
-  i=0
+  i=0; k=0
   for bin in "${BINS[@]}"; do
+    k=$((k + 1))
     for mode in limit layer; do
       port=$((18300 + i)); i=$((i + 1))
       TIERCACHE_BENCH_SERVE=$mode PORT=$port taskset -c 1 "$bin" > /dev/null 2>&1 &
@@ -32,7 +33,9 @@ for r in $(seq 1 "$ROUNDS"); do
       reqs=$(taskset -c 0 wrk -t1 -c32 -d3s "http://127.0.0.1:$port/p/7" | awk '/requests in/ {print $1}')
       t1=$(awk '{print $14 + $15}' "/proc/$pid/stat")
       kill "$pid"; wait "$pid" 2>/dev/null || true
-      echo "$r $(basename "$bin") $mode $reqs $((t1 - t0))" | tee -a "$OUT"
+      # Tagged by position: two builds may share a file name.
+      [ -n "$reqs" ] || { echo "round $r: $(basename "$bin") $mode answered nothing" >&2; continue; }
+      echo "$r $k:$(basename "$bin") $mode $reqs $((t1 - t0))" | tee -a "$OUT"
     done
   done
 done
@@ -45,6 +48,8 @@ for line in open(sys.argv[1]):
     rounds[(bin_, r)][mode] = (int(reqs) / 3, int(ticks) * 10000 / int(reqs))
 by_bin = defaultdict(lambda: ([], []))
 for (bin_, _), m in rounds.items():
+    if "limit" not in m or "layer" not in m:
+        continue
     by_bin[bin_][0].append(m["layer"][0] / m["limit"][0])
     by_bin[bin_][1].append(m["layer"][1] / m["limit"][1])
 for bin_, (rps, cpu) in by_bin.items():

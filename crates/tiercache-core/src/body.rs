@@ -158,7 +158,10 @@ impl BodyBuilder {
                     pages.as_mut_slice()[..len].copy_from_slice(&heap);
                     pages.freeze(len)
                 }
-                None => Bytes::from(heap.into_boxed_slice()),
+                None => {
+                    HEAP_FALLBACKS.fetch_add(1, Relaxed);
+                    Bytes::from(heap.into_boxed_slice())
+                }
             },
             Buf::Heap(heap) if heap.capacity() == len => Bytes::from(heap),
             Buf::Heap(heap) => Bytes::from(heap.into_boxed_slice()),
@@ -187,7 +190,7 @@ pub fn copy(data: &[u8]) -> Bytes {
 /// Bytes a stored body of `len` bytes takes, what the L1 weigher counts:
 /// its length below [`mapped_from`]; from there up its mapping's size,
 /// whole pages rounded up to a class, eight to a doubling as allocators
-/// do (at most an eighth more than the body), so a freed mapping fits the
+/// do (at most an eighth or one page more than the body), so a freed mapping fits the
 /// next body of about the same size.
 pub fn stored_size(len: usize) -> usize {
     if len >= mapped_from() {
@@ -210,9 +213,10 @@ pub fn mappings() -> usize {
     MAPPINGS.load(Relaxed)
 }
 
-/// Bodies of [`mapped_from`] bytes or more that went to the heap since the
-/// process started: past [`MAX_MAPPINGS`], or refused a mapping by the
-/// system. Such bodies pin the allocator's pages as smaller ones do.
+/// Bodies of [`mapped_from`] bytes or more stored on the heap since the
+/// process started (each counted once, when it is stored): past
+/// [`MAX_MAPPINGS`], or refused a mapping by the system. Such bodies pin
+/// the allocator's pages as smaller ones do.
 pub fn heap_fallbacks() -> u64 {
     HEAP_FALLBACKS.load(Relaxed)
 }
@@ -275,14 +279,12 @@ impl Pages {
         }
         if MAPPINGS.fetch_add(1, Relaxed) >= MAX_MAPPINGS {
             MAPPINGS.fetch_sub(1, Relaxed);
-            HEAP_FALLBACKS.fetch_add(1, Relaxed);
             return None;
         }
         match MmapMut::map_anon(size) {
             Ok(map) => Some(Self(Some(map))),
             Err(_) => {
                 MAPPINGS.fetch_sub(1, Relaxed);
-                HEAP_FALLBACKS.fetch_add(1, Relaxed);
                 None
             }
         }

@@ -5,10 +5,9 @@
 
 use bytes::Bytes;
 use tiercache_core::body::{
-    BodyBuilder, MAX_MAPPINGS, SPARE_BYTES, copy, mapped_from, mappings, trim_spares,
+    BodyBuilder, MAX_MAPPINGS, SPARE_BYTES, copy, heap_fallbacks, mapped_from, mappings,
+    trim_spares,
 };
-
-const LARGE: usize = 64 * 1024;
 
 /// A field of `/proc/self/status`, in bytes.
 fn status(field: &str) -> usize {
@@ -23,16 +22,18 @@ fn status(field: &str) -> usize {
 
 #[test]
 fn large_bodies_take_mappings_that_are_reused_then_released() {
+    // 64 KiB on 4 KiB pages; four times the threshold wherever pages are larger.
+    let large = 4 * mapped_from();
     assert_eq!(mappings(), 0);
     let small = copy(&vec![1; mapped_from() - 1]);
     assert_eq!(mappings(), 0, "a small body is on the heap");
 
-    let a = copy(&[1; LARGE]);
-    let b = copy(&[2; LARGE]);
+    let a = copy(&vec![1; large]);
+    let b = copy(&vec![2; large]);
     assert_eq!(mappings(), 2);
     drop(a);
     assert_eq!(mappings(), 2, "a dropped body's mapping is kept as a spare");
-    let c = copy(&[3; LARGE]);
+    let c = copy(&vec![3; large]);
     assert_eq!(mappings(), 2, "the next body of its size reuses it");
     assert!(c.iter().all(|&x| x == 3));
     drop((b, c));
@@ -42,16 +43,18 @@ fn large_bodies_take_mappings_that_are_reused_then_released() {
     assert_eq!(mappings(), 0, "idle spares are released on the next tick");
 
     // Spares are bounded.
-    let many: Vec<Bytes> = (0..64).map(|_| copy(&[0; LARGE])).collect();
+    let many: Vec<Bytes> = (0..64).map(|_| copy(&vec![0; large])).collect();
     assert_eq!(mappings(), 64);
     drop(many);
-    assert_eq!(mappings(), SPARE_BYTES / LARGE);
+    assert_eq!(mappings(), SPARE_BYTES / large);
     trim_spares();
     assert_eq!(mappings(), 0);
 
     // Their pages go back to the system: 64 MiB of bodies, dropped.
     let before = status("RssAnon:");
-    let held: Vec<Bytes> = (0..1024).map(|i| copy(&[i as u8; LARGE])).collect();
+    let held: Vec<Bytes> = (0..(64 << 20) / large)
+        .map(|i| copy(&vec![i as u8; large]))
+        .collect();
     let grown = status("RssAnon:").saturating_sub(before);
     assert!(
         grown >= 60 << 20,
@@ -90,9 +93,11 @@ fn large_bodies_take_mappings_that_are_reused_then_released() {
         .map(|_| BodyBuilder::with_capacity(mapped_from()))
         .collect();
     assert_eq!(mappings(), MAX_MAPPINGS);
-    let stored = copy(&[5; 20_000]);
+    let fallbacks = heap_fallbacks();
+    let stored = copy(&vec![5; mapped_from() + 100]);
     assert_eq!(mappings(), MAX_MAPPINGS, "past the cap: on the heap");
-    assert!(stored.len() == 20_000 && stored.iter().all(|&b| b == 5));
+    assert_eq!(heap_fallbacks(), fallbacks + 1, "counted once");
+    assert!(stored.len() == mapped_from() + 100 && stored.iter().all(|&b| b == 5));
     drop(held);
     trim_spares();
     assert_eq!(mappings(), 0);
