@@ -113,18 +113,15 @@ impl BodyBuilder {
             if end <= self.expected {
                 want = want.min(self.expected);
             }
-            let buf = match Pages::new(want) {
-                Some(mut larger) => {
-                    larger.as_mut_slice()[..self.len].copy_from_slice(&pages.as_ref()[..self.len]);
-                    Buf::Pages(larger)
-                }
-                None => {
+            let read = &pages.as_ref()[..self.len];
+            self.buf = Pages::copied(read, want).map_or_else(
+                || {
                     let mut heap = Vec::with_capacity(want);
-                    heap.extend_from_slice(&pages.as_ref()[..self.len]);
+                    heap.extend_from_slice(read);
                     Buf::Heap(heap)
-                }
-            };
-            self.buf = buf;
+                },
+                Buf::Pages,
+            );
         }
         match &mut self.buf {
             Buf::Pages(pages) => pages.as_mut_slice()[self.len..end].copy_from_slice(data),
@@ -153,17 +150,8 @@ impl BodyBuilder {
                 pages.freeze(len)
             }
             Buf::Pages(pages) => copy(&pages.as_ref()[..len]),
-            Buf::Heap(heap) if len >= mapped_from() => match Pages::new(len) {
-                Some(mut pages) => {
-                    pages.as_mut_slice()[..len].copy_from_slice(&heap);
-                    pages.freeze(len)
-                }
-                None => {
-                    HEAP_FALLBACKS.fetch_add(1, Relaxed);
-                    Bytes::from(heap.into_boxed_slice())
-                }
-            },
-            Buf::Heap(heap) if heap.capacity() == len => Bytes::from(heap),
+            Buf::Heap(heap) if len >= mapped_from() => copy(&heap),
+            // Shrinks to its length (no copy when it is already exact).
             Buf::Heap(heap) => Bytes::from(heap.into_boxed_slice()),
         }
     }
@@ -182,9 +170,16 @@ impl BodyBuilder {
 /// that are a slice of something larger (a connection's read buffer, a
 /// reply from the shared tier), which a stored slice would keep alive.
 pub fn copy(data: &[u8]) -> Bytes {
-    let mut body = BodyBuilder::with_capacity(data.len());
-    body.push(data);
-    body.finish()
+    if data.len() < mapped_from() {
+        return Bytes::copy_from_slice(data);
+    }
+    match Pages::copied(data, data.len()) {
+        Some(pages) => pages.freeze(data.len()),
+        None => {
+            HEAP_FALLBACKS.fetch_add(1, Relaxed);
+            Bytes::copy_from_slice(data)
+        }
+    }
 }
 
 /// Bytes a stored body of `len` bytes takes, what the L1 weigher counts:
@@ -288,6 +283,13 @@ impl Pages {
                 None
             }
         }
+    }
+
+    /// A mapping with room for `room` bytes, holding a copy of `data` first.
+    fn copied(data: &[u8], room: usize) -> Option<Self> {
+        let mut pages = Self::new(room)?;
+        pages.as_mut_slice()[..data.len()].copy_from_slice(data);
+        Some(pages)
     }
 
     fn capacity(&self) -> usize {
