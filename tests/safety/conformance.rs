@@ -95,3 +95,84 @@ async fn a_location_with_dot_segments_invalidates_its_target() {
         assert_ne!(h.get(target).await.x_cache(), "HIT", "{}", h.name);
     }
 }
+
+#[tokio::test]
+async fn only_if_cached_answers_from_storage_or_504_without_the_origin() {
+    for h in Harness::both().await {
+        let target = "/kept?cc=max-age%3D60&vary=accept-language";
+        let ask = |language: &'static str| {
+            [
+                ("cache-control", "only-if-cached"),
+                ("accept-language", language),
+            ]
+        };
+        // Nothing stored: 504, and the origin is never asked.
+        let r = h.get_with(target, &ask("fr")).await;
+        assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT, "{}", h.name);
+        assert!(
+            r.h("cache-status").contains("detail=only-if-cached"),
+            "{}: {}",
+            h.name,
+            r.h("cache-status")
+        );
+        let head = h
+            .send(
+                h.request("HEAD", target)
+                    .header("cache-control", "only-if-cached")
+                    .body(axum::body::Body::empty())
+                    .unwrap(),
+            )
+            .await;
+        assert_eq!(
+            (head.status, head.body.len()),
+            (StatusCode::GATEWAY_TIMEOUT, 0),
+            "{}",
+            h.name
+        );
+        assert_eq!(h.calls(), 0, "{}", h.name);
+
+        // Stored: answered, for the variant stored only.
+        h.get_with(target, &[("accept-language", "fr")]).await;
+        let r = h.get_with(target, &ask("fr")).await;
+        assert_eq!(
+            (r.status, r.x_cache()),
+            (StatusCode::OK, "HIT"),
+            "{}",
+            h.name
+        );
+        let r = h.get_with(target, &ask("en")).await;
+        assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT, "{}", h.name);
+        // A request that skips the cache has nothing stored either.
+        let mut skipping = ask("fr").to_vec();
+        skipping.push(("if-match", "\"v1\""));
+        let r = h.get_with(target, &skipping).await;
+        assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT, "{}", h.name);
+        // With `no-cache` too, the stricter wins: no origin.
+        let r = h
+            .get_with(
+                target,
+                &[
+                    ("cache-control", "no-cache, only-if-cached"),
+                    ("accept-language", "fr"),
+                ],
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::OK, "{}", h.name);
+        assert_eq!(h.calls(), 1, "{}", h.name);
+
+        // Another instance (its own L1) answers from L2.
+        h.stored_in_valkey().await;
+        let calls = h.calls();
+        let sibling = h.sibling().await;
+        let r = sibling.get_with(target, &ask("fr")).await;
+        assert_eq!(
+            (r.status, r.h("x-cache-tier")),
+            (StatusCode::OK, "l2"),
+            "{}",
+            h.name
+        );
+        let r = sibling.get_with(target, &ask("en")).await;
+        assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT, "{}", h.name);
+        assert_eq!(h.calls(), calls, "{}", h.name);
+    }
+}

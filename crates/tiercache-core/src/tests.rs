@@ -296,6 +296,52 @@ async fn l2_hits_are_promoted_for_at_most_the_tiers_remaining_ttl() {
 }
 
 #[tokio::test]
+async fn a_miss_answered_from_storage_alone_reads_l2_and_never_waits() {
+    let clock = MockClock::new();
+    let l2 = MemoryTier::new(Arc::new(clock.clone()));
+    let build = || {
+        TieredCache::builder()
+            .clock(clock.clone())
+            .l2(l2.clone())
+            .sweep_interval(None)
+            .build()
+            .unwrap()
+    };
+    let (writer, reader) = (build(), build());
+    let policy = Policy::ttl(TTL).jitter(0.0).build().unwrap();
+    let (stored, cold) = (CacheKey::new("stored"), CacheKey::new("cold"));
+    writer.store_now(&stored, fill("v"), &policy);
+    let miss = |key: &CacheKey| match reader.begin(key, &policy, &()) {
+        Begin::Miss(miss) => miss,
+        Begin::Hit(_) => panic!("the reader's L1 is empty"),
+    };
+    let answer = miss(&stored).stored(()).await.expect("L2 holds it");
+    assert_eq!(
+        (answer.entry.value().body.as_ref(), answer.source),
+        (&b"v"[..], Source::L2)
+    );
+    assert!(matches!(reader.begin(&stored, &policy, &()), Begin::Hit(_)));
+    assert_eq!(reader.stats().hits_l2, 1);
+    // Nothing stored: no answer, even while another request leads a load
+    // of the key (it is not waited on).
+    let _leader = match reader.begin(&cold, &policy, &()) {
+        Begin::Miss(miss) => tokio::spawn(miss.run(origin_fn(|_| {
+            std::future::pending::<Result<Loaded<()>, String>>()
+        }))),
+        Begin::Hit(_) => unreachable!(),
+    };
+    tokio::task::yield_now().await;
+    assert!(miss(&cold).stored(()).await.is_none());
+    // Past its lifetime on the engine's clock, L2's copy answers nothing.
+    clock.advance(TTL * 2);
+    let late = build();
+    let Begin::Miss(miss) = late.begin(&stored, &policy, &()) else {
+        panic!("a new engine's L1 is empty");
+    };
+    assert!(miss.stored(()).await.is_none());
+}
+
+#[tokio::test]
 async fn a_foreign_key_under_the_same_hash_is_a_miss() {
     let clock = MockClock::new();
     let cache = engine(&clock);

@@ -95,6 +95,8 @@ pub(crate) struct Prepared {
     pub(crate) credentialed: bool,
     /// The client asked for a fresh copy and the layer honours that.
     pub(crate) reload: bool,
+    /// The client asked for a stored response or none (`only-if-cached`).
+    pub(crate) only_if_cached: bool,
     /// One byte range, cut from the stored full response.
     pub(crate) range: Option<crate::range::RangeAsk>,
 }
@@ -175,7 +177,12 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
     } else {
         Conditional::default()
     };
-    let reload = config.honor_client_no_cache && scan.cache_control && asks_reload(headers);
+    let only_if_cached = scan.cache_control && asks_only_if_cached(headers);
+    // Both at once contradict each other; the stricter wins: no origin.
+    let reload = config.honor_client_no_cache
+        && scan.cache_control
+        && !only_if_cached
+        && asks_reload(headers);
     // Range is defined for GET only: a HEAD's is ignored.
     let range = if scan.range {
         let taken = crate::range::RangeAsk::take(headers).map_err(|()| Reason::Precondition)?;
@@ -189,6 +196,7 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
         conditional,
         credentialed,
         reload,
+        only_if_cached,
         range,
     })
 }
@@ -231,6 +239,12 @@ impl Key {
             Key::Target(key) => key,
         }
     }
+}
+
+/// `Cache-Control: only-if-cached` (RFC 9111 §5.2.1.7): answer from
+/// storage, or 504 without asking the origin.
+pub(crate) fn asks_only_if_cached(headers: &HeaderMap) -> bool {
+    has_directive(headers, "only-if-cached")
 }
 
 /// `Cache-Control: no-cache` or `max-age=0`, or `Pragma: no-cache` without `Cache-Control`.

@@ -126,6 +126,27 @@ impl Route {
         self.entry_response(entry, now, ask, &outcome)
     }
 
+    /// The answer to an `only-if-cached` request that nothing stored
+    /// answers: 504, the origin never asked (RFC 9111 §5.2.1.7).
+    pub(crate) fn not_cached<B>(&self, head: bool) -> Response<CacheBody<B>> {
+        let mut res = Response::new(if head {
+            CacheBody::empty()
+        } else {
+            CacheBody::full(Bytes::from_static(
+                b"nothing stored answers this request, and it asked for a stored response only\n",
+            ))
+        });
+        *res.status_mut() = StatusCode::GATEWAY_TIMEOUT;
+        let outcome = Outcome::Miss {
+            stored: false,
+            reason: Some(Reason::OnlyIfCached),
+            collapsed: false,
+            l2_down: false,
+        };
+        self.label(res.headers_mut(), &outcome);
+        res
+    }
+
     /// The cache's own answer to a load that failed; no body for a HEAD
     /// (RFC 9110 §9.3.2; over HTTP/2 nobody else takes it off).
     fn error_response<B>(&self, status: StatusCode, head: bool) -> Response<CacheBody<B>> {

@@ -21,7 +21,7 @@ use crate::invalidate::{invalidation_keys, is_safe};
 use crate::layer::ResponseCacheLayer;
 use crate::origin::HttpOrigin;
 use crate::paths::Invalidate;
-use crate::request::prepare;
+use crate::request::{asks_only_if_cached, prepare};
 use crate::route::{Ask, RequestView, Route};
 use crate::write::write_through;
 
@@ -132,6 +132,13 @@ where
             Err(reason) => {
                 route.bypass(reason);
                 tracing::debug!(outcome = "BYPASS", reason = reason.as_str(), "tiercache");
+                // Nothing is stored for a request that skips the cache.
+                if parts.headers.contains_key(http::header::CACHE_CONTROL)
+                    && asks_only_if_cached(&parts.headers)
+                {
+                    let head = parts.method == http::Method::HEAD;
+                    return ResponseFuture::ready(route.not_cached(head));
+                }
                 let label = route
                     .config
                     .emit_headers
@@ -196,6 +203,27 @@ where
             }
             Begin::Miss(miss) => miss,
         };
+        if prepared.only_if_cached {
+            // From storage alone: L2 (L1 has just missed), or a 504.
+            let origin = HttpOrigin {
+                route: route.clone(),
+                inner: self.take_ready(),
+                req: Request::from_parts(parts, body),
+                primary: prepared.key,
+                credentialed: ask.credentialed,
+            };
+            drop(entered);
+            let future = async move {
+                Ok(match miss.stored(origin).await {
+                    Some(answer) => route.answer(&answer, &ask),
+                    None => {
+                        route.bypass(Reason::OnlyIfCached);
+                        route.not_cached(ask.head)
+                    }
+                })
+            };
+            return ResponseFuture::boxed(Box::pin(future.instrument(span)));
+        }
         if miss.hit_for_miss() {
             route.metrics.bypass(Reason::HitForMiss);
             // Alone and unstored: the origin answers the range itself.

@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 use tokio::time::Instant;
 
 use super::TieredCache;
-use super::fill::{Followed, Lead};
+use super::fill::{Followed, Lead, Locked};
 use super::read::Lookup;
 
 use crate::flight::{FlightError, FlightResult, Join, Leader, Waited};
@@ -328,6 +328,52 @@ impl Miss {
     /// goes to the origin alone, without waiting on anyone.
     pub fn hit_for_miss(&self) -> bool {
         self.0.hit_for_miss
+    }
+
+    /// Ends the fetch from storage alone, never the origin (HTTP's
+    /// `only-if-cached`, RFC 9111 §5.2.1.7): the fresh L2 entry that
+    /// `select` accepts (promoted to L1, counted as an L2 hit), or `None`.
+    /// `select` is taken whole, as [`run`](Self::run) takes its origin.
+    /// No flight is joined: a load another request leads is not waited on.
+    /// An entry that must be revalidated before use answers nothing here.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tiercache_core::{Begin, CacheKey, Policy, TieredCache};
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let cache = TieredCache::builder().build()?;
+    /// let policy = Policy::ttl(Duration::from_secs(30)).build()?;
+    /// let Begin::Miss(miss) = cache.begin(&CacheKey::new("cold"), &policy, &()) else {
+    ///     unreachable!("nothing is stored yet");
+    /// };
+    /// assert!(miss.stored(()).await.is_none());
+    /// # Ok(()) }
+    /// ```
+    pub async fn stored<S: Select + Send>(self, select: S) -> Option<Answer> {
+        let MissState {
+            engine,
+            keys,
+            revalidate,
+            hit_for_miss,
+            ..
+        } = *self.0;
+        if hit_for_miss || revalidate {
+            return None;
+        }
+        let select = Locked(std::sync::Mutex::new(select));
+        let epoch = engine.inner.journal.epoch();
+        let entry = engine
+            .read_l2(&keys.requested, &keys.flight, epoch, &select, false)
+            .await
+            .filter(|entry| !select.must_revalidate(entry))?;
+        let answer = Answer {
+            entry,
+            source: Source::L2,
+            served: Served::Hit,
+            collapsed: false,
+        };
+        engine.count(&answer);
+        Some(answer)
     }
 
     /// Runs the rest of the fetch with `origin`: see [`TieredCache::fetch`].

@@ -27,7 +27,7 @@ pub(super) enum Filled<T> {
 
 /// An origin behind a lock: `Sync` for any `Send` origin, so a future may
 /// hold a reference to it across an await.
-struct Locked<O>(std::sync::Mutex<O>);
+pub(super) struct Locked<O>(pub(super) std::sync::Mutex<O>);
 
 impl<O> Locked<O> {
     fn into_inner(self) -> O {
