@@ -433,6 +433,14 @@ async fn a_client_cannot_push_load_onto_the_origin_unless_allowed() {
         send(&[]).await.contains("call=2"),
         "the reload refreshed the entry"
     );
+    // A reload that may not reach the origin: nothing stored answers it.
+    let neither = send(&[("cache-control", "no-cache, only-if-cached")]).await;
+    assert!(neither.starts_with("nothing stored answers"), "{neither}");
+    assert!(
+        send(&[("cache-control", "only-if-cached")])
+            .await
+            .contains("call=2")
+    );
     assert_eq!(origin.calls.get(), 2);
 }
 

@@ -58,15 +58,11 @@ pub enum Reason {
     BodyFailed,
     /// The origin declared it already stale (`max-age=0`, an `Age` past its lifetime).
     NotFresh,
-    /// The request said `Cache-Control: only-if-cached` and nothing stored
-    /// answers it: the cache answers 504 without asking the origin (RFC 9111
-    /// §5.2.1.7).
-    OnlyIfCached,
 }
 
 impl Reason {
     /// Every reason, in declaration order.
-    pub const ALL: [Reason; 20] = [
+    pub const ALL: [Reason; 19] = [
         Reason::Method,
         Reason::Authorization,
         Reason::Cookie,
@@ -86,7 +82,6 @@ impl Reason {
         Reason::Body,
         Reason::BodyFailed,
         Reason::NotFresh,
-        Reason::OnlyIfCached,
     ];
 
     /// The token used in `cache-status` `detail=` and in the stats.
@@ -111,7 +106,6 @@ impl Reason {
             Reason::Body => "body",
             Reason::BodyFailed => "body-failed",
             Reason::NotFresh => "not-fresh",
-            Reason::OnlyIfCached => "only-if-cached",
         }
     }
 

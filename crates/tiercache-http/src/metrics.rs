@@ -5,7 +5,7 @@
 //!
 //! | metric | kind | labels |
 //! | --- | --- | --- |
-//! | `tiercache_requests_total` | counter | `route`, `outcome` (`hit`, `miss`, `stale`, `bypass`), `tier` (`l1`, `l2`, `origin`) |
+//! | `tiercache_requests_total` | counter | `route`, `outcome` (`hit`, `miss`, `stale`, `bypass`), `tier` (`l1`, `l2`, `origin`; `none` for an `only-if-cached` miss, answered 504) |
 //! | `tiercache_bypass_total` | counter | `route`, `reason` (`authorization`, `cookie`, `method`, …) |
 //! | `tiercache_not_stored_total` | counter | `route`, `reason` (`set-cookie`, `private`, `too-large`, …) |
 //! | `tiercache_origin_duration_seconds` | histogram | `route`: every origin call's time (XFetch's δ) |
@@ -115,6 +115,7 @@ pub(crate) struct RouteMetrics {
     miss: Lazy<Counter>,
     stale: Lazy<Counter>,
     bypassed: Lazy<Counter>,
+    not_cached: Lazy<Counter>,
     bypass: Vec<Lazy<Counter>>,
     not_stored: Vec<Lazy<Counter>>,
     origin: Lazy<Histogram>,
@@ -134,6 +135,7 @@ impl RouteMetrics {
             miss: Lazy::new(),
             stale: Lazy::new(),
             bypassed: Lazy::new(),
+            not_cached: Lazy::new(),
             bypass: per_reason(),
             not_stored: per_reason(),
             origin: Lazy::new(),
@@ -204,6 +206,12 @@ impl RouteMetrics {
     pub(crate) fn bypass(&self, reason: Reason) {
         self.requests(&self.bypassed, "bypass", "origin");
         self.by_reason(&self.bypass, "tiercache_bypass_total", reason);
+    }
+
+    /// An `only-if-cached` request nothing stored answers: a miss that
+    /// reached no tier and not the origin.
+    pub(crate) fn not_cached(&self) {
+        self.requests(&self.not_cached, "miss", "none");
     }
 
     pub(crate) fn not_stored(&self, reason: Reason) {

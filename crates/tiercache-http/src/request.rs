@@ -178,11 +178,7 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
         Conditional::default()
     };
     let only_if_cached = scan.cache_control && asks_only_if_cached(headers);
-    // Both at once contradict each other; the stricter wins: no origin.
-    let reload = config.honor_client_no_cache
-        && scan.cache_control
-        && !only_if_cached
-        && asks_reload(headers);
+    let reload = config.honor_client_no_cache && scan.cache_control && asks_reload(headers);
     // Range is defined for GET only: a HEAD's is ignored.
     let range = if scan.range {
         let taken = crate::range::RangeAsk::take(headers).map_err(|()| Reason::Precondition)?;

@@ -137,13 +137,8 @@ impl Route {
             ))
         });
         *res.status_mut() = StatusCode::GATEWAY_TIMEOUT;
-        let outcome = Outcome::Miss {
-            stored: false,
-            reason: Some(Reason::OnlyIfCached),
-            collapsed: false,
-            l2_down: false,
-        };
-        self.label(res.headers_mut(), &outcome);
+        self.metrics.not_cached();
+        self.label(res.headers_mut(), &Outcome::NotCached);
         res
     }
 

@@ -166,6 +166,28 @@ impl Route {
     }
 }
 
+/// A request's route and fields, owned: what selects an entry from L2 for
+/// a request that may not reach the origin (`only-if-cached`).
+#[derive(Debug)]
+pub(crate) struct OwnedView {
+    pub(crate) route: Arc<Route>,
+    pub(crate) headers: HeaderMap,
+}
+
+impl Select for OwnedView {
+    fn accepts(&self, entry: &Entry) -> bool {
+        self.route.fits(entry, &self.headers)
+    }
+
+    fn variant_key(&self, requested: &CacheKey, latest: &Entry) -> Option<CacheKey> {
+        self.route.variant_key(requested, latest, &self.headers)
+    }
+
+    fn must_revalidate(&self, entry: &Entry) -> bool {
+        self.route.must_revalidate(entry)
+    }
+}
+
 /// A request as the engine's first step sees it: which entries answer it.
 #[derive(Debug)]
 pub(crate) struct RequestView<'a> {

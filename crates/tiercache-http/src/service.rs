@@ -22,7 +22,7 @@ use crate::layer::ResponseCacheLayer;
 use crate::origin::HttpOrigin;
 use crate::paths::Invalidate;
 use crate::request::{asks_only_if_cached, prepare};
-use crate::route::{Ask, RequestView, Route};
+use crate::route::{Ask, OwnedView, RequestView, Route};
 use crate::write::write_through;
 
 /// Caches the responses of `S`; built by [`ResponseCacheLayer`].
@@ -129,16 +129,17 @@ where
         };
         let prepared = match prepared {
             Ok(prepared) => prepared,
+            // Nothing is stored for a request that skips the cache.
+            Err(_)
+                if parts.headers.contains_key(http::header::CACHE_CONTROL)
+                    && asks_only_if_cached(&parts.headers) =>
+            {
+                let head = parts.method == http::Method::HEAD;
+                return ResponseFuture::ready(route.not_cached(head));
+            }
             Err(reason) => {
                 route.bypass(reason);
                 tracing::debug!(outcome = "BYPASS", reason = reason.as_str(), "tiercache");
-                // Nothing is stored for a request that skips the cache.
-                if parts.headers.contains_key(http::header::CACHE_CONTROL)
-                    && asks_only_if_cached(&parts.headers)
-                {
-                    let head = parts.method == http::Method::HEAD;
-                    return ResponseFuture::ready(route.not_cached(head));
-                }
                 let label = route
                     .config
                     .emit_headers
@@ -147,6 +148,11 @@ where
                 return ResponseFuture::inner(self.inner.call(req), label);
             }
         };
+        // A reload the route honours, and no origin: nothing stored may
+        // answer without validation, and validating asks the origin.
+        if prepared.only_if_cached && prepared.reload {
+            return ResponseFuture::ready(route.not_cached(prepared.head));
+        }
         let ask = Ask {
             head: prepared.head,
             conditional: prepared.conditional,
@@ -205,21 +211,15 @@ where
         };
         if prepared.only_if_cached {
             // From storage alone: L2 (L1 has just missed), or a 504.
-            let origin = HttpOrigin {
+            let select = OwnedView {
                 route: route.clone(),
-                inner: self.take_ready(),
-                req: Request::from_parts(parts, body),
-                primary: prepared.key,
-                credentialed: ask.credentialed,
+                headers: std::mem::take(&mut parts.headers),
             };
             drop(entered);
             let future = async move {
-                Ok(match miss.stored(origin).await {
+                Ok(match miss.stored(select).await {
                     Some(answer) => route.answer(&answer, &ask),
-                    None => {
-                        route.bypass(Reason::OnlyIfCached);
-                        route.not_cached(ask.head)
-                    }
+                    None => route.not_cached(ask.head),
                 })
             };
             return ResponseFuture::boxed(Box::pin(future.instrument(span)));

@@ -69,6 +69,9 @@ pub enum Outcome {
     },
     /// The cache was skipped.
     Bypass(Reason),
+    /// The request asked for a stored response only (`only-if-cached`) and
+    /// nothing stored answers it: a 504, the origin not asked.
+    NotCached,
 }
 
 impl Outcome {
@@ -78,7 +81,7 @@ impl Outcome {
         let span = tracing::Span::current();
         if !span.is_disabled() {
             span.record("outcome", self.x_cache());
-            span.record("tier", self.tier().as_str());
+            span.record("tier", self.tier().map_or("none", |tier| tier.as_str()));
         }
     }
 
@@ -88,14 +91,17 @@ impl Outcome {
             Outcome::Miss { .. } => "MISS",
             Outcome::Stale { .. } => "STALE",
             Outcome::Bypass(_) => "BYPASS",
+            Outcome::NotCached => "MISS",
         }
     }
 
-    fn tier(&self) -> Source {
+    /// The tier that answered; none for a request nothing answered.
+    fn tier(&self) -> Option<Source> {
         match self {
-            Outcome::Hit { tier, .. } => *tier,
-            Outcome::Stale { .. } => Source::L1,
-            _ => Source::Origin,
+            Outcome::Hit { tier, .. } => Some(*tier),
+            Outcome::Stale { .. } => Some(Source::L1),
+            Outcome::NotCached => None,
+            _ => Some(Source::Origin),
         }
     }
 
@@ -144,6 +150,8 @@ impl Outcome {
             Outcome::Bypass(reason) => {
                 let _ = write!(s, "; fwd=bypass; detail={}", reason.as_str());
             }
+            // Neither a hit nor forwarded (RFC 9211 has no parameter for it).
+            Outcome::NotCached => s.push_str("; detail=only-if-cached"),
         }
         s
     }
@@ -172,7 +180,9 @@ fn own_values(outcome: &Outcome, hit_ratio: f64) -> [Option<HeaderValue>; 4] {
     };
     [
         Some(HeaderValue::from_static(outcome.x_cache())),
-        Some(HeaderValue::from_static(outcome.tier().as_str())),
+        outcome
+            .tier()
+            .map(|tier| HeaderValue::from_static(tier.as_str())),
         Some(values::hit_ratio(hit_ratio)),
         tabled.or_else(|| HeaderValue::try_from(outcome.cache_status()).ok()),
     ]
