@@ -30,6 +30,20 @@ pub(crate) fn engine(clock: &MockClock) -> TieredCache {
         .unwrap()
 }
 
+/// Builds engines on `clock` that share one in-memory L2.
+pub(crate) fn on_shared_l2(clock: &MockClock) -> impl Fn() -> TieredCache + use<> {
+    let l2 = MemoryTier::new(Arc::new(clock.clone()));
+    let clock = clock.clone();
+    move || {
+        TieredCache::builder()
+            .clock(clock.clone())
+            .l2(l2.clone())
+            .sweep_interval(None)
+            .build()
+            .unwrap()
+    }
+}
+
 fn fill(body: &str) -> Fill {
     Fill::new(Value::from_body(body.to_owned()))
 }
@@ -298,15 +312,7 @@ async fn l2_hits_are_promoted_for_at_most_the_tiers_remaining_ttl() {
 #[tokio::test]
 async fn a_miss_answered_from_storage_alone_reads_l2_and_never_waits() {
     let clock = MockClock::new();
-    let l2 = MemoryTier::new(Arc::new(clock.clone()));
-    let build = || {
-        TieredCache::builder()
-            .clock(clock.clone())
-            .l2(l2.clone())
-            .sweep_interval(None)
-            .build()
-            .unwrap()
-    };
+    let build = on_shared_l2(&clock);
     let (writer, reader) = (build(), build());
     let policy = Policy::ttl(TTL).jitter(0.0).build().unwrap();
     let (stored, cold) = (CacheKey::new("stored"), CacheKey::new("cold"));

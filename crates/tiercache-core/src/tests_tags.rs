@@ -138,16 +138,7 @@ async fn an_entry_stored_under_tags_weighs_its_records_in_the_tag_index() {
 
 /// Two engines sharing an in-memory L2 (one writes, the other reads).
 fn sharing_l2() -> (TieredCache, TieredCache) {
-    let clock = MockClock::new();
-    let l2 = MemoryTier::new(std::sync::Arc::new(clock.clone()));
-    let build = || {
-        TieredCache::builder()
-            .clock(clock.clone())
-            .l2(l2.clone())
-            .sweep_interval(None)
-            .build()
-            .unwrap()
-    };
+    let build = crate::tests::on_shared_l2(&MockClock::new());
     (build(), build())
 }
 
