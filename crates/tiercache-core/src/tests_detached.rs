@@ -160,3 +160,91 @@ async fn a_fill_others_wait_on_runs_on_past_the_cap_and_answers_them() {
     assert_eq!(calls.load(SeqCst), 1);
     assert_eq!(cache.stats().fills_cancelled, 0);
 }
+
+/// A shared tier with a fleet lock on the key `locked` alone, whose reads
+/// of it never answer once this instance holds it; it records each
+/// release. Other keys have no lock and nothing stored.
+#[derive(Debug, Default)]
+struct LockingTier {
+    locked: std::sync::atomic::AtomicBool,
+    reading_under_lock: Notify,
+    released: std::sync::Mutex<Vec<Unlocked>>,
+}
+
+impl Tier for LockingTier {
+    fn get<'a>(&'a self, key: &'a CacheKey) -> BoxFuture<'a, Result<Option<TierHit>, TierError>> {
+        Box::pin(async move {
+            if *key == CacheKey::new("locked") && self.locked.load(SeqCst) {
+                self.reading_under_lock.notify_one();
+                std::future::pending::<()>().await;
+            }
+            Ok(None)
+        })
+    }
+
+    fn put(&self, _: &CacheKey, _: &Entry, _: Duration, _: &[bytes::Bytes]) {}
+
+    fn invalidate<'a>(&'a self, _: Invalidation) -> BoxFuture<'a, Result<(), TierError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn try_lock<'a>(
+        &'a self,
+        key: &'a CacheKey,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<LockAttempt, TierError>> {
+        if *key != CacheKey::new("locked") {
+            return Box::pin(async { Ok(LockAttempt::Unsupported) });
+        }
+        self.locked.store(true, SeqCst);
+        let token = LockToken(bytes::Bytes::from_static(b"this instance"));
+        Box::pin(async { Ok(LockAttempt::Acquired(token)) })
+    }
+
+    fn unlock(&self, _: &CacheKey, _: &LockToken, how: Unlocked) {
+        self.released.lock().unwrap().push(how);
+    }
+}
+
+#[tokio::test]
+async fn a_fill_cancelled_while_reading_l2_under_the_fleet_lock_lets_the_lock_go() {
+    let tier = Arc::new(LockingTier::default());
+    let cache = TieredCache::builder()
+        .sweep_interval(None)
+        .max_detached_fills(1)
+        .l2_shared(tier.clone())
+        .build()
+        .unwrap();
+    // The one fill allowed to run on after its caller left is taken: the
+    // next such fill is cancelled as soon as its caller goes.
+    let hung = abandon_hung_loads(&cache, 1).await;
+    assert_eq!(settle(&hung, 1).await, 1);
+    let loads = Arc::new(AtomicUsize::new(0));
+    let request = {
+        let (cache, loads) = (cache.clone(), loads.clone());
+        tokio::spawn(async move {
+            let _ = cache
+                .get_or_load(&CacheKey::new("locked"), &policy(), move || async move {
+                    loads.fetch_add(1, SeqCst);
+                    Ok::<_, ()>(Value::from_body("v"))
+                })
+                .await;
+        })
+    };
+    // The lock is taken, and L2 is read once more under it: the client leaves.
+    tier.reading_under_lock.notified().await;
+    request.abort();
+    assert!(request.await.unwrap_err().is_cancelled());
+    // Released at once (the other instances load), not left to its expiry.
+    for _ in 0..10_000 {
+        if !tier.released.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        matches!(tier.released.lock().unwrap()[..], [Unlocked::Passed]),
+        "the lock was left to its expiry"
+    );
+    assert_eq!(loads.load(SeqCst), 0, "the origin was never reached");
+}
