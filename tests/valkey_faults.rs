@@ -542,3 +542,34 @@ async fn lapsed_prefix_bans_are_pruned() {
     assert_eq!(server.cmd(&["HEXISTS", "tc:bans", "00"]), "0");
     assert_eq!(server.cmd(&["HLEN", "tc:bans"]), "1");
 }
+
+/// A lock attempt sent and dropped before its answer (the fill that made
+/// it was cancelled: its client left) is released by its token once Valkey
+/// answers, as one that timed out is: no instance waits out its `PX`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_attempt_dropped_before_its_answer_is_released_when_valkey_answers() {
+    use tiercache::core::{CacheKey, Tier};
+    let server = ValkeyServer::start();
+    // A command timeout far past the drop: the drop is what ends the attempt.
+    let config = ValkeyConfig::from_url(&server.url())
+        .unwrap()
+        .command_timeout(Duration::from_secs(5));
+    let tier = ValkeyTier::connect(config).await.unwrap();
+    let key = CacheKey::new("dropped");
+    server.freeze();
+    let attempt = tokio::time::timeout(
+        Duration::from_millis(200),
+        tier.try_lock(&key, Duration::from_secs(30)),
+    )
+    .await;
+    assert!(attempt.is_err(), "no answer while Valkey is frozen");
+    server.thaw();
+    // The script runs as Valkey thaws, and takes the lock for 30 s.
+    tokio::time::timeout(Duration::from_secs(3), async {
+        while !server.keys("tc:*:lock").is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the lock was left to its PX: {:?}", server.keys("tc:*")));
+}

@@ -40,7 +40,18 @@ impl ValkeyTier {
         }
         let token = Bytes::from(bus::hex(&rand::rng().random::<[u8; 16]>()));
         let px = ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
-        let mut attempt = match self.lock_once(key, &token, px).await {
+        // Dropped before its answer (the caller was cancelled), the attempt
+        // may still have taken the lock: released by its token, as below.
+        let mut unanswered = Unanswered {
+            tier: self,
+            key,
+            token: &token,
+            ttl,
+            armed: true,
+        };
+        let first = self.lock_once(key, &token, px).await;
+        unanswered.armed = false;
+        let mut attempt = match first {
             Ok(attempt) => attempt,
             Err(e) => {
                 // The script may still run once Valkey reads it: treat
@@ -60,7 +71,10 @@ impl ValkeyTier {
             && self.is_releasing(holder)
         {
             self.flush().await;
-            attempt = match self.lock_once(key, &token, px).await {
+            unanswered.armed = true;
+            let again = self.lock_once(key, &token, px).await;
+            unanswered.armed = false;
+            attempt = match again {
                 Ok(attempt) => attempt,
                 Err(e) => {
                     self.release_possibly_held(key, &token, ttl);
@@ -68,6 +82,7 @@ impl ValkeyTier {
                 }
             };
         }
+        drop(unanswered);
         if let LockAttempt::Acquired(_) = &attempt {
             self.inner
                 .held
@@ -295,6 +310,29 @@ impl ValkeyTier {
                     holder,
                 },
             })
+        }
+    }
+}
+
+/// A lock attempt sent and not yet answered: dropped so (its caller was
+/// cancelled), the script may still run and take the lock, which would
+/// then stand until its `PX` with nobody to release it; so it is released
+/// by its token when Valkey answers, as an attempt that timed out is.
+struct Unanswered<'a> {
+    tier: &'a ValkeyTier,
+    key: &'a CacheKey,
+    token: &'a Bytes,
+    ttl: Duration,
+    armed: bool,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        // The release is a task: without a runtime (one shutting down)
+        // the lock is left to its expiry.
+        if self.armed && tokio::runtime::Handle::try_current().is_ok() {
+            self.tier
+                .release_possibly_held(self.key, self.token, self.ttl);
         }
     }
 }
