@@ -36,32 +36,7 @@ impl ValkeySentinel {
                 .cmd(&["INFO", "replication"])
                 .contains("master_link_status:up")
         });
-        let port = free_port();
-        let dir = target_dir()
-            .join("valkey-data")
-            .join(format!("sentinel-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("create the Sentinel's folder");
-        let conf = dir.join("sentinel.conf");
-        std::fs::write(
-            &conf,
-            format!(
-                "port {port}\nbind 127.0.0.1\ndir {}\n\
-                 sentinel monitor {SERVICE} 127.0.0.1 {} 1\n\
-                 sentinel down-after-milliseconds {SERVICE} 1000\n\
-                 sentinel failover-timeout {SERVICE} 5000\n",
-                dir.display(),
-                primary.port()
-            ),
-        )
-        .expect("write sentinel.conf");
-        let sentinel = Command::new(&binary)
-            .arg(&conf)
-            .arg("--sentinel")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start the Sentinel");
+        let (sentinel, port, dir) = start_sentinel(&binary, primary.port());
         let group = Self {
             primary,
             replica,
@@ -107,6 +82,63 @@ impl Drop for ValkeySentinel {
         let _ = self.sentinel.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Starts a Sentinel watching the primary on `primary_port`, on a free
+/// port; as the servers are, started again on a new one when the port was
+/// taken between its pick and the Sentinel's bind. Returns the process,
+/// its port and its folder.
+fn start_sentinel(binary: &PathBuf, primary_port: u16) -> (Child, u16, PathBuf) {
+    const ATTEMPTS: usize = 5;
+    for attempt in 1..=ATTEMPTS {
+        let port = free_port();
+        let dir = target_dir()
+            .join("valkey-data")
+            .join(format!("sentinel-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("create the Sentinel's folder");
+        let conf = dir.join("sentinel.conf");
+        let log = dir.join("sentinel.log");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {}\nlogfile {}\n\
+                 sentinel monitor {SERVICE} 127.0.0.1 {primary_port} 1\n\
+                 sentinel down-after-milliseconds {SERVICE} 1000\n\
+                 sentinel failover-timeout {SERVICE} 5000\n",
+                dir.display(),
+                log.display(),
+            ),
+        )
+        .expect("write sentinel.conf");
+        let mut sentinel = Command::new(binary)
+            .arg(&conf)
+            .arg("--sentinel")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the Sentinel");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if command(port, &["PING"]).is_ok_and(|r| r.contains("PONG")) {
+                return (sentinel, port, dir);
+            }
+            if let Ok(Some(status)) = sentinel.try_wait() {
+                let log = std::fs::read_to_string(&log).unwrap_or_default();
+                let _ = std::fs::remove_dir_all(&dir);
+                if attempt < ATTEMPTS && log.contains("Address already in use") {
+                    break;
+                }
+                panic!("the Sentinel exited at start ({status}):\n{log}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the Sentinel on port {port} did not answer PING within 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    unreachable!("the last attempt returns or panics")
 }
 
 fn wait_until(what: &str, ok: impl Fn() -> bool) {
