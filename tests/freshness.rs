@@ -839,3 +839,31 @@ async fn a_304_without_freshness_keeps_must_revalidate() {
         "served stale under must-revalidate: {h:?}"
     );
 }
+
+/// A stale entry answers an `only-if-cached` request within its
+/// stale-while-revalidate window, and the refresh it starts goes to the
+/// origin without that directive (a cache upstream would answer it 504).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_only_if_cached_answer_refreshes_without_the_directive() {
+    let t = stale_p(true).await;
+    let asked = [("cache-control", "max-stale=5, only-if-cached")];
+    let (status, h, body) = t.get_with("/p", &asked).await;
+    assert_eq!(
+        (status, x_cache(&h), body.as_str()),
+        (StatusCode::OK, "STALE", "body 1")
+    );
+    t.origin.calls.reached(2).await;
+    let engine = t.engine.clone();
+    eventually("the refresh to finish", || engine.in_flight() == 0).await;
+    let seen = t.origin.seen.lock().unwrap().clone();
+    assert_eq!(
+        seen[1].get("cache-control").map(|v| v.to_str().unwrap()),
+        Some("max-stale=5"),
+        "the refresh's request"
+    );
+    let (status, _, _) = t
+        .get_with("/cold", &[("cache-control", "only-if-cached")])
+        .await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(t.origin.calls.get(), 2);
+}

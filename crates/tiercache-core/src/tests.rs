@@ -337,7 +337,8 @@ async fn a_miss_answered_from_storage_alone_reads_l2_and_never_waits() {
         Begin::Hit(_) => unreachable!(),
     };
     tokio::task::yield_now().await;
-    assert!(miss(&cold).stored(()).await.is_none());
+    let read = tokio::time::timeout(Duration::from_secs(5), miss(&cold).stored(()));
+    assert!(read.await.expect("never waits on the load").is_none());
     // Past its lifetime on the engine's clock, L2's copy answers nothing.
     clock.advance(TTL * 2);
     let late = build();

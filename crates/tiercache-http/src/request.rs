@@ -15,7 +15,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, request};
 use tiercache_core::key::fingerprint;
 use tiercache_core::{CacheKey, KeyBuilder};
 
-use crate::cache_control::{directive_value, has_directive};
+use crate::cache_control::{directive_value, has_directive, list_items};
 use crate::cacheable::{Reason, Scan, cacheable_scanned};
 use crate::config::{Cookies, HttpConfig};
 use crate::freshness::parse_http_date;
@@ -241,6 +241,28 @@ impl Key {
 /// storage, or 504 without asking the origin.
 pub(crate) fn asks_only_if_cached(headers: &HeaderMap) -> bool {
     has_directive(headers, "only-if-cached")
+}
+
+/// Removes `only-if-cached` from the request's `Cache-Control` (its other
+/// directives stay), for the refresh an answer to it started: the refresh
+/// goes to the origin, which a cache upstream would answer with a 504.
+pub(crate) fn drop_only_if_cached(headers: &mut HeaderMap) {
+    let kept: Vec<String> = headers
+        .get_all(CACHE_CONTROL)
+        .iter()
+        .flat_map(|v| list_items(v.as_bytes()))
+        .filter(|item| {
+            let name = item.split(|&b| b == b'=').next().unwrap_or(&[]);
+            !name.trim_ascii().eq_ignore_ascii_case(b"only-if-cached")
+        })
+        .map(|item| String::from_utf8_lossy(item).into_owned())
+        .collect();
+    headers.remove(CACHE_CONTROL);
+    if let Ok(value) = HeaderValue::try_from(kept.join(", "))
+        && !value.is_empty()
+    {
+        headers.insert(CACHE_CONTROL, value);
+    }
 }
 
 /// `Cache-Control: no-cache` or `max-age=0`, or `Pragma: no-cache` without `Cache-Control`.

@@ -21,7 +21,7 @@ use crate::invalidate::{invalidation_keys, is_safe};
 use crate::layer::ResponseCacheLayer;
 use crate::origin::HttpOrigin;
 use crate::paths::Invalidate;
-use crate::request::{asks_only_if_cached, prepare};
+use crate::request::{asks_only_if_cached, drop_only_if_cached, prepare};
 use crate::route::{Ask, OwnedView, RequestView, Route};
 use crate::write::write_through;
 
@@ -131,7 +131,8 @@ where
             Ok(prepared) => prepared,
             // Nothing is stored for a request that skips the cache.
             Err(_)
-                if parts.headers.contains_key(http::header::CACHE_CONTROL)
+                if (parts.method == http::Method::GET || parts.method == http::Method::HEAD)
+                    && parts.headers.contains_key(http::header::CACHE_CONTROL)
                     && asks_only_if_cached(&parts.headers) =>
             {
                 let head = parts.method == http::Method::HEAD;
@@ -196,6 +197,9 @@ where
                 };
                 let response = route.entry_response(&hit.answer.entry, now, &ask, &outcome);
                 if let Some(refresh) = hit.refresh {
+                    if prepared.only_if_cached {
+                        drop_only_if_cached(&mut parts.headers);
+                    }
                     let origin = HttpOrigin {
                         route: route.clone(),
                         inner: self.take_ready(),

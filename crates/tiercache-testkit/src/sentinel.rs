@@ -2,7 +2,7 @@
 //! Sentinel (quorum 1) watching them, all from the same `valkey-server`
 //! binary (`valkey-server sentinel.conf --sentinel`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -88,7 +88,7 @@ impl Drop for ValkeySentinel {
 /// port; as the servers are, started again on a new one when the port was
 /// taken between its pick and the Sentinel's bind. Returns the process,
 /// its port and its folder.
-fn start_sentinel(binary: &PathBuf, primary_port: u16) -> (Child, u16, PathBuf) {
+fn start_sentinel(binary: &Path, primary_port: u16) -> (Child, u16, PathBuf) {
     const ATTEMPTS: usize = 5;
     for attempt in 1..=ATTEMPTS {
         let port = free_port();
@@ -120,7 +120,11 @@ fn start_sentinel(binary: &PathBuf, primary_port: u16) -> (Child, u16, PathBuf) 
             .expect("start the Sentinel");
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            if command(port, &["PING"]).is_ok_and(|r| r.contains("PONG")) {
+            // This Sentinel's own answer, not another server's that took
+            // the port.
+            let own = format!("process_id:{}", sentinel.id());
+            if command(port, &["INFO", "server"]).is_ok_and(|r| r.lines().any(|l| l.trim() == own))
+            {
                 return (sentinel, port, dir);
             }
             if let Ok(Some(status)) = sentinel.try_wait() {
@@ -133,7 +137,7 @@ fn start_sentinel(binary: &PathBuf, primary_port: u16) -> (Child, u16, PathBuf) 
             }
             assert!(
                 Instant::now() < deadline,
-                "the Sentinel on port {port} did not answer PING within 10 s"
+                "the Sentinel on port {port} did not answer INFO within 10 s"
             );
             std::thread::sleep(Duration::from_millis(20));
         }
