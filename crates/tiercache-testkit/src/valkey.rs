@@ -196,9 +196,11 @@ impl ValkeyServer {
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.binary.display()));
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
+        // This server's own answer, not another's that took the port.
+        let own = format!("process_id:{}", self.child.as_ref().map_or(0, Child::id));
         loop {
-            if let Ok(reply) = self.try_cmd(&["PING"])
-                && reply == "PONG"
+            if let Ok(reply) = self.try_cmd(&["INFO", "server"])
+                && reply.lines().any(|l| l.trim() == own)
             {
                 return Ok(());
             }
@@ -213,7 +215,7 @@ impl ValkeyServer {
             }
             assert!(
                 Instant::now() < deadline,
-                "valkey-server on port {} did not answer PING within 10 s",
+                "valkey-server on port {} did not answer INFO within 10 s",
                 self.port
             );
             std::thread::sleep(Duration::from_millis(20));
