@@ -132,7 +132,6 @@ where
             // Nothing is stored for a request that skips the cache.
             Err(_)
                 if (parts.method == http::Method::GET || parts.method == http::Method::HEAD)
-                    && parts.headers.contains_key(http::header::CACHE_CONTROL)
                     && asks_only_if_cached(&parts.headers) =>
             {
                 let head = parts.method == http::Method::HEAD;

@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::valkey::{ValkeyServer, command, free_port, target_dir, valkey_server_binary};
+use crate::valkey::{
+    ValkeyServer, answers_as, command, on_free_port, target_dir, valkey_server_binary,
+};
 
 /// The name the Sentinel monitors the primary under.
 pub const SERVICE: &str = "mymaster";
@@ -89,9 +91,7 @@ impl Drop for ValkeySentinel {
 /// taken between its pick and the Sentinel's bind. Returns the process,
 /// its port and its folder.
 fn start_sentinel(binary: &Path, primary_port: u16) -> (Child, u16, PathBuf) {
-    const ATTEMPTS: usize = 5;
-    for attempt in 1..=ATTEMPTS {
-        let port = free_port();
+    on_free_port("the Sentinel", |port| {
         let dir = target_dir()
             .join("valkey-data")
             .join(format!("sentinel-{}-{port}", std::process::id()));
@@ -119,21 +119,11 @@ fn start_sentinel(binary: &Path, primary_port: u16) -> (Child, u16, PathBuf) {
             .spawn()
             .expect("start the Sentinel");
         let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            // This Sentinel's own answer, not another server's that took
-            // the port.
-            let own = format!("process_id:{}", sentinel.id());
-            if command(port, &["INFO", "server"]).is_ok_and(|r| r.lines().any(|l| l.trim() == own))
-            {
-                return (sentinel, port, dir);
-            }
+        while !answers_as(port, sentinel.id()) {
             if let Ok(Some(status)) = sentinel.try_wait() {
                 let log = std::fs::read_to_string(&log).unwrap_or_default();
                 let _ = std::fs::remove_dir_all(&dir);
-                if attempt < ATTEMPTS && log.contains("Address already in use") {
-                    break;
-                }
-                panic!("the Sentinel exited at start ({status}):\n{log}");
+                return Err(format!("({status})\n{log}"));
             }
             assert!(
                 Instant::now() < deadline,
@@ -141,8 +131,8 @@ fn start_sentinel(binary: &Path, primary_port: u16) -> (Child, u16, PathBuf) {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-    }
-    unreachable!("the last attempt returns or panics")
+        Ok((sentinel, port, dir))
+    })
 }
 
 fn wait_until(what: &str, ok: impl Fn() -> bool) {

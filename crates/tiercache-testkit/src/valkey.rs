@@ -148,9 +148,7 @@ impl ValkeyServer {
     /// free only until someone binds it: when one was taken in between, the
     /// server starts again on new ones.
     pub fn start_on_free_port(binary: PathBuf, extra: impl Fn() -> Vec<String>) -> Self {
-        const ATTEMPTS: usize = 5;
-        for attempt in 1..=ATTEMPTS {
-            let port = free_port();
+        on_free_port("valkey-server", |port| {
             let dir = target_dir()
                 .join("valkey-data")
                 .join(format!("{}-{port}", std::process::id()));
@@ -162,13 +160,8 @@ impl ValkeyServer {
                 extra: extra(),
                 child: None,
             };
-            match server.try_spawn() {
-                Ok(()) => return server,
-                Err(log) if attempt < ATTEMPTS && log.contains("Address already in use") => {}
-                Err(log) => panic!("valkey-server exited at start:\n{log}"),
-            }
-        }
-        unreachable!("the last attempt returns or panics")
+            server.try_spawn().map(|()| server)
+        })
     }
 
     fn spawn(&mut self) {
@@ -177,7 +170,8 @@ impl ValkeyServer {
         }
     }
 
-    /// Starts the process and waits for its PING; the log when it exited first.
+    /// Starts the process and waits until it answers as itself; the log
+    /// when it exited first.
     fn try_spawn(&mut self) -> Result<(), String> {
         let log = self.dir.join("server.log");
         let child = Command::new(&self.binary)
@@ -196,12 +190,9 @@ impl ValkeyServer {
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.binary.display()));
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
-        // This server's own answer, not another's that took the port.
-        let own = format!("process_id:{}", self.child.as_ref().map_or(0, Child::id));
+        let pid = self.child.as_ref().map_or(0, Child::id);
         loop {
-            if let Ok(reply) = self.try_cmd(&["INFO", "server"])
-                && reply.lines().any(|l| l.trim() == own)
-            {
+            if answers_as(self.port, pid) {
                 return Ok(());
             }
             if let Some(status) = self
@@ -373,6 +364,28 @@ impl Drop for ValkeyServer {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Starts a process with `start` on a free port, again on a new one when
+/// the port was taken between its pick and the process's bind (`start`'s
+/// error is the process's log, where "Address already in use" says so).
+pub(crate) fn on_free_port<T>(what: &str, mut start: impl FnMut(u16) -> Result<T, String>) -> T {
+    const ATTEMPTS: usize = 5;
+    for attempt in 1..=ATTEMPTS {
+        match start(free_port()) {
+            Ok(started) => return started,
+            Err(log) if attempt < ATTEMPTS && log.contains("Address already in use") => {}
+            Err(log) => panic!("{what} exited at start:\n{log}"),
+        }
+    }
+    unreachable!("the last attempt returns or panics")
+}
+
+/// Whether the server on `port` is process `pid`: its own answer, not
+/// another's that took the port.
+pub(crate) fn answers_as(port: u16, pid: u32) -> bool {
+    let own = format!("process_id:{pid}");
+    command(port, &["INFO", "server"]).is_ok_and(|r| r.lines().any(|l| l.trim() == own))
 }
 
 /// Runs one command against the server on loopback `port` (any Valkey

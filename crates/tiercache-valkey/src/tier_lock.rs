@@ -40,27 +40,7 @@ impl ValkeyTier {
         }
         let token = Bytes::from(bus::hex(&rand::rng().random::<[u8; 16]>()));
         let px = ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
-        // Dropped before its answer (the caller was cancelled), the attempt
-        // may still have taken the lock: released by its token, as below.
-        let mut unanswered = Unanswered {
-            tier: self,
-            key,
-            token: &token,
-            ttl,
-            armed: true,
-        };
-        let first = self.lock_once(key, &token, px).await;
-        unanswered.armed = false;
-        let mut attempt = match first {
-            Ok(attempt) => attempt,
-            Err(e) => {
-                // The script may still run once Valkey reads it: treat
-                // the lock as possibly held, and release it by its token
-                // when Valkey answers again.
-                self.release_possibly_held(key, &token, ttl);
-                return Err(e);
-            }
-        };
+        let mut attempt = self.attempt_lock(key, &token, px, ttl).await?;
         // Held by this instance's own finished flight, whose release is
         // still in the write queue: let it land and try again, rather
         // than wait on (or answer with) a flight that is over.
@@ -71,18 +51,8 @@ impl ValkeyTier {
             && self.is_releasing(holder)
         {
             self.flush().await;
-            unanswered.armed = true;
-            let again = self.lock_once(key, &token, px).await;
-            unanswered.armed = false;
-            attempt = match again {
-                Ok(attempt) => attempt,
-                Err(e) => {
-                    self.release_possibly_held(key, &token, ttl);
-                    return Err(e);
-                }
-            };
+            attempt = self.attempt_lock(key, &token, px, ttl).await?;
         }
-        drop(unanswered);
         if let LockAttempt::Acquired(_) = &attempt {
             self.inner
                 .held
@@ -91,6 +61,29 @@ impl ValkeyTier {
                 .insert(token, tokio::time::Instant::now() + ttl);
         }
         Ok(attempt)
+    }
+
+    /// One lock attempt with `token`. Unless Valkey answers it (it failed,
+    /// timed out, or was dropped with its cancelled caller), the script
+    /// may still run once Valkey reads it: the lock is then taken as
+    /// possibly held and released by its token when Valkey answers again.
+    async fn attempt_lock(
+        &self,
+        key: &CacheKey,
+        token: &Bytes,
+        px: i64,
+        ttl: Duration,
+    ) -> Result<LockAttempt, TierError> {
+        let mut unanswered = Unanswered {
+            tier: self,
+            key,
+            token,
+            ttl,
+            armed: true,
+        };
+        let attempt = self.lock_once(key, token, px).await;
+        unanswered.armed = attempt.is_err();
+        attempt
     }
 
     /// [`Tier::unlock`](tiercache_core::Tier::unlock): queued behind the
@@ -314,10 +307,9 @@ impl ValkeyTier {
     }
 }
 
-/// A lock attempt sent and not yet answered: dropped so (its caller was
-/// cancelled), the script may still run and take the lock, which would
-/// then stand until its `PX` with nobody to release it; so it is released
-/// by its token when Valkey answers, as an attempt that timed out is.
+/// A lock attempt sent and not answered: dropped armed, it releases the
+/// lock the script may still take, by its token, when Valkey answers
+/// (else the lock would stand until its `PX` with nobody to release it).
 struct Unanswered<'a> {
     tier: &'a ValkeyTier,
     key: &'a CacheKey,
