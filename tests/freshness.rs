@@ -31,6 +31,9 @@ enum Mode {
     BrokenBody,
     /// Waits for the gate, then answers with this status.
     HeldStatus(Gate, u16),
+    /// Waits for the gate, then answers a 200 that sets a cookie (its
+    /// waiters may not share it).
+    HeldSetCookie(Gate),
 }
 
 /// A body that sends a few bytes, then fails.
@@ -128,6 +131,13 @@ impl Origin {
                     Mode::Held(gate) => {
                         gate.passed().await;
                         Ok(Response::new(Body::from(format!("body {n}"))))
+                    }
+                    Mode::HeldSetCookie(gate) => {
+                        gate.passed().await;
+                        Ok(Response::builder()
+                            .header("set-cookie", "s=1")
+                            .body(Body::from(format!("body {n}")))
+                            .unwrap())
                     }
                     Mode::HeldStatus(gate, code) => {
                         gate.passed().await;
@@ -495,6 +505,78 @@ async fn a_slow_origin_past_the_soft_timeout_answers_stale() {
         ("HIT", "body 2"),
         "the fill finished and stored"
     );
+}
+
+/// Every request waiting on the slow load gets the stale answer at the soft
+/// timeout, not only the one that leads it: the others used to wait the
+/// whole `lock_timeout`.
+#[tokio::test(start_paused = true)]
+async fn every_waiter_on_a_slow_origin_answers_stale_at_the_soft_timeout() {
+    let t = Harness::new(
+        Policy::ttl(secs(1))
+            .jitter(0.0)
+            .stale_if_error(secs(60))
+            .origin_soft_timeout(Duration::from_millis(300))
+            .lock_timeout(secs(5))
+            .build()
+            .unwrap(),
+    );
+    t.get("/r").await;
+    t.advance(2000);
+    let gate = Gate::new();
+    t.origin.set(Mode::Held(gate.clone()));
+    let started = tokio::time::Instant::now();
+    let timed = || async {
+        let (_, h, body) = t.get("/r").await;
+        (x_cache(&h).to_owned(), body, started.elapsed())
+    };
+    let answers = tokio::join!(timed(), timed(), timed());
+    for (x_cache, body, took) in [answers.0, answers.1, answers.2] {
+        assert_eq!((x_cache.as_str(), body.as_str()), ("STALE", "body 1"));
+        assert_eq!(
+            took,
+            Duration::from_millis(300),
+            "answered at the soft timeout"
+        );
+    }
+    assert_eq!(t.engine.stats().coalesced, 2, "the waiters shared the load");
+    assert_eq!(t.engine.stats().stale_served, 3);
+    assert_eq!(t.origin.seen.lock().unwrap().len(), 2, "one origin call");
+    gate.open();
+}
+
+/// A waiter whose leader's answer may not be shared loads on its own; when
+/// that load fails, its stale copy still stands in (stale-if-error), as it
+/// does for the leader.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_loading_on_its_own_keeps_stale_if_error() {
+    let t = Harness::new(
+        Policy::ttl(secs(1))
+            .jitter(0.0)
+            .stale_if_error(secs(60))
+            .build()
+            .unwrap(),
+    );
+    t.get("/r").await;
+    t.advance(2000);
+    let gate = Gate::new();
+    t.origin.set(Mode::HeldSetCookie(gate.clone()));
+    let (leader, follower, ()) = tokio::join!(t.get("/r"), t.get("/r"), async {
+        // The leader's call started, the other request waits on it.
+        while t.origin.calls.get() < 2 || t.engine.stats().coalesced < 1 {
+            tokio::task::yield_now().await;
+        }
+        // The follower's own call, after the leader's, fails.
+        t.origin.set(Mode::Status(503));
+        gate.open();
+    });
+    assert_eq!((leader.0, leader.2.as_str()), (StatusCode::OK, "body 2"));
+    assert_eq!(
+        (follower.0, x_cache(&follower.1), follower.2.as_str()),
+        (StatusCode::OK, "STALE", "body 1"),
+        "the waiter's own failed load was answered as it came"
+    );
+    assert_eq!(t.origin.seen.lock().unwrap().len(), 3);
 }
 
 #[tokio::test]

@@ -250,6 +250,94 @@ async fn an_invalidation_between_the_answer_and_the_store_wins() {
     assert!(!cache.exists(&key).await);
 }
 
+/// Read your writes: a request that arrives after an invalidation and joins
+/// a fill it overtook does not get that fill's answer (the client wrote,
+/// then read the old version); it loads again. A request that joined
+/// before the invalidation still shares the fill's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_after_an_invalidation_never_gets_the_fill_it_overtook() {
+    let world = World::default();
+    world.only_first_gated.store(true, SeqCst);
+    let layer = ResponseCacheLayer::new(engine());
+    let app = app(&world, layer.route(policy()).unwrap());
+    let get = |app: &Router| {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, "GET", "/v").await })
+    };
+    let leader = get(&app);
+    world.calls.reached(1).await;
+    let before = get(&app);
+    eventually("a request joined the fill", || {
+        layer.engine().stats().coalesced == 1
+    })
+    .await;
+    let (status, _, _) = send(&app, "POST", "/v").await;
+    assert_eq!(status, StatusCode::OK);
+    let after = get(&app);
+    eventually("a request joined the fill after the write", || {
+        layer.engine().stats().coalesced == 2
+    })
+    .await;
+    world.gate.open();
+    for (name, request, want) in [("leader", leader, "v0"), ("before", before, "v0")] {
+        let (_, headers, body) = bounded(name, request).await.unwrap();
+        assert_eq!(body, want, "{name}: {headers:?}");
+    }
+    let (_, headers, body) = bounded("after", after).await.unwrap();
+    assert_eq!(
+        body, "v1",
+        "answered with the fill its write overtook: {headers:?}"
+    );
+    assert_eq!(world.calls.get(), 2);
+}
+
+/// A fill an invalidation overtook, slower than `lock_timeout`: its answer
+/// (not stored) does not answer the flight that took it over, whose
+/// requests came after the invalidation.
+#[tokio::test(start_paused = true)]
+async fn an_overtaken_fill_never_answers_the_flight_that_took_it_over() {
+    let (calls, version) = (Counter::new(), Arc::new(AtomicUsize::new(0)));
+    let layer = ResponseCacheLayer::new(engine());
+    let route = layer
+        .route(policy().lock_timeout(Duration::from_millis(200)))
+        .unwrap();
+    let app = Router::new().route(
+        "/slow",
+        get({
+            let (calls, version) = (calls.clone(), version.clone());
+            move || {
+                let (calls, version) = (calls.clone(), version.clone());
+                async move {
+                    let read = version.load(SeqCst);
+                    let slow = calls.bump() == 1;
+                    let took = if slow { 300 } else { 100 };
+                    tokio::time::sleep(Duration::from_millis(took)).await;
+                    format!("v{read}")
+                }
+            }
+        })
+        .layer(route),
+    );
+    let get = |app: &Router| {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, "GET", "/slow").await })
+    };
+    let first = get(&app); // t = 0: reads v0, answers at 300 ms
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    version.store(1, SeqCst);
+    let key = key_of("/slow");
+    layer.engine().invalidate(&key).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let taker = get(&app); // t = 250: takes the flight over, reads v1 until 350
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let joiner = get(&app); // t = 260: joins the taker's flight
+    assert_eq!(bounded("first", first).await.unwrap().2, "v0");
+    for (name, request) in [("taker", taker), ("joiner", joiner)] {
+        let (_, headers, body) = bounded(name, request).await.unwrap();
+        assert_eq!(body, "v1", "{name} got the overtaken fill: {headers:?}");
+    }
+    assert_eq!(calls.get(), 2);
+}
 /// With Valkey on, an XFetch refresh reads L2 first and finds the very entry
 /// it refreshes: it must go on to the origin, not stop there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

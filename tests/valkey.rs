@@ -530,6 +530,7 @@ async fn an_instance_without_a_copy_answers_a_stale_l2_copy_while_it_refreshes()
         (h(&headers, "x-cache"), body.as_str()),
         ("STALE", "version 1")
     );
+    assert_eq!(h(&headers, "x-cache-tier"), "l2", "read from L2");
     eventually("the refresh reaches the origin", || calls.get() == 2).await;
     gate.open();
     eventually("the refresh is stored", || b.stats().origin_loads == 1).await;

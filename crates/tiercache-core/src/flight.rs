@@ -29,6 +29,11 @@ use crate::{Entry, KeyHash, Source};
 pub(crate) enum FlightResult {
     /// An entry that may be shared (stored, or read from L2), and its tier.
     Shared(Entry, Source),
+    /// The origin's answer, not stored: the invalidation recorded with this
+    /// journal sequence overtook it. It answers only the followers that
+    /// joined before that invalidation (noted a journal epoch no later than
+    /// it); one that came after must not read what the write replaced.
+    Overtaken(Entry, u64),
     /// An answer that may be shared but was not stored (an error page, a
     /// value the loader chose not to keep); `true` for an origin failure.
     Transient(Entry, bool),

@@ -247,6 +247,15 @@ async fn expire_and_invalidate() {
     cache.invalidate(&key).await.unwrap();
     assert!(cache.get(&key).await.is_none());
     assert!(!cache.expire(&key, Duration::from_secs(2)).await);
+    // A lifetime past the clock's end keeps the value as long as any
+    // lifetime may (it used to turn into "expire now", a delete).
+    cache.put(&key, Value::from_body("v"), &policy);
+    assert!(cache.expire(&key, Duration::MAX).await);
+    assert!(
+        cache.get(&key).await.is_some(),
+        "expire(MAX) deleted the value"
+    );
+    assert_eq!(cache.ttl(&key).await, Some(MAX_TTL));
 }
 
 /// Whatever an origin declares (a lifetime or stale windows far past a
@@ -422,4 +431,103 @@ async fn a_stale_hit_of_get_or_load_as_does_not_wait_for_its_refresh() {
     .await
     .expect("a stale hit waited for its refresh's loader");
     assert_eq!(answered.unwrap(), 1);
+}
+
+/// An in-memory L2 whose reads wait until the gate opens.
+#[derive(Debug)]
+struct GatedReads {
+    inner: MemoryTier,
+    open: tokio::sync::watch::Sender<bool>,
+}
+
+impl Tier for GatedReads {
+    fn get<'a>(
+        &'a self,
+        key: &'a CacheKey,
+    ) -> crate::tier::BoxFuture<'a, Result<Option<TierHit>, TierError>> {
+        let mut open = self.open.subscribe();
+        Box::pin(async move {
+            let _ = open.wait_for(|open| *open).await;
+            self.inner.get(key).await
+        })
+    }
+
+    fn put(&self, key: &CacheKey, entry: &Entry, ttl: Duration, tags: &[bytes::Bytes]) {
+        self.inner.put(key, entry, ttl, tags);
+    }
+
+    fn invalidate<'a>(
+        &'a self,
+        invalidation: Invalidation,
+    ) -> crate::tier::BoxFuture<'a, Result<(), TierError>> {
+        self.inner.invalidate(invalidation)
+    }
+}
+
+/// Requests that wait on a first load which finds L2's copy inside its
+/// stale-while-revalidate window are answered stale, as the leader is, and
+/// counted so: not as fresh L2 hits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_followers_of_a_stale_l2_copy_are_answered_stale() {
+    let clock = MockClock::new();
+    let l2 = MemoryTier::new(Arc::new(clock.clone()));
+    let policy = Policy::ttl(Duration::from_secs(10))
+        .jitter(0.0)
+        .xfetch_beta(0.0)
+        .stale_while_revalidate(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let key = CacheKey::new("k");
+    let filler = TieredCache::builder()
+        .clock(clock.clone())
+        .l2(l2.clone())
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    filler.store_now(&key, Fill::new(Value::from_body("old")), &policy);
+    clock.advance(Duration::from_secs(20));
+    let open = tokio::sync::watch::Sender::new(false);
+    let cache = TieredCache::builder()
+        .clock(clock.clone())
+        .l2(GatedReads {
+            inner: l2,
+            open: open.clone(),
+        })
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let loads = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..3)
+        .map(|_| {
+            let (cache, policy, key, loads) =
+                (cache.clone(), policy.clone(), key.clone(), loads.clone());
+            tokio::spawn(async move {
+                cache
+                    .get_or_load(&key, &policy, move || async move {
+                        loads.fetch_add(1, Ordering::SeqCst);
+                        Ok::<_, std::convert::Infallible>(Value::from_body("new"))
+                    })
+                    .await
+            })
+        })
+        .collect();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while cache.stats().coalesced < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:?}",
+            cache.stats()
+        );
+        tokio::task::yield_now().await;
+    }
+    open.send_replace(true);
+    for t in tasks {
+        assert_eq!(t.await.unwrap().unwrap().body, "old");
+    }
+    let stats = cache.stats();
+    assert_eq!(
+        (stats.stale_served, stats.hits_l2),
+        (3, 0),
+        "the followers were counted as fresh hits: {stats:?}"
+    );
 }

@@ -183,3 +183,25 @@ async fn a_touched_entry_keeps_its_fills_own_tags() {
         "the touched copy lost its fill's tag"
     );
 }
+
+/// The policy's tags apply to whatever the engine stores under it: a value
+/// `get_or_load` loaded, as well as one `put` stored.
+#[tokio::test]
+async fn a_loaded_value_carries_the_policys_tags() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let policy = own_tag("products");
+    let loaded = cache
+        .get_or_load(&key(1), &policy, || async {
+            Ok::<_, std::convert::Infallible>(Value::from_body("v"))
+        })
+        .await
+        .unwrap();
+    assert_eq!(loaded.body, "v");
+    assert!(cache.exists(&key(1)).await);
+    cache.invalidate_tag("products").await.unwrap();
+    assert!(
+        !cache.exists(&key(1)).await,
+        "the tag's invalidation missed a loaded value"
+    );
+}

@@ -85,6 +85,7 @@ impl Route {
             Served::Stale(why) => {
                 self.metrics.stale();
                 Outcome::Stale {
+                    tier: answer.source,
                     detail: why.as_str(),
                 }
             }

@@ -186,6 +186,7 @@ where
                 let now = hit.at;
                 let outcome = match hit.answer.served {
                     Served::Stale(why) => Outcome::Stale {
+                        tier: hit.answer.source,
                         detail: why.as_str(),
                     },
                     _ => Outcome::Hit {

@@ -12,9 +12,10 @@ use serde::de::DeserializeOwned;
 
 use super::TieredCache;
 use super::journal::Footprint;
+use super::store::later;
 use crate::{
-    CacheKey, Entry, FetchError, Fetched, Fill, Freshness, Loaded, Origin, Policy, Select, Times,
-    Value,
+    CacheKey, Entry, FetchError, Fetched, Fill, Freshness, Loaded, MAX_TTL, Origin, Policy, Select,
+    Times, Value,
 };
 
 /// What a loader answers: a value to store, or one to return without
@@ -177,8 +178,7 @@ impl TieredCache {
     /// # Ok(()) }
     /// ```
     pub fn put(&self, key: &CacheKey, value: impl Into<Fill>, policy: &Policy) -> Entry {
-        let fill = value.into().add_tags(policy.tags());
-        self.store_now(key, fill, policy)
+        self.store_now(key, value.into(), policy)
     }
 
     /// Stores a serde value under `key` (see [`get_as`](Self::get_as)).
@@ -349,8 +349,8 @@ impl TieredCache {
     /// windows dropped). Returns whether there was a fresh value to expire.
     pub async fn expire(&self, key: &CacheKey, ttl: Duration) -> bool {
         let now = self.now();
-        self.expire_at(key, now.checked_add(ttl).unwrap_or(now))
-            .await
+        // Clamped, never wrapped to `now`: "keep it" must not turn into a delete.
+        self.expire_at(key, later(now, ttl.min(MAX_TTL))).await
     }
 
     /// Sets `key` to expire at `at` (stale windows dropped), in L1 and L2.
@@ -380,13 +380,14 @@ impl TieredCache {
         let Some(entry) = self.current(key).await else {
             return false;
         };
-        let ttl = at.duration_since(now).unwrap_or_default();
+        // At most the longest lifetime anything is stored for.
+        let ttl = at.duration_since(now).unwrap_or_default().min(MAX_TTL);
         if ttl.is_zero() {
             // Queued or landed, it is gone for this instance's answers.
             let _ = self.invalidate(key).await;
             return true;
         }
-        let times = Times::fresh(entry.times().created_at.min(now), at);
+        let times = Times::fresh(entry.times().created_at.min(now), later(now, ttl));
         self.renew(key, &entry, times, ttl, epoch);
         true
     }
@@ -403,10 +404,9 @@ impl TieredCache {
         let fill = Fill::new(entry.value().clone())
             .variant(entry.variant().clone())
             .origin_latency(entry.origin_latency())
-            // Every tag it had (a fill's own too), and the policy's.
-            .tags(entry.tags().to_vec())
-            .add_tags(policy.tags());
-        self.store_since(key, fill, policy, epoch);
+            // Every tag it had (a fill's own too); the store adds the policy's.
+            .tags(entry.tags().to_vec());
+        let _ = self.store_since(key, fill, policy, epoch);
         true
     }
 
@@ -439,7 +439,7 @@ impl TieredCache {
             fulls: &[key.full().as_ref()],
             tags: entry.tags(),
         };
-        self.inner.journal.unless_overtaken(epoch, &footprint, || {
+        let _ = self.inner.journal.unless_overtaken(epoch, &footprint, || {
             self.insert(key, renewed.clone(), ttl, renewed.tags())
         });
     }

@@ -391,10 +391,22 @@ impl Miss {
         } = *self.0;
         if hit_for_miss {
             engine.record_bypass("hit-for-miss");
-            return engine.load_alone(&keys, &policy, origin, false, true).await;
+            return engine
+                .load_alone(&keys, &policy, origin, None, false, true)
+                .await;
         }
         let mut collapsed = false;
+        // A stale entry that may stand in for a slow origin: past the soft
+        // timeout it answers a follower as it answers the leader.
+        let stand_in = fallback
+            .clone()
+            .filter(|e| engine.stale_usable(e))
+            .zip(policy.soft_timeout())
+            .map(|(entry, soft)| (entry, Instant::now() + soft));
         loop {
+            // Before the join: an invalidation recorded after this epoch
+            // came after the request (see `FlightResult::Overtaken`).
+            let joined = engine.inner.journal.epoch();
             let follower = match engine
                 .inner
                 .flights
@@ -418,17 +430,36 @@ impl Miss {
                 collapsed = true;
             }
             let started = Instant::now();
-            let waited = follower.wait().await;
+            let waited = match &stand_in {
+                Some((stale, at)) => match tokio::time::timeout_at(*at, follower.wait()).await {
+                    Ok(waited) => waited,
+                    Err(_) => {
+                        origin.observe(Event::LockWait(started.elapsed()));
+                        let answer = Answer {
+                            entry: stale.clone(),
+                            source: Source::L1,
+                            served: Served::Stale(StaleReason::OriginTimeout),
+                            collapsed: true,
+                        };
+                        engine.count(&answer);
+                        return Ok(Fetched::Entry(answer));
+                    }
+                },
+                None => follower.wait().await,
+            };
             origin.observe(Event::LockWait(started.elapsed()));
             match waited {
                 Waited::Done(FlightResult::Failed(FlightError::Abandoned)) => continue,
                 Waited::Done(result) => {
-                    return match engine.followed(result, fallback, &origin) {
+                    return match engine.followed(result, fallback.clone(), &origin, joined) {
                         Followed::Answer(answer) => Ok(answer),
                         Followed::Error(e) => Err(e),
                         Followed::Alone => {
-                            engine.load_alone(&keys, &policy, origin, true, false).await
+                            engine
+                                .load_alone(&keys, &policy, origin, fallback, true, false)
+                                .await
                         }
+                        Followed::Again => continue,
                     };
                 }
                 // The flight's deadline passed: the next join takes it over

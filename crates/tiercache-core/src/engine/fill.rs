@@ -11,8 +11,8 @@ use crate::fleet::{FleetJoin, FleetLock};
 use crate::flight::{FlightError, FlightResult, Leader};
 use crate::stats::bump;
 use crate::{
-    Answer, CacheKey, Entry, FetchError, Fetched, Loaded, Origin, Panic, Policy, Select, Served,
-    Source, StaleReason, Unlocked,
+    Answer, CacheKey, Entry, FetchError, Fetched, Freshness, Loaded, Origin, Panic, Policy, Select,
+    Served, Source, StaleReason, Unlocked,
 };
 
 /// What the leader's fill produced.
@@ -64,6 +64,9 @@ pub(super) enum Followed<T, E> {
     Error(FetchError<E>),
     /// Load alone: the answer may not be shared, or is another variant.
     Alone,
+    /// Join the key's flights again: the answer was overtaken by an
+    /// invalidation this request came after.
+    Again,
 }
 
 /// A flight this request leads, and how.
@@ -252,13 +255,16 @@ impl TieredCache {
                 }
                 let (entry, stored) = self.store_since(&keys.flight, fill, &policy, epoch);
                 // After the store was queued: the waiting instances read it.
-                lock.release(if stored {
+                lock.release(if stored.is_ok() {
                     Unlocked::Filled
                 } else {
                     Unlocked::Passed
                 });
-                leader.complete(FlightResult::Shared(entry.clone(), Source::Origin));
-                Ok(Filled::Entry(entry, Source::Origin, stored))
+                leader.complete(match stored {
+                    Ok(()) => FlightResult::Shared(entry.clone(), Source::Origin),
+                    Err(at) => FlightResult::Overtaken(entry.clone(), at),
+                });
+                Ok(Filled::Entry(entry, Source::Origin, stored.is_ok()))
             }
             Ok(Loaded::Share { value, failed }) => {
                 let entry = self.transient(&keys.flight, value, delta);
@@ -328,12 +334,14 @@ impl TieredCache {
         Filled::Entry(entry, Source::L2, false)
     }
 
-    /// What a follower answers with, given its leader's result.
+    /// What a follower answers with, given its leader's result; `joined`
+    /// is the journal epoch it noted before it joined the flight.
     pub(super) fn followed<O: Origin>(
         &self,
         result: FlightResult,
         fallback: Option<Entry>,
         origin: &O,
+        joined: u64,
     ) -> Followed<O::Output, O::Error> {
         let answer = |entry, source, served| {
             let answer = Answer {
@@ -354,9 +362,21 @@ impl TieredCache {
             FlightResult::Shared(entry, source) if origin.accepts(&entry) => {
                 let served = match source {
                     Source::Origin => Served::Miss { stored: true },
+                    // A copy read inside its stale-while-revalidate window:
+                    // stale for the followers too, while the refresh runs.
+                    _ if !matches!(entry.freshness(self.now()), Freshness::Fresh(_)) => {
+                        Served::Stale(StaleReason::Revalidating)
+                    }
                     _ => Served::Hit,
                 };
                 answer(entry, source, served)
+            }
+            // Invalidated while it loaded: an answer for the requests that
+            // were already waiting (as the leader's own is), not for one
+            // that came after the write.
+            FlightResult::Overtaken(_, at) if joined > at => Followed::Again,
+            FlightResult::Overtaken(entry, _) if origin.accepts(&entry) => {
+                answer(entry, Source::Origin, Served::Miss { stored: false })
             }
             FlightResult::Transient(entry, failed) => match stale(fallback.filter(|_| failed)) {
                 Some(stand_in) => stand_in,
@@ -383,20 +403,35 @@ impl TieredCache {
                 stale(fallback).unwrap_or(Followed::Error(FetchError::Failed))
             }
             // Not shareable, or another variant: this request loads alone.
-            FlightResult::Released | FlightResult::Shared(..) => Followed::Alone,
+            FlightResult::Released | FlightResult::Shared(..) | FlightResult::Overtaken(..) => {
+                Followed::Alone
+            }
         }
     }
 
     /// One origin call outside any flight (hit-for-miss, or a follower whose
-    /// leader's answer could not be shared); what may be stored still is.
+    /// leader's answer could not be shared); what may be stored still is,
+    /// and a usable stale `fallback` answers for a failing origin.
     pub(super) async fn load_alone<O: Origin>(
         &self,
         keys: &Keys,
         policy: &Policy,
         origin: O,
+        fallback: Option<Entry>,
         collapsed: bool,
         hit_for_miss: bool,
     ) -> Result<Fetched<O::Output>, FetchError<O::Error>> {
+        let usable = fallback.filter(|e| self.stale_usable(e));
+        let stand_in = |stale: Entry| {
+            let answer = Answer {
+                entry: stale,
+                source: Source::L1,
+                served: Served::Stale(StaleReason::OriginError),
+                collapsed,
+            };
+            self.count(&answer);
+            Ok(Fetched::Entry(answer))
+        };
         let epoch = self.inner.journal.epoch();
         let (started, began) = (Instant::now(), self.now());
         let loaded = origin.load(None).await;
@@ -413,13 +448,19 @@ impl TieredCache {
             bump(&self.inner.counters.misses);
             Fetched::Entry(answer)
         };
+        let loaded = match (loaded, usable) {
+            (Err(_), Some(stale))
+            | (Ok(Loaded::Share { failed: true, .. }), Some(stale))
+            | (Ok(Loaded::Pass { failed: true, .. }), Some(stale)) => return stand_in(stale),
+            (loaded, _) => loaded,
+        };
         match loaded.map_err(FetchError::Origin)? {
             Loaded::Store(mut fill) => {
                 if fill.origin_latency_unset() {
                     fill = fill.origin_latency(delta);
                 }
                 let (entry, stored) = self.store_since(&keys.flight, fill, policy, epoch);
-                Ok(answer(entry, stored))
+                Ok(answer(entry, stored.is_ok()))
             }
             Loaded::Share { value, .. } => {
                 let mut fetched = answer(self.transient(&keys.flight, value, took), false);

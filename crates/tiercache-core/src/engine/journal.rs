@@ -95,24 +95,30 @@ impl Journal {
     }
 
     /// Runs `store` unless an invalidation recorded since `epoch` covers
-    /// `fill`; `None` when one does (the fill was overtaken).
+    /// `fill`; when one does (the fill was overtaken), the sequence of the
+    /// first that did (`epoch` itself when the records since were dropped):
+    /// a request that noted a later [`epoch`](Self::epoch) came after it.
     pub(crate) fn unless_overtaken<R>(
         &self,
         epoch: u64,
         fill: &Footprint<'_>,
         store: impl FnOnce() -> R,
-    ) -> Option<R> {
+    ) -> Result<R, u64> {
         let state = self.lock();
         if epoch < state.forgotten {
-            return None;
+            return Err(epoch);
         }
-        let overtaken = state
+        let first = state
             .records
             .iter()
             .rev()
             .take_while(|(seq, _)| *seq >= epoch)
-            .any(|(_, scope)| scope.covers(fill));
-        (!overtaken).then(store)
+            .filter(|(_, scope)| scope.covers(fill))
+            .last();
+        match first {
+            Some((seq, _)) => Err(*seq),
+            None => Ok(store()),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -147,13 +153,16 @@ mod tests {
         let hashes = [key.hash()];
         let fulls = [key.full().as_ref()];
         let fill = footprint(&hashes, &fulls, &[]);
-        assert_eq!(journal.unless_overtaken(epoch, &fill, || 1), Some(1));
+        assert_eq!(journal.unless_overtaken(epoch, &fill, || 1), Ok(1));
+        let first = journal.epoch();
         journal.record(Scope::Keys(vec![key.hash()]), || ());
-        assert_eq!(journal.unless_overtaken(epoch, &fill, || 1), None);
+        journal.record(Scope::Keys(vec![key.hash()]), || ());
+        // Overtaken, by the first record that covers it.
+        assert_eq!(journal.unless_overtaken(epoch, &fill, || 1), Err(first));
         // A fill that started after it is not affected.
         assert_eq!(
             journal.unless_overtaken(journal.epoch(), &fill, || 1),
-            Some(1)
+            Ok(1)
         );
     }
 
@@ -174,7 +183,7 @@ mod tests {
             journal.record(scope.clone(), || ());
             assert_eq!(
                 journal.unless_overtaken(epoch, &fill, || ()),
-                None,
+                Err(epoch),
                 "{scope:?}"
             );
         }
@@ -188,10 +197,10 @@ mod tests {
             journal.record(Scope::Keys(Vec::new()), || ());
         }
         let fill = footprint(&[], &[], &[]);
-        assert_eq!(journal.unless_overtaken(epoch, &fill, || ()), None);
+        assert_eq!(journal.unless_overtaken(epoch, &fill, || ()), Err(epoch));
         assert_eq!(
             journal.unless_overtaken(journal.epoch(), &fill, || ()),
-            Some(())
+            Ok(())
         );
     }
 }

@@ -167,10 +167,13 @@ impl TieredCache {
         // Read before an invalidation landed: the copy may be the one it
         // removed. Recorded under its tags, as a fill is: this instance's
         // own tag invalidations then reach it too, Valkey down or not.
-        self.inner.journal.unless_overtaken(epoch, &footprint, || {
-            self.inner.l1.insert(key.hash(), promoted.clone());
-            self.inner.record_tags(key.hash(), promoted.tags());
-        })?;
+        self.inner
+            .journal
+            .unless_overtaken(epoch, &footprint, || {
+                self.inner.l1.insert(key.hash(), promoted.clone());
+                self.inner.record_tags(key.hash(), promoted.tags());
+            })
+            .ok()?;
         Some(promoted)
     }
 

@@ -161,7 +161,7 @@ impl From<Value> for Fill {
 
 /// The latest time the engine stores: far past any lifetime a validated
 /// policy or a clamped origin lifetime reaches, and inside `SystemTime`.
-fn later(t: SystemTime, d: Duration) -> SystemTime {
+pub(super) fn later(t: SystemTime, d: Duration) -> SystemTime {
     t.checked_add(d)
         .unwrap_or_else(|| SystemTime::UNIX_EPOCH + Duration::from_secs(1 << 40))
 }
@@ -169,8 +169,9 @@ fn later(t: SystemTime, d: Duration) -> SystemTime {
 impl TieredCache {
     /// Stores `fill` under `key` (or the keys it names, see
     /// [`Fill::store_under`]) in L1 and, queued, in L2, unless an invalidation recorded since
-    /// `epoch` covers it. Returns the entry under `key` and whether it was
-    /// stored. The fresh lifetime is drawn now from the policy's jitter band
+    /// `epoch` covers it, with the policy's tags added to the fill's own. Returns the entry under `key`, and `Ok` when it
+    /// was stored or the sequence of the invalidation that overtook it
+    /// (see [`Journal::unless_overtaken`](super::journal::Journal::unless_overtaken)). The fresh lifetime is drawn now from the policy's jitter band
     /// (or, for a lifetime the origin declared, from below it); the stale
     /// windows follow it; L2's `PX` is the whole hard lifetime.
     pub(crate) fn store_since(
@@ -179,7 +180,10 @@ impl TieredCache {
         fill: Fill,
         policy: &Policy,
         epoch: u64,
-    ) -> (Entry, bool) {
+    ) -> (Entry, Result<(), u64>) {
+        // Whatever stores under a policy (a load, a `put`, a `touch`)
+        // carries its tags.
+        let fill = fill.add_tags(policy.tags());
         let now = self.now();
         let (times, l2_ttl) = self.times_for(&fill, policy, now);
         let entry = |key: &CacheKey| {
@@ -210,16 +214,12 @@ impl TieredCache {
             fulls: &fulls,
             tags: &fill.tags,
         };
-        let stored = self
-            .inner
-            .journal
-            .unless_overtaken(epoch, &footprint, || {
-                for (k, e) in &extra {
-                    self.insert(k, e.clone(), l2_ttl, &fill.tags);
-                }
-                self.insert(key, main.clone(), l2_ttl, &fill.tags);
-            })
-            .is_some();
+        let stored = self.inner.journal.unless_overtaken(epoch, &footprint, || {
+            for (k, e) in &extra {
+                self.insert(k, e.clone(), l2_ttl, &fill.tags);
+            }
+            self.insert(key, main.clone(), l2_ttl, &fill.tags);
+        });
         (main, stored)
     }
 

@@ -64,6 +64,9 @@ pub enum Outcome {
     },
     /// A stale entry answered (stale-while-revalidate, or the origin failed or was slow).
     Stale {
+        /// The tier the stale copy came from (L2: a first load found
+        /// another instance's copy inside its stale-while-revalidate window).
+        tier: Source,
         /// Why, when not stale-while-revalidate: `origin-error`, `origin-timeout`.
         detail: Option<&'static str>,
     },
@@ -99,7 +102,7 @@ impl Outcome {
     fn tier(&self) -> Option<Source> {
         match self {
             Outcome::Hit { tier, .. } => Some(*tier),
-            Outcome::Stale { .. } => Some(Source::L1),
+            Outcome::Stale { tier, .. } => Some(*tier),
             Outcome::NotCached => None,
             _ => Some(Source::Origin),
         }
@@ -141,7 +144,7 @@ impl Outcome {
                     None => {}
                 }
             }
-            Outcome::Stale { detail } => {
+            Outcome::Stale { detail, .. } => {
                 s.push_str("; fwd=stale");
                 if let Some(d) = detail {
                     let _ = write!(s, "; detail={d}");
