@@ -112,6 +112,8 @@ async fn private_and_no_store_are_never_stored() {
             "/p3?cc=no-store%2C%20max-age%3D60",
             "/p4?cc=NO-STORE",
             "/p5?cc=public%2C%20max-age%3D60%2C%20No-Store",
+            // A quote never closed: the directive after it still counts.
+            "/p7?cc=max-age%3D60%2C%20x-note%3D%22beta%2C%20private",
         ];
         for target in refused {
             for _ in 0..2 {
@@ -126,7 +128,7 @@ async fn private_and_no_store_are_never_stored() {
                 .await;
             assert_eq!(r.x_cache(), "BYPASS", "{}", h.name);
         }
-        assert_eq!(h.calls(), 12, "{}", h.name);
+        assert_eq!(h.calls(), 14, "{}", h.name);
         assert_eq!(
             h.stored_in_valkey().await,
             Vec::<String>::new(),
@@ -249,6 +251,26 @@ async fn a_coded_body_without_vary_goes_only_to_clients_that_accept_it() {
             assert_ne!(r.x_cache(), "HIT", "{} {refuses:?}", h.name);
         }
         assert_eq!(h.calls(), 4, "{}", h.name);
+    }
+}
+
+/// A body in a coding the cache does not know, varied on `Accept-Encoding`:
+/// such codings share a variant (so a client cannot mint variants), and the
+/// entry's own coding still decides who may get it: never a client that
+/// does not accept it.
+#[tokio::test]
+async fn a_varied_body_in_an_unknown_coding_goes_only_to_clients_that_accept_it() {
+    for h in Harness::both().await {
+        let target = "/packed?ce=compress&vary=accept-encoding&cc=max-age%3D60";
+        let compress = [("accept-encoding", "compress")];
+        h.get_with(target, &compress).await;
+        let again = h.get_with(target, &compress).await;
+        assert_eq!(again.x_cache(), "HIT", "{}", h.name);
+        for refuses in [&[][..], &[("accept-encoding", "x-custom")]] {
+            let r = h.get_with(target, refuses).await;
+            assert_ne!(r.x_cache(), "HIT", "{} {refuses:?}", h.name);
+        }
+        assert_eq!(h.calls(), 3, "{}", h.name);
     }
 }
 
@@ -560,4 +582,24 @@ async fn a_range_for_a_key_not_stored_reaches_the_origin() {
         assert!(seen.contains("range: bytes=0-3"), "{}: {seen}", h.name);
         assert!(seen.contains("if-range: \"v1\""), "{}: {seen}", h.name);
     }
+}
+
+/// A request the cache does not answer for its `Range` (several ranges)
+/// goes to the origin as it came: with its validators (so it can be
+/// answered 304) and with the cookie a route that ignores cookies would
+/// have taken off a request it answers.
+#[tokio::test]
+async fn a_range_the_cache_does_not_answer_reaches_the_origin_as_sent() {
+    for h in Harness::both().await {
+        let fields = [("range", "bytes=0-1,5-6"), ("if-none-match", "\"v9\"")];
+        let r = h.get_with("/multi?cc=max-age%3D60", &fields).await;
+        assert_eq!(r.x_cache(), "BYPASS", "{}", h.name);
+        let seen = r.text();
+        assert!(seen.contains("range: bytes=0-1,5-6"), "{}: {seen}", h.name);
+        assert!(seen.contains("if-none-match: \"v9\""), "{}: {seen}", h.name);
+    }
+    let h = Harness::layer(Settings::default()).await;
+    let fields = [("range", "bytes=0-1,5-6"), ("cookie", "session=alice")];
+    let r = h.get_with("/ignore/multi", &fields).await;
+    assert!(r.text().contains("cookie: session=alice"), "{}", r.text());
 }

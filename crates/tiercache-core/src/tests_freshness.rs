@@ -332,6 +332,14 @@ async fn background_refreshes_are_paced_by_max_refreshes() {
         "two refreshes run, the third waits its turn"
     );
     assert_eq!(cache.stats().refreshes_deferred, 1);
+    // A hit on a key whose own refresh runs defers nothing: that refresh
+    // is the one it would start.
+    assert_eq!(read(keys[0].clone()).await.body, "v1");
+    assert_eq!(
+        cache.stats().refreshes_deferred,
+        1,
+        "a running refresh was counted as deferred"
+    );
 
     gate.add_permits(10);
     while cache.in_flight() > 0 {
@@ -530,4 +538,38 @@ async fn the_followers_of_a_stale_l2_copy_are_answered_stale() {
         (3, 0),
         "the followers were counted as fresh hits: {stats:?}"
     );
+}
+
+/// `early_refreshes` counts the refreshes XFetch started: hits on a key
+/// whose early refresh already runs start none, and are not counted.
+#[tokio::test]
+async fn early_refreshes_count_the_refreshes_started() {
+    let clock = MockClock::new();
+    let cache = engine(&clock, 3);
+    let policy = Policy::ttl(Duration::from_secs(10))
+        .jitter(0.0)
+        .xfetch_beta(Policy::MAX_XFETCH_BETA)
+        .build()
+        .unwrap();
+    let key = CacheKey::new("k");
+    let fill = Fill::new(Value::from_body("v1")).origin_latency(Duration::from_secs(5));
+    cache.put(&key, fill, &policy);
+    clock.advance(Duration::from_secs(9));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let started = Arc::new(AtomicUsize::new(0));
+    for _ in 0..5 {
+        let (gate, started) = (gate.clone(), started.clone());
+        let value = cache
+            .get_or_load(&key, &policy, move || async move {
+                started.fetch_add(1, Ordering::SeqCst);
+                let _ = gate.acquire().await.unwrap();
+                Ok::<_, std::convert::Infallible>(Value::from_body("v2"))
+            })
+            .await
+            .unwrap();
+        assert_eq!(value.body, "v1");
+    }
+    assert_eq!(cache.in_flight(), 1, "one early refresh runs");
+    assert_eq!(cache.stats().early_refreshes, 1, "{:?}", cache.stats());
+    gate.add_permits(1);
 }

@@ -192,20 +192,30 @@ pub fn directives(value: &[u8]) -> impl Iterator<Item = &[u8]> {
     })
 }
 
-/// Index of the comma that ends the first item (or the length), skipping quoted strings.
+/// Index of the comma that ends the first item (or the length), skipping
+/// quoted strings. A quote never closed quotes nothing: the item ends at
+/// the first comma after it, so a malformed value cannot hide the
+/// directives that follow (`x="a, private` is still `private`).
 fn item_end(s: &[u8]) -> usize {
     let mut quoted = false;
     let mut escaped = false;
+    let mut first_quoted_comma = None;
     for (i, &b) in s.iter().enumerate() {
         match b {
             _ if escaped => escaped = false,
             b'\\' if quoted => escaped = true,
             b'"' => quoted = !quoted,
             b',' if !quoted => return i,
+            b',' => {
+                first_quoted_comma.get_or_insert(i);
+            }
             _ => {}
         }
     }
-    s.len()
+    match first_quoted_comma {
+        Some(i) if quoted => i,
+        _ => s.len(),
+    }
 }
 
 #[cfg(test)]
@@ -216,6 +226,17 @@ mod tests {
     fn splits_outside_quotes() {
         let names: Vec<_> = directives(br#"no-cache="a, b", max-age=3 ,  , Public"#).collect();
         assert_eq!(names, vec![&b"no-cache"[..], b"max-age", b"Public"]);
+    }
+
+    /// A quote never closed does not hide the directives after it (a
+    /// malformed field is read as the caches beside us read it: nginx and
+    /// Varnish match the names anywhere).
+    #[test]
+    fn an_unclosed_quote_hides_nothing() {
+        let names: Vec<_> = directives(br#"max-age=600, x-note="beta, private"#).collect();
+        assert_eq!(names, vec![&b"max-age"[..], b"x-note", b"private"]);
+        let names: Vec<_> = directives(br#"x="a\", no-store, max-age=1"#).collect();
+        assert_eq!(names, vec![&b"x"[..], b"no-store", b"max-age"]);
     }
 
     #[test]

@@ -271,6 +271,14 @@ fn joined(headers: &HeaderMap, name: &HeaderName) -> Vec<u8> {
 /// The content codings a cache can answer with, in a fixed order.
 const CODINGS: [&[u8]; 5] = [b"br", b"deflate", b"gzip", b"zstd", b"*"];
 
+/// Whether `coding` (a `Content-Encoding`) is one [`normalized_accept_encoding`]
+/// tells apart, so a variant on `Accept-Encoding` settles who may get it.
+pub(crate) fn known_coding(coding: &[u8]) -> bool {
+    let coding = coding.trim_ascii();
+    coding.eq_ignore_ascii_case(b"x-gzip")
+        || CODINGS[..4].iter().any(|c| c.eq_ignore_ascii_case(coding))
+}
+
 /// `Accept-Encoding` reduced to what decides the answer (as Varnish does):
 /// the known codings the client accepts (q > 0), in a fixed order. Junk
 /// values, orderings, spacing, weights and case all collapse, so a client

@@ -109,6 +109,16 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
     if scan.cookie && config.cookies == Cookies::Bypass {
         return Err(Reason::Cookie);
     }
+    // Before anything changes the head: a `Range` the cache does not answer
+    // sends the request to the origin as it came (validators, cookies).
+    // Range is defined for GET only: a HEAD's is ignored.
+    let range = if scan.range {
+        let taken =
+            crate::range::RangeAsk::take(&mut parts.headers).map_err(|()| Reason::Precondition)?;
+        taken.filter(|_| parts.method == Method::GET)
+    } else {
+        None
+    };
     let keyed = scan.authorization
         || matches!(config.cookies, Cookies::Key(_))
         || !config.keyed_headers.is_empty();
@@ -179,13 +189,6 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
     };
     let only_if_cached = scan.cache_control && asks_only_if_cached(headers);
     let reload = config.honor_client_no_cache && scan.cache_control && asks_reload(headers);
-    // Range is defined for GET only: a HEAD's is ignored.
-    let range = if scan.range {
-        let taken = crate::range::RangeAsk::take(headers).map_err(|()| Reason::Precondition)?;
-        taken.filter(|_| parts.method == Method::GET)
-    } else {
-        None
-    };
     Ok(Prepared {
         key: key.finish(),
         head: parts.method == Method::HEAD,

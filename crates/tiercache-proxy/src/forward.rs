@@ -151,7 +151,16 @@ impl Forward {
             .extensions
             .get::<ConnectInfo<SocketAddr>>()
             .map(|ConnectInfo(addr)| addr.ip().to_string());
-        let host = parts.headers.get(HOST).cloned();
+        // The host the cache keyed the request on: the target's authority
+        // when it has one (HTTP/2's `:authority`, which comes with no `Host`
+        // field; an absolute-form target, whose authority replaces `Host`,
+        // RFC 9112 §3.2.2), else `Host`. Userinfo is no part of a host.
+        let host = parts
+            .uri
+            .authority()
+            .map(|a| a.as_str().rsplit_once('@').map_or(a.as_str(), |(_, h)| h))
+            .and_then(|a| HeaderValue::from_str(a).ok())
+            .or_else(|| parts.headers.get(HOST).cloned());
         strip_hop_by_hop(&mut parts.headers);
         for name in [&X_FORWARDED_FOR, &X_FORWARDED_HOST, &X_FORWARDED_PROTO] {
             parts.headers.remove(name);
@@ -160,6 +169,7 @@ impl Forward {
             parts.headers.insert(X_FORWARDED_FOR, ip);
         }
         if let Some(host) = host {
+            parts.headers.insert(HOST, host.clone());
             parts.headers.insert(X_FORWARDED_HOST, host);
         }
         parts

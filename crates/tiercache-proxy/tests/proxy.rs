@@ -203,6 +203,45 @@ async fn forwards_the_clients_address_over_h2c() {
     assert!(!body.contains("6.6.6.6"), "{body}");
 }
 
+/// The upstream is asked for the host the cache keyed the request on: an
+/// HTTP/2 request's `:authority` (it carries no `Host` field; the upstream
+/// was sent the proxy's own address for it, and its answer was stored under
+/// the client's host) and an absolute-form target's authority, which
+/// replaces whatever `Host` says (RFC 9112 §3.2.2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upstream_is_asked_for_the_host_the_cache_keyed_on() {
+    let (server, _) = upstream().await;
+    let proxy = proxy_for(&server).await;
+    let (mut sender, _conn) = h2c(proxy.addr(), None).await;
+    let req = Request::get("http://shop.test/echo?over=h2")
+        .version(http::Version::HTTP_2)
+        .body(Body::empty())
+        .unwrap();
+    let res = sender.send_request(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    let body = String::from_utf8_lossy(&body);
+    assert!(body.contains("\nhost: shop.test\n"), "{body}");
+    assert!(body.contains("x-forwarded-host: shop.test\n"), "{body}");
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut raw = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
+    raw.write_all(
+        b"GET http://victim.test/echo?form=absolute HTTP/1.1\r\n\
+          Host: lenient.test\r\nConnection: close\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut answer = Vec::new();
+    bounded("the answer", raw.read_to_end(&mut answer))
+        .await
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("\nhost: victim.test\n"), "{answer}");
+    assert!(!answer.contains("lenient.test"), "{answer}");
+}
+
 /// A proxy whose upstream's port nothing listens on.
 async fn proxy_to_a_dead_upstream() -> Proxy {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -188,12 +188,17 @@ impl TieredCache {
                 remaining,
                 refresh,
             } => {
-                let early_refresh = refresh;
                 let refresh = if refresh {
                     self.refresh(keys(flight), policy, &entry)
                 } else {
                     None
                 };
+                // Counted when one starts: XFetch fires on every hit near
+                // expiry, and the key's refresh may already run.
+                let early_refresh = refresh.is_some();
+                if early_refresh {
+                    bump(&self.inner.counters.early_refreshes);
+                }
                 Begin::Hit(Hit {
                     answer: Answer {
                         entry,
@@ -258,14 +263,17 @@ impl TieredCache {
     /// is already running (it will do), or as many refreshes as allowed are
     /// running (a later hit starts it: refreshes are paced).
     pub(super) fn refresh(&self, keys: Keys, policy: &Policy, current: &Entry) -> Option<Refresh> {
-        let Ok(slot) = self.inner.refreshes.clone().try_acquire_owned() else {
-            bump(&self.inner.counters.refreshes_deferred);
-            return None;
-        };
+        // The key's own load first: one already running is no deferral.
         let leader = self
             .inner
             .flights
             .try_lead_idle(keys.flight.hash(), policy.lock_wait())?;
+        let Ok(slot) = self.inner.refreshes.clone().try_acquire_owned() else {
+            // The flight just opened ends (nobody waits on a refresh's).
+            drop(leader);
+            bump(&self.inner.counters.refreshes_deferred);
+            return None;
+        };
         Some(Refresh(Box::new(RefreshState {
             engine: self.clone(),
             keys,

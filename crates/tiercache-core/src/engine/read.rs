@@ -61,9 +61,6 @@ impl TieredCache {
             Freshness::Fresh(remaining) => {
                 bump(&self.inner.counters.hits_l1);
                 let refresh = self.xfetch_fires(&entry, remaining, policy.beta());
-                if refresh {
-                    bump(&self.inner.counters.early_refreshes);
-                }
                 Lookup::Fresh {
                     entry,
                     remaining,

@@ -10,6 +10,7 @@ use tiercache_core::Entry;
 use super::{OWN_FIELDS, accepts_encoding};
 use crate::cache_control::{has_directive, targeted};
 use crate::freshness::parse_http_date;
+use crate::key::known_coding;
 use crate::request::Conditional;
 
 /// A stored value as a response head, built once per entry (see
@@ -92,10 +93,16 @@ fn head_view(entry: &Entry, targets: &[HeaderName]) -> HeadView {
             .split(|&b| b == b',')
             .any(|n| n.trim_ascii().eq_ignore_ascii_case(b"accept-encoding"))
     });
+    // The coding decides who may get the entry, unless its variant already
+    // does: a known coding varied on `Accept-Encoding`. Unknown codings
+    // share one variant (so a client cannot mint variants), so theirs is
+    // checked still.
     let encoding = headers
         .get(CONTENT_ENCODING)
         .filter(|c| {
-            !varied_on_encoding && !c.as_bytes().trim_ascii().eq_ignore_ascii_case(b"identity")
+            let c = c.as_bytes().trim_ascii();
+            let settled_by_variant = varied_on_encoding && known_coding(c);
+            !c.eq_ignore_ascii_case(b"identity") && !settled_by_variant
         })
         .cloned();
     let etag = headers.get(ETAG).cloned();
