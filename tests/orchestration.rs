@@ -338,6 +338,104 @@ async fn an_overtaken_fill_never_answers_the_flight_that_took_it_over() {
     }
     assert_eq!(calls.get(), 2);
 }
+/// An in-memory L2 whose invalidations wait until the gate opens.
+#[derive(Debug)]
+struct HeldInvalidations {
+    inner: tiercache::core::MemoryTier,
+    open: tokio::sync::watch::Sender<bool>,
+}
+
+impl tiercache::core::Tier for HeldInvalidations {
+    fn get<'a>(
+        &'a self,
+        key: &'a CacheKey,
+    ) -> tiercache::core::BoxFuture<
+        'a,
+        Result<Option<tiercache::core::TierHit>, tiercache::core::TierError>,
+    > {
+        self.inner.get(key)
+    }
+
+    fn put(
+        &self,
+        key: &CacheKey,
+        entry: &tiercache::core::Entry,
+        ttl: Duration,
+        tags: &[bytes::Bytes],
+    ) {
+        self.inner.put(key, entry, ttl, tags);
+    }
+
+    fn invalidate<'a>(
+        &'a self,
+        invalidation: tiercache::core::Invalidation,
+    ) -> tiercache::core::BoxFuture<'a, Result<(), tiercache::core::TierError>> {
+        let mut open = self.open.subscribe();
+        Box::pin(async move {
+            let _ = open.wait_for(|open| *open).await;
+            self.inner.invalidate(invalidation).await
+        })
+    }
+}
+
+/// A write whose client goes away while its invalidations are sent still
+/// invalidates everything it names (here its URL and its `Location`): the
+/// second used to be left out, in this instance's L1 too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_whose_client_goes_away_still_invalidates_all_it_names() {
+    let open = tokio::sync::watch::Sender::new(false);
+    let engine = TieredCache::builder()
+        .l2(HeldInvalidations {
+            inner: tiercache::core::MemoryTier::new(Arc::new(MockClock::new())),
+            open: open.clone(),
+        })
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let layer = ResponseCacheLayer::new(engine.clone());
+    let version = Arc::new(AtomicUsize::new(0));
+    let app = Router::new()
+        .route(
+            "/a",
+            get(|| async { "a" }).post({
+                let version = version.clone();
+                move || async move {
+                    version.fetch_add(1, SeqCst);
+                    (StatusCode::CREATED, [("location", "/b")], "created")
+                }
+            }),
+        )
+        .route(
+            "/b",
+            get({
+                let version = version.clone();
+                move || async move { format!("b{}", version.load(SeqCst)) }
+            }),
+        )
+        .layer(layer.route(policy()).unwrap());
+    for path in ["/a", "/b", "/b"] {
+        send(&app, "GET", path).await;
+    }
+    assert_eq!(header(&send(&app, "GET", "/b").await.1, "x-cache"), "HIT");
+    let post = tokio::time::timeout(Duration::from_millis(200), send(&app, "POST", "/a")).await;
+    assert!(
+        post.is_err(),
+        "the shared tier held the write's invalidations"
+    );
+    open.send_replace(true);
+    eventually("the write's invalidations landed", || {
+        let done = engine.stats().invalidations;
+        done.pending == 0 && done.landed >= 2
+    })
+    .await;
+    let (_, headers, body) = send(&app, "GET", "/b").await;
+    assert_eq!(
+        (header(&headers, "x-cache"), body.as_str()),
+        ("MISS", "b1"),
+        "the Location's copy outlived the write"
+    );
+}
+
 /// With Valkey on, an XFetch refresh reads L2 first and finds the very entry
 /// it refreshes: it must go on to the origin, not stop there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

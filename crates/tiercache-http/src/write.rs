@@ -39,35 +39,13 @@ where
     let mut invalidated = None;
     if res.status().is_success() || res.status().is_redirection() {
         keys.extend(location_keys(res.headers(), &request));
-        // One message per URL: its key and the variants this instance knows,
-        // with its family tag, under which the shared tier recorded the
-        // variants other instances stored.
-        let mut queued = false;
-        for key in keys {
-            let mut known = route.variants.take(&key);
-            let tag = family_tag(&key);
-            known.push(key);
-            queued |= route
-                .engine
-                .invalidate_tag_and_keys(tag, &known)
-                .await
-                .is_err();
-        }
-        for what in also {
-            let done = match what {
-                Invalidate::Tag(tag) => route.engine.invalidate_tag(tag).await,
-                Invalidate::PathPrefix(prefix) => match request.uri_of(&prefix) {
-                    Some(uri) => {
-                        route
-                            .engine
-                            .invalidate_prefix(path_prefix_pattern(&uri))
-                            .await
-                    }
-                    None => Ok(()),
-                },
-            };
-            queued |= done.is_err();
-        }
+        // In a task of its own: a client that goes away while these are
+        // sent must not leave the rest undone (here and everywhere).
+        let work = invalidate_all(route.clone(), keys, request, also);
+        let queued = match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => runtime.spawn(work).await.unwrap_or(true),
+            Err(_) => work.await,
+        };
         invalidated = Some(if queued { "queued" } else { "done" });
     }
     let mut res = res.map(CacheBody::stream);
@@ -79,4 +57,43 @@ where
             .insert(X_CACHE_INVALIDATION, HeaderValue::from_static(how));
     }
     Ok(res)
+}
+
+/// Invalidates what a write names: each URL (one message per URL: its key
+/// and the variants this instance knows, with its family tag, under which
+/// the shared tier recorded the variants other instances stored), then
+/// `also`. Whether any was queued rather than landed.
+async fn invalidate_all(
+    route: Arc<Route>,
+    keys: Vec<CacheKey>,
+    request: Target,
+    also: Vec<Invalidate>,
+) -> bool {
+    let mut queued = false;
+    for key in keys {
+        let mut known = route.variants.take(&key);
+        let tag = family_tag(&key);
+        known.push(key);
+        queued |= route
+            .engine
+            .invalidate_tag_and_keys(tag, &known)
+            .await
+            .is_err();
+    }
+    for what in also {
+        let done = match what {
+            Invalidate::Tag(tag) => route.engine.invalidate_tag(tag).await,
+            Invalidate::PathPrefix(prefix) => match request.uri_of(&prefix) {
+                Some(uri) => {
+                    route
+                        .engine
+                        .invalidate_prefix(path_prefix_pattern(&uri))
+                        .await
+                }
+                None => Ok(()),
+            },
+        };
+        queued |= done.is_err();
+    }
+    queued
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use bytes::Bytes;
-use http::header::{HOST, HeaderName, HeaderValue};
+use http::header::{HOST, HeaderName, HeaderValue, TE, TRAILER};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri};
 use hyper::body::{Frame, Incoming, SizeHint};
@@ -161,7 +161,20 @@ impl Forward {
             .map(|a| a.as_str().rsplit_once('@').map_or(a.as_str(), |(_, h)| h))
             .and_then(|a| HeaderValue::from_str(a).ok())
             .or_else(|| parts.headers.get(HOST).cloned());
+        // `TE` is this hop's: of it the proxy passes on the one token it
+        // honours itself, `trailers` (it relays them).
+        let trailers = parts.headers.get_all(TE).iter().any(|v| {
+            v.as_bytes().split(|&b| b == b',').any(|t| {
+                let name = t.split(|&b| b == b';').next().unwrap_or_default();
+                name.trim_ascii().eq_ignore_ascii_case(b"trailers")
+            })
+        });
         strip_hop_by_hop(&mut parts.headers);
+        if trailers {
+            parts
+                .headers
+                .insert(TE, HeaderValue::from_static("trailers"));
+        }
         for name in [&X_FORWARDED_FOR, &X_FORWARDED_HOST, &X_FORWARDED_PROTO] {
             parts.headers.remove(name);
         }
@@ -223,7 +236,14 @@ impl tower::Service<Request<Body>> for Forward {
             match answered {
                 Ok(res) => {
                     let (mut parts, body) = res.into_parts();
+                    // `Trailer` is end to end (RFC 9110 §6.6.2): without it
+                    // hyper sends the client no trailers.
+                    let declared: Vec<HeaderValue> =
+                        parts.headers.get_all(TRAILER).iter().cloned().collect();
                     strip_hop_by_hop(&mut parts.headers);
+                    for value in declared {
+                        parts.headers.append(TRAILER, value);
+                    }
                     let body = UpstreamStream::new(body, timeout);
                     Ok(Response::from_parts(
                         parts,

@@ -64,6 +64,11 @@ pub(crate) async fn on_reconnect<F, Fut>(
             let Some(live) = bus.upgrade() else {
                 return;
             };
+            // `connect` returned once subscribed, before this read: a copy
+            // promoted meanwhile was checked against no bans.
+            if !resync && !bans.is_empty() {
+                live.drop_banned(&bans);
+            }
             live.merge_bans(bans, crate::bans::BAN_RETENTION);
             if resync {
                 live.resync();

@@ -111,22 +111,38 @@ impl TieredCache {
     /// Sends `invalidation` to the shared tier through the outbox: its
     /// tombstone is in force at once, one attempt is made within the tier's
     /// bound, and if that fails the outbox retries it until it lands.
+    ///
+    /// The attempt runs in a task of its own: a caller that goes away
+    /// meanwhile (a client that disconnected, a timeout around the call)
+    /// leaves it to land or be queued, never half done in the outbox.
     async fn invalidate_shared(&self, invalidation: Invalidation) -> Result<(), Queued> {
         let Some(l2) = self.inner.l2.clone() else {
             return Ok(());
         };
-        let counters = &self.inner.counters;
-        let outbox = &self.inner.outbox;
-        let id = outbox.push(invalidation.clone(), self.now(), counters);
-        if l2.invalidate(invalidation).await.is_ok() {
-            outbox.landed(id);
-            bump(&counters.invalidations_landed);
+        let (counters, outbox) = (self.inner.counters.clone(), self.inner.outbox.clone());
+        let id = outbox.push(invalidation.clone(), self.now(), &counters);
+        let attempt = {
+            let outbox = outbox.clone();
+            async move {
+                if l2.invalidate(invalidation).await.is_ok() {
+                    outbox.landed(id);
+                    bump(&counters.invalidations_landed);
+                    return true;
+                }
+                bump(&counters.l2_errors);
+                bump(&counters.invalidations_queued);
+                outbox.queued(id);
+                outbox.drain_in_background(l2, counters);
+                false
+            }
+        };
+        let landed = match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => runtime.spawn(attempt).await.unwrap_or(false),
+            Err(_) => attempt.await,
+        };
+        if landed {
             return Ok(());
         }
-        bump(&counters.l2_errors);
-        bump(&counters.invalidations_queued);
-        outbox.queued(id);
-        outbox.drain_in_background(l2, counters.clone());
         Err(Queued {
             pending: outbox.pending(),
         })
