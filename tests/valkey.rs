@@ -903,6 +903,56 @@ async fn a_fill_that_lands_after_another_instances_invalidation_is_taken_out_aga
     }
 }
 
+/// The same race, seen by a third instance: D heard B's invalidation, then
+/// read A's overtaken copy from L2 before A deleted it again, and kept it
+/// in its L1 for the copy's whole lifetime. A announces what its delete
+/// again removed, so D drops it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_read_before_the_delete_again_leaves_every_l1() {
+    let server = ValkeyServer::start();
+    let (link, a_tier, a) = behind_a_link(&server).await;
+    let b = engine(tier(&server.url(), "tc").await);
+    let d = engine(tier(&server.url(), "tc").await);
+    server.subscribed("tc:inv", 3).await;
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    a.put(
+        &CacheKey::new("warm"),
+        Fill::new(Value::from_body("w")),
+        &policy,
+    );
+    wait_for_keys(&server, "tc:*:e", 1).await;
+
+    link.set(Fault::Latency(Duration::from_millis(300)));
+    let key = CacheKey::new("in flight");
+    a.put(&key, Fill::new(Value::from_body("old")), &policy);
+    b.invalidate(&key).await.unwrap();
+    eventually("D hears B's invalidation", || {
+        d.stats().l2.invalidations_received >= 1
+    })
+    .await;
+    // A's `SET` lands after B's `DEL`; D reads the copy and keeps it.
+    wait_for_keys(&server, "tc:*:e", 2).await;
+    assert_eq!(d.get(&key).await.map(|v| v.body), Some("old".into()));
+    eventually("A hears B's invalidation", || {
+        a.stats().l2.invalidations_received >= 1
+    })
+    .await;
+    bounded("A's write queue", a_tier.flush()).await;
+    link.set(Fault::Pass);
+    eventually("A deleted its copy again", || {
+        a.stats().l2.fills_overtaken >= 1
+    })
+    .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while d.get(&key).await.is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "D kept the copy A's delete again removed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// The same race on one instance: its own fill of the old version is
 /// still queued (behind a pipeline on a slow link) when a write on that
 /// instance invalidates the key. The invalidation's flush does not wait on

@@ -134,7 +134,7 @@ impl Target {
 }
 
 /// A delete again: the entry's Valkey key and the stamp it must still hold.
-pub(crate) type Undo = (String, Stamp);
+pub(crate) type Undo = (String, Stamp, KeyHash);
 
 #[derive(Default)]
 struct State {
@@ -288,7 +288,7 @@ impl Overtaken {
         let mut again = Vec::new();
         for fill in fills {
             if state.overtaken_since(since, &fill.hash, &fill.full, &fill.tags) {
-                again.push((fill.key, fill.stamp));
+                again.push((fill.key, fill.stamp, fill.hash));
                 continue;
             }
             state.sent.push(now, fill);
@@ -326,7 +326,7 @@ mod tests {
     fn deletes(rx: &mut mpsc::Receiver<Write>) -> Vec<String> {
         let mut out = Vec::new();
         while let Ok(Write::Command(Command::Delete(undo))) = rx.try_recv() {
-            out.extend(undo.into_iter().map(|(key, _)| key));
+            out.extend(undo.into_iter().map(|(key, ..)| key));
         }
         out
     }
@@ -376,7 +376,8 @@ mod tests {
         assert!(deletes(&mut rx).is_empty());
         // …but once the pipeline is answered, delete it again, once.
         let again = o.sent(sent_under, vec![target("a", &[])], now);
-        assert_eq!(again, [("e:a".to_owned(), target("a", &[]).stamp)]);
+        let a = target("a", &[]);
+        assert_eq!(again, [("e:a".to_owned(), a.stamp, a.hash)]);
         o.heard(Scope::Everything, now);
         assert!(deletes(&mut rx).is_empty(), "not remembered as sent");
     }

@@ -11,7 +11,7 @@ use fred::prelude::{ClientLike, Expiration, KeysInterface, SortedSetsInterface, 
 use fred::types::{ClusterHash, CustomCommand, ExpireOptions};
 use tokio::sync::mpsc;
 
-use tiercache_core::KeyHash;
+use tiercache_core::{Invalidation, KeyHash};
 
 use crate::lock::Release;
 use crate::overtaken::{STAMP_HEAD, STAMP_TAIL, Stamp, Target, Undo};
@@ -242,10 +242,15 @@ async fn delete_until_done(inner: Weak<Inner>, undo: Vec<Undo>) {
 const DELETE_RETRY_FOR: Duration = Duration::from_secs(600);
 
 /// Deletes `KEYS[1]` only while it still holds the envelope whose first
-/// bytes are `ARGV[1]` and last bytes `ARGV[2]` (see `Stamp`).
+/// bytes are `ARGV[1]` and last bytes `ARGV[2]` (see `Stamp`); when it did,
+/// publishes `ARGV[6]` on `ARGV[5]` (the key's invalidation): another
+/// instance may have read the copy from L2 before the delete, after the
+/// invalidation that overtook it, and would keep it in its L1.
 const DELETE_IF_STAMPED: &str = "if redis.call('GETRANGE', KEYS[1], 0, ARGV[3]) == ARGV[1] \
      and redis.call('GETRANGE', KEYS[1], ARGV[4], -1) == ARGV[2] then \
-     return redis.call('UNLINK', KEYS[1]) else return 0 end";
+     local n = redis.call('UNLINK', KEYS[1]) \
+     if n == 1 then redis.call('PUBLISH', ARGV[5], ARGV[6]) end \
+     return n else return 0 end";
 
 /// Sends a batch in one pipeline, in order: each fill's `SET … PX` and its
 /// tag sets; each release's shared answer, token-checked unlock and
@@ -279,8 +284,13 @@ async fn apply_batch(
             }
             Command::Delete(undo) => {
                 // One script a key: each entry lives in its own slot.
-                for (key, stamp) in undo {
+                for (key, stamp, hash) in undo {
                     let eval = CustomCommand::new_static("EVAL", ClusterHash::Offset(2), false);
+                    let message = crate::bus::encode(&crate::bus::Message {
+                        from: inner.bus.instance.clone(),
+                        invalidation: Invalidation::Keys(vec![*hash]),
+                        at: None,
+                    });
                     let args = vec![
                         Value::from(DELETE_IF_STAMPED),
                         Value::from(1),
@@ -289,6 +299,8 @@ async fn apply_batch(
                         Value::from(Bytes::copy_from_slice(&stamp.tail)),
                         Value::from((STAMP_HEAD - 1) as i64),
                         Value::from(-(STAMP_TAIL as i64)),
+                        Value::from(inner.bus.channel.as_str()),
+                        Value::from(message),
                     ];
                     let _: () = pipe.custom(eval, args).await?;
                 }

@@ -61,7 +61,7 @@ impl SentLog {
             let hit = fill.covered_by(scope);
             if hit {
                 freed += fill.size();
-                taken.push((fill.key.clone(), fill.stamp.clone()));
+                taken.push((fill.key.clone(), fill.stamp.clone(), fill.hash));
             }
             !hit
         });
