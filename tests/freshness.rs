@@ -579,6 +579,48 @@ async fn a_waiter_loading_on_its_own_keeps_stale_if_error() {
     assert_eq!(t.origin.seen.lock().unwrap().len(), 3);
 }
 
+/// A request that arrives after an invalidation, while a load of the key
+/// fails, gets the failure, not the stale copy the invalidation removed
+/// (the request leading the load came before it and may still stand that
+/// copy in).
+#[tokio::test(start_paused = true)]
+async fn a_request_after_an_invalidation_is_not_answered_with_the_removed_copy() {
+    let t = Harness::new(
+        Policy::ttl(secs(1))
+            .jitter(0.0)
+            .stale_if_error(secs(60))
+            .build()
+            .unwrap(),
+    );
+    t.get("/r").await;
+    t.advance(2000);
+    let gate = Gate::new();
+    t.origin.set(Mode::HeldStatus(gate.clone(), 503));
+    let uri: axum::http::Uri = "http://t/r".parse().unwrap();
+    let (leader, after, ()) = tokio::join!(
+        t.get("/r"),
+        async {
+            while t.origin.calls.get() < 2 {
+                tokio::task::yield_now().await;
+            }
+            t.layer.invalidate_url(&uri).await.unwrap();
+            t.get("/r").await
+        },
+        async {
+            while t.engine.stats().coalesced < 1 {
+                tokio::task::yield_now().await;
+            }
+            gate.open();
+        }
+    );
+    assert_eq!((x_cache(&leader.1), leader.2.as_str()), ("STALE", "body 1"));
+    assert_eq!(
+        (after.0, after.2.as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, "status 503"),
+        "answered with the copy its invalidation removed"
+    );
+}
+
 #[tokio::test]
 async fn a_304_renews_the_entry_without_a_body() {
     let t = Harness::new(

@@ -101,6 +101,15 @@ pub trait InvalidationSink: Send + Sync + 'static {
             self.apply(&Invalidation::Prefix(pattern.clone()));
         }
     }
+
+    /// Copies of these keys may be ones the shared tier no longer holds
+    /// (an overtaken fill it deleted again, read by some instance first):
+    /// drops them from L1, and nothing else (no load in flight is
+    /// refused; a newer copy dropped with them costs one miss). By
+    /// default, as an invalidation of the keys.
+    fn drop_copies(&self, hashes: &[KeyHash]) {
+        self.apply(&Invalidation::Keys(hashes.to_vec()));
+    }
 }
 
 /// A leader's hold on the fleet-wide fill lock for one key. Release it with

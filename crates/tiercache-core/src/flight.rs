@@ -37,10 +37,11 @@ pub(crate) enum FlightResult {
     /// An answer that may be shared but was not stored (an error page, a
     /// value the loader chose not to keep); `true` for an origin failure.
     Transient(Entry, bool),
-    /// The origin failed and this stale entry answers (stale-if-error),
-    /// with the failure when any client may see it: the answer of the
-    /// followers the stale entry does not fit.
-    Stale(Entry, Option<Entry>),
+    /// The origin failed and the leader's stale entry answered it
+    /// (stale-if-error); each follower stands in its own (see
+    /// `TieredCache::followed`), or gets the failure, when any client may
+    /// see it.
+    Stale(Option<Entry>),
     /// The leader's answer may not be shared: go to the origin alone.
     Released,
     /// The load ended without an answer to share.
@@ -159,6 +160,14 @@ impl Flights {
             Join::Leader(leader) => Some(leader),
             Join::Follower(_) => None,
         }
+    }
+
+    /// Whether a load of `key` is in flight.
+    pub(crate) fn is_loading(&self, key: KeyHash) -> bool {
+        self.map
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&key)
     }
 
     pub(crate) fn in_flight(&self) -> usize {

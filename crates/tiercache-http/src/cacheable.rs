@@ -3,7 +3,7 @@
 
 use http::header::{
     AUTHORIZATION, CACHE_CONTROL, CONTENT_LENGTH, COOKIE, HOST, IF_MATCH, IF_MODIFIED_SINCE,
-    IF_NONE_MATCH, IF_RANGE, IF_UNMODIFIED_SINCE, PRAGMA, RANGE, SET_COOKIE, TRANSFER_ENCODING,
+    IF_NONE_MATCH, IF_RANGE, IF_UNMODIFIED_SINCE, PRAGMA, RANGE, SET_COOKIE, TE, TRANSFER_ENCODING,
     VARY,
 };
 use http::{HeaderMap, Method, StatusCode, request};
@@ -154,6 +154,7 @@ pub(crate) struct Scan {
     pub(crate) conditional: bool,
     pub(crate) unkeyed: bool,
     pub(crate) range: bool,
+    pub(crate) te: bool,
 }
 
 impl Scan {
@@ -174,6 +175,8 @@ impl Scan {
                 scan.authorization = true;
             } else if name == IF_NONE_MATCH || name == IF_MODIFIED_SINCE {
                 scan.conditional = true;
+            } else if name == TE {
+                scan.te = true;
             } else {
                 scan.unkeyed |= crate::request::is_unkeyed(name.as_str());
             }

@@ -9,7 +9,7 @@
 use std::time::SystemTime;
 
 use http::header::{
-    AUTHORIZATION, CACHE_CONTROL, COOKIE, IF_MODIFIED_SINCE, IF_NONE_MATCH, PRAGMA,
+    AUTHORIZATION, CACHE_CONTROL, COOKIE, IF_MODIFIED_SINCE, IF_NONE_MATCH, PRAGMA, TE,
 };
 use http::{HeaderMap, HeaderName, HeaderValue, Method, request};
 use tiercache_core::key::fingerprint;
@@ -181,6 +181,12 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
         for v in headers.get_all(name) {
             key.push(v.as_bytes());
         }
+    }
+    // A response the cache may store goes to every client, and a stored
+    // body keeps no trailers: the origin is not asked for them (asked, it
+    // may send them, and an answer with trailers is not stored).
+    if scan.te {
+        headers.remove(TE);
     }
     let conditional = if scan.conditional {
         Conditional::take(headers)

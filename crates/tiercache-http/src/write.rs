@@ -43,7 +43,12 @@ where
         // sent must not leave the rest undone (here and everywhere).
         let work = invalidate_all(route.clone(), keys, request, also);
         let queued = match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => runtime.spawn(work).await.unwrap_or(true),
+            Ok(runtime) => match runtime.spawn(work).await {
+                Ok(queued) => queued,
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                // The runtime shuts down.
+                Err(_) => true,
+            },
             Err(_) => work.await,
         };
         invalidated = Some(if queued { "queued" } else { "done" });

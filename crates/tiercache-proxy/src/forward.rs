@@ -10,7 +10,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use bytes::Bytes;
-use http::header::{HOST, HeaderName, HeaderValue, TE, TRAILER};
+use http::header::{CONNECTION, HOST, HeaderName, HeaderValue, TE, TRAILER};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri};
 use hyper::body::{Frame, Incoming, SizeHint};
@@ -174,6 +174,10 @@ impl Forward {
             parts
                 .headers
                 .insert(TE, HeaderValue::from_static("trailers"));
+            // RFC 9110 §10.1.4: `TE` comes with its connection option.
+            parts
+                .headers
+                .insert(CONNECTION, HeaderValue::from_static("te"));
         }
         for name in [&X_FORWARDED_FOR, &X_FORWARDED_HOST, &X_FORWARDED_PROTO] {
             parts.headers.remove(name);

@@ -265,21 +265,27 @@ impl hyper::body::Body for DataThenTrailers {
 }
 
 /// An upstream's trailers reach a client that asked for them (`TE:
-/// trailers`, which the upstream is told too): `Trailer` is no hop-by-hop
-/// field (RFC 9110 §6.6.2), and without it hyper sends no trailers.
+/// trailers`, which the upstream is told too) on a request the cache does
+/// not store: `Trailer` is no hop-by-hop field (RFC 9110 §6.6.2), and
+/// without it hyper sends no trailers. A request the cache may store does
+/// not ask the upstream for trailers: a stored body keeps none, and an
+/// answer with trailers is not stored (Firefox sends `TE: trailers` on
+/// every request; asked for them, such an upstream's answers were never
+/// stored).
 #[tokio::test]
 async fn trailers_reach_a_client_that_asked_for_them() {
     let app = Router::new().route(
         "/trailers",
-        get(|headers: HeaderMap| async move {
+        any(|headers: HeaderMap| async move {
             let asked = headers.get("te").is_some_and(|te| te == "trailers");
             let mut trailers = HeaderMap::new();
             trailers.insert("x-checksum", "abc".parse().unwrap());
-            let body = DataThenTrailers(Some(trailers), false);
+            let declared = if asked { "x-checksum" } else { "x-none" };
+            let body = DataThenTrailers(asked.then_some(trailers), false);
             (
                 [
-                    ("trailer", "x-checksum"),
-                    ("cache-control", "no-store"),
+                    ("trailer", declared),
+                    ("cache-control", "max-age=60"),
                     ("x-te-trailers", if asked { "yes" } else { "no" }),
                 ],
                 Body::new(body),
@@ -288,11 +294,15 @@ async fn trailers_reach_a_client_that_asked_for_them() {
     );
     let server = Server::start(app).await;
     let proxy = proxy_for(&server).await;
-    let req = Request::get(format!("http://{}/trailers", proxy.addr()))
-        .header("te", "trailers")
-        .body(Body::empty())
-        .unwrap();
-    let res = client().request(req).await.expect("the proxy answers");
+    let request = |method: &str| {
+        Request::builder()
+            .method(method)
+            .uri(format!("http://{}/trailers", proxy.addr()))
+            .header("te", "trailers")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let res = client().request(request("POST")).await.expect("answers");
     assert_eq!(
         res.headers()["x-te-trailers"],
         "yes",
@@ -305,6 +315,11 @@ async fn trailers_reach_a_client_that_asked_for_them() {
         trailers.get("x-checksum").map(|v| v.as_bytes()),
         Some(&b"abc"[..])
     );
+    for x_cache in ["MISS", "HIT"] {
+        let res = client().request(request("GET")).await.expect("answers");
+        assert_eq!(res.headers()["x-te-trailers"], "no", "asked on a GET");
+        assert_eq!(res.headers()["x-cache"], x_cache);
+    }
 }
 
 /// A proxy whose upstream's port nothing listens on.

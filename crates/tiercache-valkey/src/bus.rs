@@ -48,6 +48,27 @@ pub(crate) fn encode(message: &Message) -> String {
     }
 }
 
+/// `FROM D HASH…`: drop L1's copies of these keys, and nothing else (see
+/// [`InvalidationSink::drop_copies`]); sent by the script that deleted an
+/// overtaken fill again. Instances that predate it ignore it.
+pub(crate) fn encode_drop(from: &str, hashes: &[KeyHash]) -> String {
+    let mut text = format!("{from} D");
+    for hash in hashes {
+        text.push_str(&format!(" {hash}"));
+    }
+    text
+}
+
+/// Reads [`encode_drop`]'s output; `None` for anything else.
+pub(crate) fn decode_drop(text: &str) -> Option<Vec<KeyHash>> {
+    let mut words = text.split(' ');
+    let (_from, kind) = (words.next()?, words.next()?);
+    if kind != "D" {
+        return None;
+    }
+    words.map(KeyHash::from_hex).collect()
+}
+
 /// Reads [`encode`]'s output; `None` for anything else.
 pub(crate) fn decode(text: &str) -> Option<Message> {
     let mut words = text.split(' ');
@@ -324,6 +345,14 @@ impl Bus {
         let Some(text) = message.value.as_str() else {
             return;
         };
+        // This instance's own too: one of its requests may have read the
+        // copy from L2 before the delete.
+        if let Some(hashes) = decode_drop(&text) {
+            if let Some(sink) = self.sink() {
+                sink.drop_copies(&hashes);
+            }
+            return;
+        }
         let Some(decoded) = decode(&text) else {
             return;
         };
@@ -399,6 +428,23 @@ pub(crate) async fn dispatch(bus: Weak<Bus>, mut rx: broadcast::Receiver<fred::t
 mod tests {
     use super::*;
     use tiercache_core::CacheKey;
+
+    /// A drop message is read back as one, and never as an invalidation
+    /// (which would refuse loads in flight and delete fills again).
+    #[test]
+    fn drop_messages_are_not_invalidations() {
+        let hashes = vec![CacheKey::new("a").hash(), CacheKey::new("b").hash()];
+        let text = encode_drop("me", &hashes);
+        assert_eq!(decode_drop(&text), Some(hashes.clone()));
+        assert!(decode(&text).is_none());
+        let keys = encode(&Message {
+            from: "me".into(),
+            invalidation: Invalidation::Keys(hashes),
+            at: None,
+        });
+        assert!(decode_drop(&keys).is_none());
+        assert!(decode_drop("me D zz").is_none(), "not a hash");
+    }
 
     #[test]
     fn a_subscription_after_connect_gave_up_resyncs_once() {

@@ -65,11 +65,13 @@ pub(crate) async fn on_reconnect<F, Fut>(
                 return;
             };
             // `connect` returned once subscribed, before this read: a copy
-            // promoted meanwhile was checked against no bans.
-            if !resync && !bans.is_empty() {
+            // promoted meanwhile was checked against no bans. Merged first,
+            // so a read that checks them after the scan refuses the copy.
+            let dropped = (!resync && !bans.is_empty()).then(|| bans.clone());
+            live.merge_bans(bans, crate::bans::BAN_RETENTION);
+            if let Some(bans) = dropped {
                 live.drop_banned(&bans);
             }
-            live.merge_bans(bans, crate::bans::BAN_RETENTION);
             if resync {
                 live.resync();
             }
@@ -102,8 +104,9 @@ pub(crate) async fn on_reconnect<F, Fut>(
             };
             retrying.store(false, Relaxed);
             if let Some(live) = bus.upgrade() {
+                // Merged first: a read after the scan checks them.
+                live.merge_bans(bans.clone(), crate::bans::BAN_RETENTION);
                 live.drop_banned(&bans);
-                live.merge_bans(bans, crate::bans::BAN_RETENTION);
             }
         });
     }

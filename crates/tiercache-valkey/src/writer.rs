@@ -11,7 +11,7 @@ use fred::prelude::{ClientLike, Expiration, KeysInterface, SortedSetsInterface, 
 use fred::types::{ClusterHash, CustomCommand, ExpireOptions};
 use tokio::sync::mpsc;
 
-use tiercache_core::{Invalidation, KeyHash};
+use tiercache_core::KeyHash;
 
 use crate::lock::Release;
 use crate::overtaken::{STAMP_HEAD, STAMP_TAIL, Stamp, Target, Undo};
@@ -243,9 +243,11 @@ const DELETE_RETRY_FOR: Duration = Duration::from_secs(600);
 
 /// Deletes `KEYS[1]` only while it still holds the envelope whose first
 /// bytes are `ARGV[1]` and last bytes `ARGV[2]` (see `Stamp`); when it did,
-/// publishes `ARGV[6]` on `ARGV[5]` (the key's invalidation): another
-/// instance may have read the copy from L2 before the delete, after the
-/// invalidation that overtook it, and would keep it in its L1.
+/// publishes `ARGV[6]` on `ARGV[5]` (a `D` message: every instance drops
+/// its L1 copies of the key): one may have read the copy from L2 before
+/// the delete, after the invalidation that overtook it, and would keep it.
+/// Not an invalidation: that would refuse loads in flight and delete again
+/// the fresh fills other instances sent lately, each announcing it in turn.
 const DELETE_IF_STAMPED: &str = "if redis.call('GETRANGE', KEYS[1], 0, ARGV[3]) == ARGV[1] \
      and redis.call('GETRANGE', KEYS[1], ARGV[4], -1) == ARGV[2] then \
      local n = redis.call('UNLINK', KEYS[1]) \
@@ -286,11 +288,7 @@ async fn apply_batch(
                 // One script a key: each entry lives in its own slot.
                 for (key, stamp, hash) in undo {
                     let eval = CustomCommand::new_static("EVAL", ClusterHash::Offset(2), false);
-                    let message = crate::bus::encode(&crate::bus::Message {
-                        from: inner.bus.instance.clone(),
-                        invalidation: Invalidation::Keys(vec![*hash]),
-                        at: None,
-                    });
+                    let message = crate::bus::encode_drop(&inner.bus.instance, &[*hash]);
                     let args = vec![
                         Value::from(DELETE_IF_STAMPED),
                         Value::from(1),

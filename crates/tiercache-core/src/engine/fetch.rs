@@ -263,13 +263,21 @@ impl TieredCache {
     /// is already running (it will do), or as many refreshes as allowed are
     /// running (a later hit starts it: refreshes are paced).
     pub(super) fn refresh(&self, keys: Keys, policy: &Policy, current: &Entry) -> Option<Refresh> {
-        // The key's own load first: one already running is no deferral.
+        // No slot free: deferred, unless the key's own load runs (it will
+        // do). Looked up, not led: no flight opened and closed per hit.
+        if self.inner.refreshes.available_permits() == 0 {
+            if !self.inner.flights.is_loading(keys.flight.hash()) {
+                bump(&self.inner.counters.refreshes_deferred);
+            }
+            return None;
+        }
         let leader = self
             .inner
             .flights
             .try_lead_idle(keys.flight.hash(), policy.lock_wait())?;
         let Ok(slot) = self.inner.refreshes.clone().try_acquire_owned() else {
-            // The flight just opened ends (nobody waits on a refresh's).
+            // Taken meanwhile: the flight just opened ends (nobody waits on
+            // a refresh's).
             drop(leader);
             bump(&self.inner.counters.refreshes_deferred);
             return None;
@@ -404,6 +412,9 @@ impl Miss {
                 .await;
         }
         let mut collapsed = false;
+        // Joined again once after an overtaken answer; a second overtaken
+        // one (a key invalidated faster than it loads) loads alone.
+        let mut rejoined = false;
         // A stale entry that may stand in for a slow origin: past the soft
         // timeout it answers a follower as it answers the leader.
         let stand_in = fallback
@@ -467,7 +478,15 @@ impl Miss {
                                 .load_alone(&keys, &policy, origin, fallback, true, false)
                                 .await
                         }
-                        Followed::Again => continue,
+                        Followed::Again if !rejoined => {
+                            rejoined = true;
+                            continue;
+                        }
+                        Followed::Again => {
+                            engine
+                                .load_alone(&keys, &policy, origin, fallback, true, false)
+                                .await
+                        }
                     };
                 }
                 // The flight's deadline passed: the next join takes it over

@@ -245,7 +245,7 @@ impl TieredCache {
         let delta = self.delta_since(began, took);
         self.inner.counters.origin_load(took);
         let stand_in = |leader: Leader, stale: Entry| {
-            leader.complete(FlightResult::Stale(stale.clone(), None));
+            leader.complete(FlightResult::Stale(None));
             Filled::Stale(stale)
         };
         match loaded {
@@ -319,7 +319,7 @@ impl TieredCache {
     ) -> Filled<T> {
         match usable.filter(|_| failed) {
             Some(stale) => {
-                leader.complete(FlightResult::Stale(stale.clone(), Some(entry)));
+                leader.complete(FlightResult::Stale(Some(entry)));
                 Filled::Stale(stale)
             }
             None => {
@@ -383,13 +383,12 @@ impl TieredCache {
                 None if origin.accepts(&entry) => answer(entry, Source::Origin, Served::Shared),
                 None => Followed::Alone,
             },
-            // The leader's stale entry, when it fits this request (a flight
-            // is keyed by URL: a reload, or a request the entry's `Vary` or
-            // encoding does not fit, may share it); else this request's own.
-            FlightResult::Stale(entry, _) if origin.accepts(&entry) => {
-                answer(entry, Source::L1, Served::Stale(StaleReason::OriginError))
-            }
-            FlightResult::Stale(_, failure) => match stale(fallback) {
+            // The origin failed and the leader stood its stale entry in:
+            // this request stands in its own, the copy it found in L1 (the
+            // same one, unless its variant is another). One that found none
+            // came after an invalidation removed it (or never had one), and
+            // gets the failure, as it would alone.
+            FlightResult::Stale(failure) => match stale(fallback) {
                 Some(stand_in) => stand_in,
                 None => match failure.filter(|f| origin.accepts(f)) {
                     Some(failure) => answer(failure, Source::Origin, Served::Shared),

@@ -137,7 +137,12 @@ impl TieredCache {
             }
         };
         let landed = match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => runtime.spawn(attempt).await.unwrap_or(false),
+            Ok(runtime) => match runtime.spawn(attempt).await {
+                Ok(landed) => landed,
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                // The runtime shuts down.
+                Err(_) => false,
+            },
             Err(_) => attempt.await,
         };
         if landed {
@@ -179,6 +184,10 @@ impl InvalidationSink for Inner {
             bans.iter()
                 .any(|(pattern, at)| created <= *at && pattern.matches_full(e.key()))
         });
+    }
+
+    fn drop_copies(&self, hashes: &[KeyHash]) {
+        self.drop_hashes(hashes);
     }
 
     fn resync(&self) {
