@@ -200,9 +200,20 @@ impl ProxyConfig {
         self.policy()
             .map_err(|e| ProxyError::Config(e.to_string()))?;
         crate::forward::check_upstream(&self.upstream).map_err(ProxyError::Config)?;
-        if self.origin_timeout.is_zero() {
+        if self.origin_timeout.is_zero() || self.origin_timeout > Duration::from_secs(86_400) {
             return Err(ProxyError::Config(
-                "`--origin-timeout` (`origin_timeout` in a config file): greater than 0".into(),
+                "`--origin-timeout` (`origin_timeout` in a config file): greater than 0, at most 1 day".into(),
+            ));
+        }
+        // What the engine's build refuses, so `--check-config` says so too.
+        if self.l1_capacity == 0 {
+            return Err(ProxyError::Config(
+                "`--l1-capacity` (`l1_capacity` in a config file): at least 1 byte".into(),
+            ));
+        }
+        if self.max_refreshes == 0 {
+            return Err(ProxyError::Config(
+                "`--max-refreshes` (`max_refreshes` in a config file): at least 1".into(),
             ));
         }
         if self.client_timeout.is_zero() || self.client_timeout > Duration::from_secs(86_400) {

@@ -2,15 +2,17 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::hash::BuildHasher;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use bytes::Bytes;
-use http::header::{CONNECTION, HOST, HeaderName, HeaderValue, TE, TRAILER};
+use http::header::{CONNECTION, HOST, HeaderName, HeaderValue, TE, TRAILER, VIA};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri};
 use hyper::body::{Frame, Incoming, SizeHint};
@@ -18,6 +20,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tiercache_http::headers::strip_hop_by_hop;
+use tiercache_http::request::{is_unkeyed, same_name};
 
 /// The upstream's answer: its body streams through, or the proxy's own error page.
 pub type UpstreamBody = http_body_util::Either<UpstreamStream, Body>;
@@ -84,6 +87,7 @@ impl hyper::body::Body for UpstreamStream {
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
 
 /// The scheme and host of `upstream`, if it is something the proxy can
 /// forward to: `http://`, a host, and no path or query (requests keep their
@@ -109,9 +113,12 @@ pub(crate) fn check_upstream(upstream: &Uri) -> Result<(Scheme, Authority), Stri
 }
 
 /// Forwards each request to `upstream`, as a reverse proxy should: hop-by-hop
-/// fields (and those named in `Connection`) removed both ways, `Host` kept,
-/// `X-Forwarded-For/Host/Proto` set by the proxy itself (what a client sent in
-/// them is discarded), bodies streamed. An unreachable upstream is a 502.
+/// fields (and those named in `Connection`) removed both ways, `Host` the
+/// host the cache keyed on, `X-Forwarded-For/Host/Proto` set by the proxy
+/// itself (what a client sent in them is discarded, as are the other fields
+/// a client could steer an upstream with, unless the route keys on them),
+/// `Via` added, bodies streamed. An unreachable upstream is a 502; a
+/// request that came back to this proxy (its own `Via`) a 508.
 #[derive(Debug, Clone)]
 pub struct Forward {
     client: Client<HttpConnector, Body>,
@@ -120,6 +127,10 @@ pub struct Forward {
     /// How long the upstream may take to send its head, and then may go
     /// quiet between two reads of its body.
     timeout: Duration,
+    /// Request fields the route keys on: passed on as the client sent them.
+    keyed: Arc<[HeaderName]>,
+    /// This process's `Via` entry (`1.1 tiercache-` and a random id).
+    via: HeaderValue,
 }
 
 impl Forward {
@@ -129,10 +140,15 @@ impl Forward {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         let client = Client::builder(TokioExecutor::new()).build(connector);
+        // Random per process: a chain of tiercache proxies is no loop.
+        let id = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
+        let via = HeaderValue::try_from(format!("1.1 tiercache-{:08x}", id as u32)).expect("ASCII");
         Ok(Self {
             client,
             scheme,
             authority,
+            keyed: Arc::from([]),
+            via,
             timeout: crate::ProxyConfig::DEFAULT_ORIGIN_TIMEOUT,
         })
     }
@@ -142,6 +158,23 @@ impl Forward {
     /// nothing of its body before the body is cut (default 60 s).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// Whether a request with these fields came back to this proxy (its
+    /// own `Via` entry among them).
+    pub(crate) fn came_back(&self, headers: &http::HeaderMap) -> bool {
+        headers.get_all(VIA).iter().any(|v| {
+            v.as_bytes()
+                .split(|&b| b == b',')
+                .any(|hop| hop.trim_ascii() == self.via.as_bytes())
+        })
+    }
+
+    /// Passes `names` (the fields a route keys on) to the upstream as the
+    /// client sent them, an `X-Forwarded-*` among them included.
+    pub fn keyed(mut self, names: Vec<HeaderName>) -> Self {
+        self.keyed = names.into();
         self
     }
 
@@ -179,19 +212,38 @@ impl Forward {
                 .headers
                 .insert(CONNECTION, HeaderValue::from_static("te"));
         }
-        for name in [&X_FORWARDED_FOR, &X_FORWARDED_HOST, &X_FORWARDED_PROTO] {
+        // Fields a client could steer the upstream with (its address, the
+        // scheme, host, port and path frameworks build links from) go, on
+        // every request (the cache drops them only from those it may
+        // store), unless the route keys on them: those pass as sent.
+        let keyed = |name: &str| self.keyed.iter().any(|k| same_name(k.as_str(), name));
+        let doomed: Vec<HeaderName> = parts
+            .headers
+            .keys()
+            .filter(|n| is_unkeyed(n.as_str()) || *n == X_FORWARDED_FOR || *n == X_REAL_IP)
+            .filter(|n| !keyed(n.as_str()))
+            .cloned()
+            .collect();
+        for name in doomed {
             parts.headers.remove(name);
-        }
-        if let Some(ip) = client_ip.and_then(|ip| HeaderValue::try_from(ip).ok()) {
-            parts.headers.insert(X_FORWARDED_FOR, ip);
         }
         if let Some(host) = host {
             parts.headers.insert(HOST, host.clone());
-            parts.headers.insert(X_FORWARDED_HOST, host);
+            if !keyed(X_FORWARDED_HOST.as_str()) {
+                parts.headers.insert(X_FORWARDED_HOST, host);
+            }
         }
-        parts
-            .headers
-            .insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+        if let Some(ip) = client_ip.and_then(|ip| HeaderValue::try_from(ip).ok())
+            && !keyed(X_FORWARDED_FOR.as_str())
+        {
+            parts.headers.insert(X_FORWARDED_FOR, ip);
+        }
+        if !keyed(X_FORWARDED_PROTO.as_str()) {
+            parts
+                .headers
+                .insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+        }
+        parts.headers.append(VIA, self.via.clone());
         let path = parts
             .uri
             .path_and_query()
@@ -221,6 +273,14 @@ impl tower::Service<Request<Body>> for Forward {
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let head = req.method() == http::Method::HEAD;
+        // Sent round to this proxy again (an upstream that is the proxy
+        // itself): refused, not forwarded until sockets run out.
+        if self.came_back(req.headers()) {
+            let text = "tiercache-proxy: this request came back to the proxy (its upstream is the proxy itself?)\n";
+            return Box::pin(async move {
+                Ok(own_answer(StatusCode::LOOP_DETECTED, text.into(), head))
+            });
+        }
         // RFC 9112 §3.2: a server answers 400 to more than one `Host`.
         if req.headers().get_all(HOST).iter().nth(1).is_some() {
             let text = "tiercache-proxy: a request may carry one Host field\n";

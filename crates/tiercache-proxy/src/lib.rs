@@ -245,26 +245,35 @@ fn route_table(
             .policy()
             .map_err(|e| ProxyError::Config(format!("{name}: {e}")))?;
         let layer = http_layer(config, engine.clone(), policy, name, recorder)?;
-        let service = tower::Layer::layer(&layer, forward.clone());
+        // The fields the route keys on reach the upstream as sent (names
+        // the layer refused never get here).
+        let keyed = config
+            .key_headers
+            .iter()
+            .filter_map(|n| http::HeaderName::from_bytes(n.as_bytes()).ok())
+            .collect();
+        let service = tower::Layer::layer(&layer, forward.clone().keyed(keyed));
         Ok((routes::RouteService::new(service), layer))
+    };
+    // Untouched: the upstream's answer as is, no cache fields.
+    let pass = || {
+        routes::RouteService::new(tower::ServiceExt::map_response(
+            forward.clone(),
+            |res: http::Response<forward::UpstreamBody>| res.map(tiercache_http::CacheBody::stream),
+        ))
     };
     let (default, layer) = cached("proxy", config)?;
     let mut table = routes::Table {
         routes: Vec::new(),
         default,
+        looped: pass(),
+        forward: forward.clone(),
     };
     for route in &config.routes {
         let service = if route.cache {
             cached(route.path.as_str(), &config.with(&route.settings))?.0
         } else {
-            // Untouched: the upstream's answer as is, no cache fields.
-            let pass = tower::ServiceExt::map_response(
-                forward.clone(),
-                |res: http::Response<forward::UpstreamBody>| {
-                    res.map(tiercache_http::CacheBody::stream)
-                },
-            );
-            routes::RouteService::new(pass)
+            pass()
         };
         table.routes.push((route.path.clone(), service));
     }

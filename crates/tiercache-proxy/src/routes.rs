@@ -107,6 +107,11 @@ pub(crate) type RouteService =
 pub(crate) struct Table {
     pub(crate) routes: Vec<(Glob, RouteService)>,
     pub(crate) default: RouteService,
+    /// The upstream alone (no cache), for a request that came back to this
+    /// proxy: it answers 508 at once, where through the cache the request
+    /// would wait on its own load for the lock timeout.
+    pub(crate) looped: RouteService,
+    pub(crate) forward: crate::forward::Forward,
 }
 
 /// Sends each request to the first route whose glob matches its path.
@@ -126,6 +131,9 @@ impl Service<Request<Body>> for Dispatch {
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let table = self.table.read().unwrap_or_else(|e| e.into_inner()).clone();
+        if table.forward.came_back(req.headers()) {
+            return table.looped.clone().call(req);
+        }
         let path = req.uri().path();
         let mut service = table
             .routes

@@ -221,6 +221,25 @@ async fn check_config_validates_and_exits() {
             ][..],
             "`--valkey-timeout`",
         ),
+        // Past a day the proxy panicked on the first body frame.
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--origin-timeout",
+                "10000000000000000000s",
+            ][..],
+            "`--origin-timeout`",
+        ),
+        // `--check-config` said valid, the start refused.
+        (
+            &["--upstream", "http://127.0.0.1:9", "--l1-capacity", "0"][..],
+            "`--l1-capacity`",
+        ),
+        (
+            &["--upstream", "http://127.0.0.1:9", "--max-refreshes", "0"][..],
+            "`--max-refreshes`",
+        ),
     ] {
         let refused = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"))
             .args(args)

@@ -322,6 +322,71 @@ async fn trailers_reach_a_client_that_asked_for_them() {
     }
 }
 
+/// A field the route keys on reaches the upstream as the client sent it,
+/// `X-Forwarded-Proto` included (the flag's own example): the proxy used to
+/// key on `https` and send `http`, and an upstream that redirects plain
+/// HTTP to HTTPS had its redirect stored under the `https` key.
+#[tokio::test]
+async fn a_keyed_forwarded_field_reaches_the_upstream_as_sent() {
+    let (server, _) = upstream().await;
+    let mut config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .ttl(Duration::from_secs(60));
+    config.key_headers = vec!["x-forwarded-proto".into()];
+    let proxy = Proxy::start(config).await.unwrap();
+    let req = Request::get(format!("http://{}/echo", proxy.addr()))
+        .header("x-forwarded-proto", "https")
+        .body(Body::empty())
+        .unwrap();
+    let (status, _, body) = fetch(req).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains("x-forwarded-proto: https\n"), "{body}");
+}
+
+/// Fields a client could steer the upstream with (its address, the host,
+/// the path) never reach it, on requests the cache skips too: they were
+/// dropped only from requests it may store.
+#[tokio::test]
+async fn fields_a_client_steers_the_upstream_with_never_reach_it() {
+    let (server, _) = upstream().await;
+    let proxy = proxy_for(&server).await;
+    for (method, cookie) in [("POST", None), ("GET", Some("session=1"))] {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(format!("http://{}/echo", proxy.addr()))
+            .header("forwarded", "for=10.0.0.1;host=evil.test")
+            .header("x-real-ip", "10.0.0.1")
+            .header("x-original-url", "/admin");
+        if let Some(cookie) = cookie {
+            req = req.header("cookie", cookie);
+        }
+        let (status, _, body) = fetch(req.body(Body::empty()).unwrap()).await;
+        assert_eq!(status, StatusCode::OK);
+        for spoofed in ["forwarded:", "x-real-ip:", "x-original-url:", "10.0.0.1"] {
+            assert!(!body.contains(spoofed), "{method}: {spoofed} in {body}");
+        }
+    }
+}
+
+/// The proxy says it forwarded (`Via`, RFC 9110 §7.6.3), and a request
+/// that comes back to it (an upstream that is the proxy itself: a port
+/// typed twice) is refused with a 508 rather than sent round until the
+/// process runs out of sockets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_adds_via_and_refuses_a_loop() {
+    let (server, _) = upstream().await;
+    let proxy = proxy_for(&server).await;
+    let (_, _, body) = fetch(get_req(proxy.addr(), "/echo?via")).await;
+    assert!(body.contains("via: 1.1 tiercache"), "{body}");
+
+    let port = tiercache_testkit::valkey::free_port();
+    let listen = SocketAddr::from(([127, 0, 0, 1], port));
+    let looped = ProxyConfig::new(format!("http://{listen}").parse().unwrap()).listen(listen);
+    let looped = Proxy::start(looped).await.unwrap();
+    let (status, _, _) = bounded("the loop's answer", fetch(get_req(looped.addr(), "/x"))).await;
+    assert_eq!(status, StatusCode::LOOP_DETECTED);
+}
+
 /// A proxy whose upstream's port nothing listens on.
 async fn proxy_to_a_dead_upstream() -> Proxy {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
