@@ -48,6 +48,7 @@ pub mod units;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tiercache_core::{Policy, TieredCache};
 use tiercache_http::ResponseCacheLayer;
@@ -61,7 +62,13 @@ pub struct Proxy {
     addr: SocketAddr,
     admin: Option<SocketAddr>,
     engine: TieredCache,
+    /// The accept loops (main and admin): they end after `stop`.
+    serving: Vec<tokio::task::JoinHandle<()>>,
+    /// The rest (the metrics' upkeep).
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    stop: tokio::sync::watch::Sender<bool>,
+    /// L2, for the writes still queued when the proxy stops.
+    l2: Option<ValkeyTier>,
     table: Arc<std::sync::RwLock<Arc<routes::Table>>>,
     forward: Forward,
     recorder: SharedRecorder,
@@ -98,6 +105,7 @@ impl Proxy {
         let mut builder = TieredCache::builder()
             .l1_capacity(l1_capacity)
             .max_refreshes(config.max_refreshes);
+        let mut l2_tier = None;
         if let Some(valkey) = config.valkey_config()? {
             // Fills waiting to be written to L2 are copies outside L1: a
             // sixteenth of the budget holds them and L1 the rest, so a flood
@@ -109,6 +117,7 @@ impl Proxy {
             let l2 = ValkeyTier::connect(valkey.write_queue_bytes(queue_bytes))
                 .await
                 .map_err(valkey_error)?;
+            l2_tier = Some(l2.clone());
             builder = builder.l2(l2);
         }
         let engine = builder
@@ -133,9 +142,14 @@ impl Proxy {
 
         let (listener, addr) = bind(config.listen).await?;
         let client_timeout = config.client_timeout;
-        let mut tasks = vec![tokio::spawn(serve::serve(listener, app, client_timeout))];
-
-        tasks.push(prometheus::upkeep(prometheus.clone()));
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let mut serving = vec![tokio::spawn(serve::serve(
+            listener,
+            app,
+            client_timeout,
+            stopped.clone(),
+        ))];
+        let tasks = vec![prometheus::upkeep(prometheus.clone())];
 
         let mut admin = None;
         if let Some(admin_addr) = config.admin {
@@ -145,13 +159,21 @@ impl Proxy {
                 layer: layer.clone(),
                 prometheus,
             });
-            tasks.push(tokio::spawn(serve::serve(listener, router, client_timeout)));
+            serving.push(tokio::spawn(serve::serve(
+                listener,
+                router,
+                client_timeout,
+                stopped,
+            )));
         }
         Ok(Self {
             addr,
             admin,
             engine,
+            serving,
             tasks,
+            stop,
+            l2: l2_tier,
             table,
             forward,
             recorder,
@@ -192,8 +214,38 @@ impl Proxy {
 
     /// Serves until the process is stopped.
     pub async fn wait(mut self) {
-        for task in self.tasks.drain(..) {
+        for task in self.serving.drain(..) {
             let _ = task.await;
+        }
+    }
+
+    /// Serves until `signal` completes, then [`shutdown`](Self::shutdown)s.
+    pub async fn serve_until(self, signal: impl std::future::Future<Output = ()>, drain: Duration) {
+        signal.await;
+        self.shutdown(drain).await;
+    }
+
+    /// Stops gracefully, within `drain`: accepts no more connections, lets
+    /// the requests in flight be answered (each connection closes after its
+    /// own), then hands Valkey what it still has to hear (queued writes, and
+    /// invalidations not landed yet, retried until they do). Past `drain`
+    /// what is left is abandoned.
+    pub async fn shutdown(mut self, drain: Duration) {
+        let deadline = tokio::time::Instant::now() + drain;
+        self.stop.send_replace(true);
+        for task in self.serving.drain(..) {
+            let _ = tokio::time::timeout_at(deadline, task).await;
+        }
+        if let Some(l2) = &self.l2 {
+            let _ = tokio::time::timeout_at(deadline, l2.flush()).await;
+        }
+        while self.engine.stats().invalidations.pending > 0
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for task in self.tasks.drain(..) {
+            task.abort();
         }
     }
 }

@@ -266,8 +266,11 @@ async fn main() -> ExitCode {
             );
             if args.config.is_some() {
                 reload_on_sighup(args, matches, proxy.reloader());
+            } else {
+                nothing_to_reload_on_sighup();
             }
-            proxy.wait().await;
+            proxy.serve_until(terminated(), DRAIN).await;
+            eprintln!("tiercache-proxy: stopped");
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -275,6 +278,50 @@ async fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// How long a stop waits for the requests in flight (and for Valkey to hear
+/// what is queued for it) before the process exits anyway.
+const DRAIN: Duration = Duration::from_secs(20);
+
+/// Completes on `SIGTERM` (a rolling update, `systemctl stop`) or `SIGINT`;
+/// a second one while draining ends the process at once.
+async fn terminated() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        // No handler: the signal's default (the process ends) stays.
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    eprintln!("tiercache-proxy: stopping, draining for up to {DRAIN:?} (again to stop at once)");
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        eprintln!("tiercache-proxy: stopped without draining");
+        std::process::exit(1);
+    });
+}
+
+/// Without a config file `SIGHUP` has nothing to reload: said, and no more
+/// (its default would end the process).
+fn nothing_to_reload_on_sighup() {
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+            return;
+        };
+        while hangups.recv().await.is_some() {
+            eprintln!("tiercache-proxy: SIGHUP: nothing to reload (no --config file)");
+        }
+    });
 }
 
 /// On `SIGHUP`, reads the config file again and replaces the routes (L1,

@@ -22,6 +22,7 @@ use hyper_util::server::conn::auto::Builder;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch};
 use tower::ServiceExt;
 
 /// What an HTTP/2 client sends first (RFC 9113 §3.4).
@@ -41,8 +42,16 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 ///
 /// `app` is any service (an axum `Router` for the admin port; the proxy's
 /// own dispatch for the main one, which needs no router's work a request).
-pub(crate) async fn serve<S, B>(listener: TcpListener, app: S, timeout: Duration)
-where
+///
+/// Once `stop` turns true it accepts no more connections, shuts each open
+/// one down gracefully (requests in flight are answered, then the
+/// connection closes), and returns when every one is done.
+pub(crate) async fn serve<S, B>(
+    listener: TcpListener,
+    app: S,
+    timeout: Duration,
+    mut stop: watch::Receiver<bool>,
+) where
     S: tower::Service<Request<Body>, Response = Response<B>, Error = std::convert::Infallible>
         + Clone
         + Send
@@ -64,8 +73,14 @@ where
         .timer(TokioTimer::new())
         .keep_alive_interval(timeout)
         .keep_alive_timeout(Duration::from_secs(20));
+    // Each connection's task holds a sender: when all are gone, all are done.
+    let (open, mut all_closed) = mpsc::channel::<()>(1);
     loop {
-        let (mut stream, remote) = match listener.accept().await {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stop.wait_for(|stop| *stop) => break,
+        };
+        let (mut stream, remote) = match accepted {
             Ok(accepted) => accepted,
             // One connection's trouble, not the listener's.
             Err(e)
@@ -88,12 +103,19 @@ where
         };
         let app = app.clone();
         let builder = builder.clone();
+        let (open, mut stop) = (open.clone(), stop.clone());
         tokio::spawn(async move {
+            let _open = open;
             // hyper reads the first bytes to tell HTTP/1 from HTTP/2 with
             // no timer (a client sending `P` and no more would be held for
             // ever): they are read here, within the timeout, and replayed.
             let read = tokio::time::timeout(timeout, read_version(&mut stream));
-            let Ok(Ok(first)) = read.await else {
+            let first = tokio::select! {
+                read = read => read,
+                // Stopping: a connection that has sent no request yet goes.
+                _ = stop.wait_for(|stop| *stop) => return,
+            };
+            let Ok(Ok(first)) = first else {
                 return;
             };
             let h2 = first == H2_PREFACE;
@@ -114,8 +136,15 @@ where
             });
             if !h2 {
                 let service = TowerToHyperService::new(app.map_request(with_address));
+                let mut conn = pin!(builder.serve_connection_with_upgrades(io, service));
                 // A connection's error (a reset, a timeout) is that client's.
-                let _ = builder.serve_connection_with_upgrades(io, service).await;
+                tokio::select! {
+                    _ = conn.as_mut() => return,
+                    _ = stop.wait_for(|stop| *stop) => {}
+                }
+                // The request in flight is answered, then the connection closes.
+                conn.as_mut().graceful_shutdown();
+                let _ = conn.await;
                 return;
             }
             // For HTTP/2's watchdog: requests started, and what the
@@ -151,6 +180,11 @@ where
             loop {
                 tokio::select! {
                     _ = conn.as_mut() => return,
+                    // Stopping: streams in flight finish, no new ones.
+                    _ = stop.wait_for(|stop| *stop), if !closing => {
+                        conn.as_mut().graceful_shutdown();
+                        closing = true;
+                    }
                     () = tokio::time::sleep(timeout) => {
                         let written_now = written.load(Relaxed);
                         if closing
@@ -171,6 +205,10 @@ where
             }
         });
     }
+    // No more connections; the open ones finish what they started.
+    drop(listener);
+    drop(open);
+    let _ = all_closed.recv().await;
 }
 
 /// Fewer bytes written in a watchdog tick than this, by a closing HTTP/2

@@ -848,3 +848,57 @@ async fn read_head(socket: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
     }
     Some(head)
 }
+
+/// `SIGTERM` (a rolling update, `systemctl stop`) and `SIGINT` stop the
+/// proxy gracefully: it exits 0 rather than dying of the signal; `SIGHUP`
+/// without a config file is no death either (nothing to reload).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_and_sigint_stop_the_proxy_gracefully() {
+    let upstream = tiercache_testkit::Server::start(axum::Router::new()).await;
+    for signal in ["-TERM", "-INT"] {
+        let listen = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"))
+            .args([
+                "--upstream",
+                &upstream.url(),
+                "--listen",
+                &listen.to_string(),
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        bounded("the proxy listens", async {
+            while std::net::TcpStream::connect(listen).is_err() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        let kill = |signal: &str| {
+            Command::new("kill")
+                .args([signal, &child.id().to_string()])
+                .status()
+                .unwrap()
+        };
+        if signal == "-TERM" {
+            assert!(kill("-HUP").success());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            assert!(
+                std::net::TcpStream::connect(listen).is_ok(),
+                "SIGHUP without a config file ended the proxy"
+            );
+        }
+        assert!(kill(signal).success());
+        let status = bounded("the proxy exits", async {
+            loop {
+                if let Some(status) = child.try_wait().unwrap() {
+                    break status;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        assert!(status.success(), "{signal}: {status:?}");
+    }
+}

@@ -387,6 +387,29 @@ async fn the_proxy_adds_via_and_refuses_a_loop() {
     assert_eq!(status, StatusCode::LOOP_DETECTED);
 }
 
+/// On shutdown the proxy stops accepting connections, lets the requests
+/// in flight finish (their clients get whole answers), then returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_drains_the_requests_in_flight() {
+    let (server, state) = upstream().await;
+    let proxy = proxy_for(&server).await;
+    let addr = proxy.addr();
+    let in_flight = tokio::spawn(fetch(get_req(addr, "/slow")));
+    state.calls.reached(1).await;
+    let stopping = tokio::spawn(proxy.shutdown(Duration::from_secs(30)));
+    bounded("the listener closes", async {
+        while tokio::net::TcpStream::connect(addr).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(!stopping.is_finished(), "returned with a request in flight");
+    state.gate.open();
+    let (status, _, body) = bounded("the request in flight", in_flight).await.unwrap();
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "slow 1"));
+    bounded("the shutdown", stopping).await.unwrap();
+}
+
 /// A proxy whose upstream's port nothing listens on.
 async fn proxy_to_a_dead_upstream() -> Proxy {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
