@@ -163,12 +163,10 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
         let doomed: Vec<HeaderName> = headers
             .keys()
             .filter(|n| is_unkeyed(n.as_str()))
-            .filter(|n| {
-                !config
-                    .keyed_headers
-                    .iter()
-                    .any(|k| same_name(k.as_str(), n.as_str()))
-            })
+            // Only the very name keyed: another spelling (`X_Forwarded_Proto`,
+            // which WSGI servers fold into the same variable) is not in
+            // the key, so it goes.
+            .filter(|n| !config.keyed_headers.iter().any(|k| k == *n))
             .cloned()
             .collect();
         for name in doomed {

@@ -205,6 +205,21 @@ impl ProxyConfig {
                 "`--origin-timeout` (`origin_timeout` in a config file): greater than 0, at most 1 day".into(),
             ));
         }
+        // Keyed, a field passes to the upstream as the client sent it: for
+        // the client's address, that would be believed.
+        let keyed = self.key_headers.iter().chain(
+            self.routes
+                .iter()
+                .filter_map(|r| r.settings.key_headers.as_ref())
+                .flatten(),
+        );
+        for name in keyed {
+            if crate::forward::is_client_address(name) {
+                return Err(ProxyError::Config(format!(
+                    "`--key-header` `{name}` (`key_headers` in a config file): the client's address is set by the proxy; keyed, a client's own value would reach the upstream"
+                )));
+            }
+        }
         // What the engine's build refuses, so `--check-config` says so too.
         if self.l1_capacity == 0 {
             return Err(ProxyError::Config(

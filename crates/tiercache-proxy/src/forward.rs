@@ -87,7 +87,25 @@ impl hyper::body::Body for UpstreamStream {
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-const X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
+
+/// Fields that tell an upstream the client's address (the proxy sets
+/// `X-Forwarded-For` itself; a client's own would be believed).
+pub const CLIENT_ADDRESS: [&str; 8] = [
+    "x-forwarded-for",
+    "x-real-ip",
+    "true-client-ip",
+    "cf-connecting-ip",
+    "fastly-client-ip",
+    "x-client-ip",
+    "x-cluster-client-ip",
+    "client-ip",
+];
+
+/// Whether `name` is one of [`CLIENT_ADDRESS`], in any spelling (case
+/// blind, `_` read as `-`, as WSGI servers fold them).
+pub fn is_client_address(name: &str) -> bool {
+    CLIENT_ADDRESS.iter().any(|c| same_name(c, name))
+}
 
 /// The scheme and host of `upstream`, if it is something the proxy can
 /// forward to: `http://`, a host, and no path or query (requests keep their
@@ -216,11 +234,12 @@ impl Forward {
         // scheme, host, port and path frameworks build links from) go, on
         // every request (the cache drops them only from those it may
         // store), unless the route keys on them: those pass as sent.
-        let keyed = |name: &str| self.keyed.iter().any(|k| same_name(k.as_str(), name));
+        // Only the very name keyed passes: another spelling is not in the key.
+        let keyed = |name: &str| self.keyed.iter().any(|k| k.as_str() == name);
         let doomed: Vec<HeaderName> = parts
             .headers
             .keys()
-            .filter(|n| is_unkeyed(n.as_str()) || *n == X_FORWARDED_FOR || *n == X_REAL_IP)
+            .filter(|n| is_unkeyed(n.as_str()) || is_client_address(n.as_str()))
             .filter(|n| !keyed(n.as_str()))
             .cloned()
             .collect();

@@ -66,7 +66,7 @@ pub struct Proxy {
     serving: Vec<tokio::task::JoinHandle<()>>,
     /// The rest (the metrics' upkeep).
     tasks: Vec<tokio::task::JoinHandle<()>>,
-    stop: tokio::sync::watch::Sender<bool>,
+    stop: tokio::sync::watch::Sender<serve::Stop>,
     /// L2, for the writes still queued when the proxy stops.
     l2: Option<ValkeyTier>,
     table: Arc<std::sync::RwLock<Arc<routes::Table>>>,
@@ -142,7 +142,7 @@ impl Proxy {
 
         let (listener, addr) = bind(config.listen).await?;
         let client_timeout = config.client_timeout;
-        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let (stop, stopped) = tokio::sync::watch::channel(serve::Stop::Running);
         let mut serving = vec![tokio::spawn(serve::serve(
             listener,
             app,
@@ -227,22 +227,39 @@ impl Proxy {
 
     /// Stops gracefully, within `drain`: accepts no more connections, lets
     /// the requests in flight be answered (each connection closes after its
-    /// own), then hands Valkey what it still has to hear (queued writes, and
-    /// invalidations not landed yet, retried until they do). Past `drain`
-    /// what is left is abandoned.
+    /// own) for three quarters of it, closes the connections still open
+    /// (a stream that never ends, a client that never finishes its head),
+    /// then hands Valkey what it still has to hear: the queued writes, and
+    /// the invalidations not landed yet (retried until they do). Past
+    /// `drain` what is left is abandoned.
     pub async fn shutdown(mut self, drain: Duration) {
-        let deadline = tokio::time::Instant::now() + drain;
-        self.stop.send_replace(true);
-        for task in self.serving.drain(..) {
+        let now = tokio::time::Instant::now();
+        let deadline = now + drain;
+        self.stop.send_replace(serve::Stop::Draining);
+        let mut open = Vec::new();
+        for mut task in self.serving.drain(..) {
+            // A task awaited to its end must not be awaited again.
+            if tokio::time::timeout_at(now + drain * 3 / 4, &mut task)
+                .await
+                .is_err()
+            {
+                open.push(task);
+            }
+        }
+        self.stop.send_replace(serve::Stop::Now);
+        for task in open {
             let _ = tokio::time::timeout_at(deadline, task).await;
         }
-        if let Some(l2) = &self.l2 {
-            let _ = tokio::time::timeout_at(deadline, l2.flush()).await;
-        }
-        while self.engine.stats().invalidations.pending > 0
-            && tokio::time::Instant::now() < deadline
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        let unheard = |engine: &TieredCache| {
+            let stats = engine.stats();
+            stats.l2.write_queue > 0 || stats.invalidations.pending > 0
+        };
+        while unheard(&self.engine) && tokio::time::Instant::now() < deadline {
+            // A full queue refuses the flush's marker: tried again.
+            if let Some(l2) = &self.l2 {
+                let _ = tokio::time::timeout_at(deadline, l2.flush()).await;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         for task in self.tasks.drain(..) {
             task.abort();
@@ -290,6 +307,16 @@ fn route_table(
     forward: &Forward,
     recorder: &SharedRecorder,
 ) -> Result<(routes::Table, ResponseCacheLayer), ProxyError> {
+    // The fields a route keys on (or names, passing through) reach the
+    // upstream as sent; names the layer refuses never get here.
+    let keyed_forward = |config: &ProxyConfig| {
+        let keyed = config
+            .key_headers
+            .iter()
+            .filter_map(|n| http::HeaderName::from_bytes(n.as_bytes()).ok())
+            .collect();
+        forward.clone().keyed(keyed)
+    };
     let cached = |name: &str,
                   config: &ProxyConfig|
      -> Result<(routes::RouteService, ResponseCacheLayer), ProxyError> {
@@ -297,20 +324,13 @@ fn route_table(
             .policy()
             .map_err(|e| ProxyError::Config(format!("{name}: {e}")))?;
         let layer = http_layer(config, engine.clone(), policy, name, recorder)?;
-        // The fields the route keys on reach the upstream as sent (names
-        // the layer refused never get here).
-        let keyed = config
-            .key_headers
-            .iter()
-            .filter_map(|n| http::HeaderName::from_bytes(n.as_bytes()).ok())
-            .collect();
-        let service = tower::Layer::layer(&layer, forward.clone().keyed(keyed));
+        let service = tower::Layer::layer(&layer, keyed_forward(config));
         Ok((routes::RouteService::new(service), layer))
     };
     // Untouched: the upstream's answer as is, no cache fields.
-    let pass = || {
+    let pass = |config: &ProxyConfig| {
         routes::RouteService::new(tower::ServiceExt::map_response(
-            forward.clone(),
+            keyed_forward(config),
             |res: http::Response<forward::UpstreamBody>| res.map(tiercache_http::CacheBody::stream),
         ))
     };
@@ -318,14 +338,14 @@ fn route_table(
     let mut table = routes::Table {
         routes: Vec::new(),
         default,
-        looped: pass(),
+        looped: pass(config),
         forward: forward.clone(),
     };
     for route in &config.routes {
         let service = if route.cache {
             cached(route.path.as_str(), &config.with(&route.settings))?.0
         } else {
-            pass()
+            pass(&config.with(&route.settings))
         };
         table.routes.push((route.path.clone(), service));
     }

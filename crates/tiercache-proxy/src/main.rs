@@ -8,6 +8,7 @@ use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
 use tiercache_proxy::units::{parse_duration, parse_size};
 use tiercache_proxy::{Proxy, ProxyConfig, config_file};
+use tokio::signal::unix::{Signal, SignalKind, signal};
 
 /// mimalloc, not glibc's malloc. Flooded with unique 1 KiB URLs at the
 /// default 256 MiB budget (release build, from a cold start), the proxy's
@@ -254,6 +255,9 @@ async fn main() -> ExitCode {
         );
         return ExitCode::SUCCESS;
     }
+    // Before the port opens: a signal that comes as it does must find its
+    // handler, not the default (which ends the process).
+    let signals = Signals::install();
     match Proxy::start(config).await {
         Ok(proxy) => {
             eprintln!(
@@ -264,12 +268,19 @@ async fn main() -> ExitCode {
                     .map(|a| format!(", admin on http://{a}"))
                     .unwrap_or_default()
             );
+            let Signals {
+                terminate,
+                interrupt,
+                hangup,
+            } = signals;
             if args.config.is_some() {
-                reload_on_sighup(args, matches, proxy.reloader());
+                reload_on_sighup(hangup, args, matches, proxy.reloader());
             } else {
-                nothing_to_reload_on_sighup();
+                nothing_to_reload_on_sighup(hangup);
             }
-            proxy.serve_until(terminated(), DRAIN).await;
+            proxy
+                .serve_until(terminated(terminate, interrupt), DRAIN)
+                .await;
             eprintln!("tiercache-proxy: stopped");
             ExitCode::SUCCESS
         }
@@ -284,14 +295,28 @@ async fn main() -> ExitCode {
 /// what is queued for it) before the process exits anyway.
 const DRAIN: Duration = Duration::from_secs(20);
 
+/// The signals the proxy handles, each `None` where no handler could be
+/// installed (its default stays).
+struct Signals {
+    terminate: Option<Signal>,
+    interrupt: Option<Signal>,
+    hangup: Option<Signal>,
+}
+
+impl Signals {
+    fn install() -> Self {
+        Self {
+            terminate: signal(SignalKind::terminate()).ok(),
+            interrupt: signal(SignalKind::interrupt()).ok(),
+            hangup: signal(SignalKind::hangup()).ok(),
+        }
+    }
+}
+
 /// Completes on `SIGTERM` (a rolling update, `systemctl stop`) or `SIGINT`;
 /// a second one while draining ends the process at once.
-async fn terminated() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
+async fn terminated(term: Option<Signal>, int: Option<Signal>) {
+    let (Some(mut term), Some(mut int)) = (term, int) else {
         // No handler: the signal's default (the process ends) stays.
         return std::future::pending().await;
     };
@@ -312,12 +337,11 @@ async fn terminated() {
 
 /// Without a config file `SIGHUP` has nothing to reload: said, and no more
 /// (its default would end the process).
-fn nothing_to_reload_on_sighup() {
+fn nothing_to_reload_on_sighup(hangups: Option<Signal>) {
+    let Some(mut hangups) = hangups else {
+        return;
+    };
     tokio::spawn(async move {
-        use tokio::signal::unix::{SignalKind, signal};
-        let Ok(mut hangups) = signal(SignalKind::hangup()) else {
-            return;
-        };
         while hangups.recv().await.is_some() {
             eprintln!("tiercache-proxy: SIGHUP: nothing to reload (no --config file)");
         }
@@ -326,12 +350,16 @@ fn nothing_to_reload_on_sighup() {
 
 /// On `SIGHUP`, reads the config file again and replaces the routes (L1,
 /// L2 and the connections stay); a bad file keeps the routes in force.
-fn reload_on_sighup(args: Args, matches: ArgMatches, reloader: tiercache_proxy::Reloader) {
+fn reload_on_sighup(
+    hangups: Option<Signal>,
+    args: Args,
+    matches: ArgMatches,
+    reloader: tiercache_proxy::Reloader,
+) {
+    let Some(mut hangups) = hangups else {
+        return;
+    };
     tokio::spawn(async move {
-        use tokio::signal::unix::{SignalKind, signal};
-        let Ok(mut hangups) = signal(SignalKind::hangup()) else {
-            return;
-        };
         while hangups.recv().await.is_some() {
             match settings(&args, &matches).and_then(|c| {
                 reloader.reload(&c).map_err(|e| e.to_string())?;

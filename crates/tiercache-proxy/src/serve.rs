@@ -25,6 +25,16 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tower::ServiceExt;
 
+/// Where a server is in stopping (see [`serve`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stop {
+    Running,
+    /// No new connections; the open ones finish what they started.
+    Draining,
+    /// The connections still open are closed.
+    Now,
+}
+
 /// What an HTTP/2 client sends first (RFC 9113 §3.4).
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
@@ -43,14 +53,15 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// `app` is any service (an axum `Router` for the admin port; the proxy's
 /// own dispatch for the main one, which needs no router's work a request).
 ///
-/// Once `stop` turns true it accepts no more connections, shuts each open
-/// one down gracefully (requests in flight are answered, then the
-/// connection closes), and returns when every one is done.
+/// Once `stop` says [`Stop::Draining`] it accepts no more connections and
+/// shuts each open one down gracefully (requests in flight are answered,
+/// then the connection closes); [`Stop::Now`] closes those still open. It
+/// returns when every one is done.
 pub(crate) async fn serve<S, B>(
     listener: TcpListener,
     app: S,
     timeout: Duration,
-    mut stop: watch::Receiver<bool>,
+    mut stop: watch::Receiver<Stop>,
 ) where
     S: tower::Service<Request<Body>, Response = Response<B>, Error = std::convert::Infallible>
         + Clone
@@ -77,8 +88,9 @@ pub(crate) async fn serve<S, B>(
     let (open, mut all_closed) = mpsc::channel::<()>(1);
     loop {
         let accepted = tokio::select! {
+            biased;
+            _ = stop.wait_for(|stop| *stop != Stop::Running) => break,
             accepted = listener.accept() => accepted,
-            _ = stop.wait_for(|stop| *stop) => break,
         };
         let (mut stream, remote) = match accepted {
             Ok(accepted) => accepted,
@@ -111,9 +123,10 @@ pub(crate) async fn serve<S, B>(
             // ever): they are read here, within the timeout, and replayed.
             let read = tokio::time::timeout(timeout, read_version(&mut stream));
             let first = tokio::select! {
+                biased;
                 read = read => read,
                 // Stopping: a connection that has sent no request yet goes.
-                _ = stop.wait_for(|stop| *stop) => return,
+                _ = stop.wait_for(|stop| *stop != Stop::Running) => return,
             };
             let Ok(Ok(first)) = first else {
                 return;
@@ -140,11 +153,15 @@ pub(crate) async fn serve<S, B>(
                 // A connection's error (a reset, a timeout) is that client's.
                 tokio::select! {
                     _ = conn.as_mut() => return,
-                    _ = stop.wait_for(|stop| *stop) => {}
+                    _ = stop.wait_for(|stop| *stop != Stop::Running) => {}
                 }
-                // The request in flight is answered, then the connection closes.
+                // The request in flight is answered, then the connection
+                // closes; at `Stop::Now` it closes as it is.
                 conn.as_mut().graceful_shutdown();
-                let _ = conn.await;
+                tokio::select! {
+                    _ = conn.as_mut() => {}
+                    _ = stop.wait_for(|stop| *stop == Stop::Now) => {}
+                }
                 return;
             }
             // For HTTP/2's watchdog: requests started, and what the
@@ -174,6 +191,7 @@ pub(crate) async fn serve<S, B>(
             // time, and h2 holds what hyper handed it. So once closing, a
             // connection that wrote next to nothing for `timeout` while
             // waiting on nothing but its client is closed.
+            let mut now = stop.clone();
             let mut seen = 0;
             let mut closing = false;
             let mut written_before = 0;
@@ -181,10 +199,11 @@ pub(crate) async fn serve<S, B>(
                 tokio::select! {
                     _ = conn.as_mut() => return,
                     // Stopping: streams in flight finish, no new ones.
-                    _ = stop.wait_for(|stop| *stop), if !closing => {
+                    _ = stop.wait_for(|stop| *stop != Stop::Running), if !closing => {
                         conn.as_mut().graceful_shutdown();
                         closing = true;
                     }
+                    _ = now.wait_for(|stop| *stop == Stop::Now) => return,
                     () = tokio::time::sleep(timeout) => {
                         let written_now = written.load(Relaxed);
                         if closing

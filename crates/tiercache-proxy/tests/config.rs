@@ -231,6 +231,16 @@ async fn check_config_validates_and_exits() {
             ][..],
             "`--origin-timeout`",
         ),
+        // Keyed, the client's value would pass as sent: its own address.
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--key-header",
+                "X-Forwarded-For",
+            ][..],
+            "`--key-header`",
+        ),
         // `--check-config` said valid, the start refused.
         (
             &["--upstream", "http://127.0.0.1:9", "--l1-capacity", "0"][..],

@@ -334,13 +334,37 @@ async fn a_keyed_forwarded_field_reaches_the_upstream_as_sent() {
         .ttl(Duration::from_secs(60));
     config.key_headers = vec!["x-forwarded-proto".into()];
     let proxy = Proxy::start(config).await.unwrap();
+    for method in ["GET", "POST"] {
+        let req = Request::builder()
+            .method(method)
+            .uri(format!("http://{}/echo", proxy.addr()))
+            .header("x-forwarded-proto", "https")
+            // Another spelling of the name, which WSGI servers fold into
+            // the same variable: not what the key holds, so it goes.
+            .header("x_forwarded_proto", "evil")
+            .body(Body::empty())
+            .unwrap();
+        let (status, _, body) = fetch(req).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(
+            body.contains("x-forwarded-proto: https\n"),
+            "{method}: {body}"
+        );
+        assert!(!body.contains("evil"), "{method}: {body}");
+    }
+    // A route that passes through keeps the fields it names too.
+    let mut config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let mut pass = tiercache_proxy::routes::Route::pass("/echo");
+    pass.settings.key_headers = Some(vec!["x-forwarded-prefix".into()]);
+    config.routes = vec![pass];
+    let proxy = Proxy::start(config).await.unwrap();
     let req = Request::get(format!("http://{}/echo", proxy.addr()))
-        .header("x-forwarded-proto", "https")
+        .header("x-forwarded-prefix", "/shop")
         .body(Body::empty())
         .unwrap();
-    let (status, _, body) = fetch(req).await;
-    assert_eq!(status, StatusCode::OK);
-    assert!(body.contains("x-forwarded-proto: https\n"), "{body}");
+    let (_, _, body) = fetch(req).await;
+    assert!(body.contains("x-forwarded-prefix: /shop\n"), "{body}");
 }
 
 /// Fields a client could steer the upstream with (its address, the host,
@@ -356,6 +380,12 @@ async fn fields_a_client_steers_the_upstream_with_never_reach_it() {
             .uri(format!("http://{}/echo", proxy.addr()))
             .header("forwarded", "for=10.0.0.1;host=evil.test")
             .header("x-real-ip", "10.0.0.1")
+            .header("x_real_ip", "10.0.0.1")
+            .header("x_forwarded_for", "10.0.0.1")
+            .header("true-client-ip", "10.0.0.1")
+            .header("cf-connecting-ip", "10.0.0.1")
+            .header("x-client-ip", "10.0.0.1")
+            .header("client-ip", "10.0.0.1")
             .header("x-original-url", "/admin");
         if let Some(cookie) = cookie {
             req = req.header("cookie", cookie);
@@ -408,6 +438,22 @@ async fn a_shutdown_drains_the_requests_in_flight() {
     let (status, _, body) = bounded("the request in flight", in_flight).await.unwrap();
     assert_eq!((status, body.as_str()), (StatusCode::OK, "slow 1"));
     bounded("the shutdown", stopping).await.unwrap();
+}
+
+/// What outlives the drain (here a request whose upstream hangs) does not
+/// hold the shutdown, nor stay served after it: its connection is closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_closes_what_outlives_its_drain() {
+    let (server, state) = upstream().await;
+    let proxy = proxy_for(&server).await;
+    let hung = tokio::spawn(client().request(get_req(proxy.addr(), "/slow")));
+    state.calls.reached(1).await;
+    bounded("the shutdown", proxy.shutdown(Duration::from_millis(400))).await;
+    let answered = tokio::time::timeout(Duration::from_secs(5), hung)
+        .await
+        .expect("the hung request's connection was left open")
+        .unwrap();
+    assert!(answered.is_err(), "{answered:?}");
 }
 
 /// A proxy whose upstream's port nothing listens on.
