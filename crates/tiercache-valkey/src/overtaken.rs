@@ -46,6 +46,11 @@ use sent::SentLog;
 /// the oldest is held back (it only costs L2 a copy).
 const HEARD_CAP: usize = 1024;
 
+/// Most key hashes the remembered invalidations hold together (16 bytes
+/// each: 16 MiB; a tag's page names thousands): past it the oldest go too
+/// (the newest always stays).
+const HEARD_HASHES: usize = 1 << 20;
+
 /// What one invalidation heard (another instance's, or this one's) covers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Scope {
@@ -60,6 +65,14 @@ pub(crate) enum Scope {
 }
 
 impl Scope {
+    /// The key hashes it holds.
+    fn hashes(&self) -> usize {
+        match self {
+            Scope::Keys(hashes) | Scope::Tag(_, hashes) => hashes.len(),
+            Scope::Prefix(_) | Scope::Everything => 0,
+        }
+    }
+
     /// What `invalidation` covers, a tag named by its set's Valkey key
     /// under `prefix`; `None` for what names no key, tag or prefix.
     pub(crate) fn of(invalidation: &Invalidation, prefix: &str) -> Option<Self> {
@@ -140,6 +153,8 @@ pub(crate) type Undo = (String, Stamp, KeyHash);
 struct State {
     /// The last invalidations heard, oldest first, each with its number.
     log: VecDeque<(u64, Scope)>,
+    /// The key hashes `log` holds.
+    hashes: usize,
     /// Fills sent lately, oldest first.
     sent: SentLog,
 }
@@ -215,13 +230,19 @@ impl Overtaken {
         let again: Vec<Undo> = {
             let mut state = self.lock();
             let n = self.heard.fetch_add(1, SeqCst) + 1;
-            if state.log.len() == HEARD_CAP {
-                state.log.pop_front();
-            }
             state.sent.age(now, self.grace);
             // Taken out: each fill is deleted again once at most.
             let again = state.sent.take_covered(&scope);
+            state.hashes += scope.hashes();
             state.log.push_back((n, scope));
+            while state.log.len() > HEARD_CAP
+                || (state.hashes > HEARD_HASHES && state.log.len() > 1)
+            {
+                let Some((_, old)) = state.log.pop_front() else {
+                    break;
+                };
+                state.hashes -= old.hashes();
+            }
             again
         };
         if again.is_empty() {
@@ -438,6 +459,26 @@ mod tests {
             .collect();
         o.heard(Scope::Tag("other".into(), page), now);
         assert_eq!(deletes(&mut rx).len(), 10);
+    }
+
+    /// The log is bounded by the key hashes its records hold too (a tag
+    /// page names thousands), not by their count alone.
+    #[test]
+    fn the_log_holds_a_bounded_number_of_hashes() {
+        let (o, _rx) = overtaken();
+        let now = Instant::now();
+        let queued_at = o.mark();
+        let hash = CacheKey::new("k").hash();
+        let big = || Scope::Keys(vec![hash; HEARD_HASHES / 2 + 1]);
+        o.heard(big(), now);
+        o.heard(big(), now);
+        assert!(o.lock().hashes <= HEARD_HASHES);
+        let mut fills = vec![(queued_at, target("a", &[]))];
+        assert_eq!(
+            hold_back(&o, &mut fills).len(),
+            1,
+            "the log no longer reaches back"
+        );
     }
 
     #[test]

@@ -43,6 +43,14 @@ pub(crate) struct Footprint<'a> {
 }
 
 impl Scope {
+    /// The key hashes it holds.
+    fn hashes(&self) -> usize {
+        match self {
+            Scope::Keys(hashes) | Scope::Tag(_, hashes) => hashes.len(),
+            Scope::Prefix(_) | Scope::All => 0,
+        }
+    }
+
     fn covers(&self, fill: &Footprint<'_>) -> bool {
         match self {
             Scope::Keys(hashes) => hashes.iter().any(|h| fill.hashes.contains(h)),
@@ -62,6 +70,8 @@ struct State {
     /// Records before this sequence number were dropped.
     forgotten: u64,
     records: VecDeque<(u64, Scope)>,
+    /// The key hashes the records hold together.
+    hashes: usize,
 }
 
 /// See the module docs.
@@ -75,6 +85,11 @@ impl Journal {
     /// not stored.
     pub(crate) const CAP: usize = 16_384;
 
+    /// Most key hashes the records hold together (16 bytes each: 16 MiB; a
+    /// tag's invalidation names up to 100,000): past it the oldest records
+    /// go, as past [`CAP`](Self::CAP) (the newest always stays).
+    pub(crate) const MAX_HASHES: usize = 1 << 20;
+
     /// The sequence a fill starting now notes.
     pub(crate) fn epoch(&self) -> u64 {
         self.lock().next
@@ -85,10 +100,15 @@ impl Journal {
         let mut state = self.lock();
         let seq = state.next;
         state.next += 1;
+        state.hashes += scope.hashes();
         state.records.push_back((seq, scope));
-        if state.records.len() > Self::CAP
-            && let Some((dropped, _)) = state.records.pop_front()
+        while state.records.len() > Self::CAP
+            || (state.hashes > Self::MAX_HASHES && state.records.len() > 1)
         {
+            let Some((dropped, old)) = state.records.pop_front() else {
+                break;
+            };
+            state.hashes -= old.hashes();
             state.forgotten = dropped + 1;
         }
         apply()
@@ -119,6 +139,12 @@ impl Journal {
             Some((seq, _)) => Err(*seq),
             None => Ok(store()),
         }
+    }
+
+    /// The key hashes the records hold.
+    #[cfg(test)]
+    fn hashes_held(&self) -> usize {
+        self.lock().hashes
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -187,6 +213,21 @@ mod tests {
                 "{scope:?}"
             );
         }
+    }
+
+    /// A tag's invalidation names up to 100,000 keys: the records are
+    /// bounded by the hashes they hold too, not by their count alone.
+    #[test]
+    fn the_records_hold_a_bounded_number_of_hashes() {
+        let journal = Journal::default();
+        let epoch = journal.epoch();
+        let big = || Scope::Keys(vec![KeyHash::MIN; Journal::MAX_HASHES / 2 + 1]);
+        journal.record(big(), || ());
+        journal.record(big(), || ());
+        assert!(journal.hashes_held() <= Journal::MAX_HASHES);
+        // The first went: a fill that started before it is not stored.
+        let fill = footprint(&[], &[], &[]);
+        assert_eq!(journal.unless_overtaken(epoch, &fill, || ()), Err(epoch));
     }
 
     #[test]
