@@ -84,6 +84,21 @@ impl hyper::body::Body for UpstreamStream {
     }
 }
 
+/// A copy of `req` to send again if its connection fails under it: a GET
+/// or a HEAD without a body (safe to repeat, and nothing to replay).
+fn resendable(req: &Request<Body>) -> Option<Request<Body>> {
+    let safe = req.method() == http::Method::GET || req.method() == http::Method::HEAD;
+    if !safe || hyper::body::Body::size_hint(req.body()).exact() != Some(0) {
+        return None;
+    }
+    let mut copy = Request::new(Body::empty());
+    *copy.method_mut() = req.method().clone();
+    *copy.uri_mut() = req.uri().clone();
+    *copy.version_mut() = req.version();
+    *copy.headers_mut() = req.headers().clone();
+    Some(copy)
+}
+
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -308,10 +323,21 @@ impl tower::Service<Request<Body>> for Forward {
             );
         }
         let upstream = self.upstream_request(req);
+        let again = resendable(&upstream);
         let client = self.client.clone();
         let timeout = self.timeout;
         Box::pin(async move {
-            let answered = tokio::time::timeout(timeout, client.request(upstream)).await;
+            let mut answered = tokio::time::timeout(timeout, client.request(upstream)).await;
+            // A GET or HEAD sent on a pooled connection the upstream closed
+            // as it arrived (an upstream keeps idle connections for less
+            // time than the pool does): sent once more, on a new one, as
+            // nginx does. hyper-util resends only what it had not begun
+            // to write; a connect error is no closed connection.
+            if let (Ok(Err(e)), Some(again)) = (&answered, again)
+                && !e.is_connect()
+            {
+                answered = tokio::time::timeout(timeout, client.request(again)).await;
+            }
             let Ok(answered) = answered else {
                 let text = format!("tiercache-proxy: upstream sent no answer within {timeout:?}\n");
                 return Ok(own_answer(StatusCode::GATEWAY_TIMEOUT, text, head));

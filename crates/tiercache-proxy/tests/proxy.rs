@@ -456,6 +456,52 @@ async fn a_shutdown_closes_what_outlives_its_drain() {
     assert!(answered.is_err(), "{answered:?}");
 }
 
+/// An upstream that closes a kept-alive connection as a request arrives
+/// on it (Node keeps idle connections 5 s, gunicorn 2 s; the proxy's pool
+/// longer): the request is sent again on a new connection when it is a GET
+/// or a HEAD, instead of the client getting a 502.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_on_a_connection_the_upstream_closed_is_sent_again() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = listener.local_addr().unwrap();
+    let connections = Counter::new();
+    tokio::spawn({
+        let connections = connections.clone();
+        async move {
+            loop {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                connections.bump();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 4096];
+                    // The first request on a connection is answered and the
+                    // connection kept; the next one's arrival closes it.
+                    let mut read = 0;
+                    while !buf[..read].windows(4).any(|w| w == b"\r\n\r\n") {
+                        match socket.read(&mut buf[read..]).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => read += n,
+                        }
+                    }
+                    let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncache-control: no-store\r\n\r\nok";
+                    if socket.write_all(answer).await.is_err() {
+                        return;
+                    }
+                    let _ = socket.read(&mut buf).await;
+                });
+            }
+        }
+    });
+    let config = ProxyConfig::new(format!("http://{upstream}").parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let proxy = Proxy::start(config).await.unwrap();
+    for path in ["/a", "/b", "/c"] {
+        let (status, _, body) = fetch(get_req(proxy.addr(), path)).await;
+        assert_eq!((status, body.as_str()), (StatusCode::OK, "ok"), "{path}");
+    }
+    assert!(connections.get() >= 2);
+}
+
 /// A proxy whose upstream's port nothing listens on.
 async fn proxy_to_a_dead_upstream() -> Proxy {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
