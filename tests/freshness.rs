@@ -170,6 +170,15 @@ impl Origin {
     }
 }
 
+/// A 1 s ttl (no jitter) and a minute of stale-if-error.
+fn stale_if_error_a_minute() -> Policy {
+    Policy::ttl(secs(1))
+        .jitter(0.0)
+        .stale_if_error(secs(60))
+        .build()
+        .unwrap()
+}
+
 struct Harness {
     clock: MockClock,
     engine: TieredCache,
@@ -427,13 +436,7 @@ async fn stale_if_error_covers_each_error_kind() {
         Mode::Fail,
         Mode::BrokenBody,
     ] {
-        let t = Harness::new(
-            Policy::ttl(secs(1))
-                .jitter(0.0)
-                .stale_if_error(secs(60))
-                .build()
-                .unwrap(),
-        );
+        let t = Harness::new(stale_if_error_a_minute());
         t.get("/r").await;
         t.advance(2000);
         t.origin.set(mode);
@@ -473,13 +476,16 @@ async fn stale_if_error_is_refused_under_must_revalidate() {
     }
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_slow_origin_past_the_soft_timeout_answers_stale() {
+/// `/r` stored, then past its 1 s ttl inside a minute of stale-if-error,
+/// with a 300 ms soft timeout (and the default 5 s `lock_timeout`); the
+/// origin now holds every call until the gate opens.
+async fn stale_with_a_held_origin() -> (Harness, Gate) {
     let t = Harness::new(
         Policy::ttl(secs(1))
             .jitter(0.0)
             .stale_if_error(secs(60))
             .origin_soft_timeout(Duration::from_millis(300))
+            .lock_timeout(secs(5))
             .build()
             .unwrap(),
     );
@@ -487,6 +493,12 @@ async fn a_slow_origin_past_the_soft_timeout_answers_stale() {
     t.advance(2000);
     let gate = Gate::new();
     t.origin.set(Mode::Held(gate.clone()));
+    (t, gate)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_origin_past_the_soft_timeout_answers_stale() {
+    let (t, gate) = stale_with_a_held_origin().await;
     let started = tokio::time::Instant::now();
     let (_, h, body) = t.get("/r").await;
     assert_eq!((x_cache(&h), body.as_str()), ("STALE", "body 1"));
@@ -512,19 +524,7 @@ async fn a_slow_origin_past_the_soft_timeout_answers_stale() {
 /// whole `lock_timeout`.
 #[tokio::test(start_paused = true)]
 async fn every_waiter_on_a_slow_origin_answers_stale_at_the_soft_timeout() {
-    let t = Harness::new(
-        Policy::ttl(secs(1))
-            .jitter(0.0)
-            .stale_if_error(secs(60))
-            .origin_soft_timeout(Duration::from_millis(300))
-            .lock_timeout(secs(5))
-            .build()
-            .unwrap(),
-    );
-    t.get("/r").await;
-    t.advance(2000);
-    let gate = Gate::new();
-    t.origin.set(Mode::Held(gate.clone()));
+    let (t, gate) = stale_with_a_held_origin().await;
     let started = tokio::time::Instant::now();
     let timed = || async {
         let (_, h, body) = t.get("/r").await;
@@ -550,13 +550,7 @@ async fn every_waiter_on_a_slow_origin_answers_stale_at_the_soft_timeout() {
 /// does for the leader.
 #[tokio::test(start_paused = true)]
 async fn a_waiter_loading_on_its_own_keeps_stale_if_error() {
-    let t = Harness::new(
-        Policy::ttl(secs(1))
-            .jitter(0.0)
-            .stale_if_error(secs(60))
-            .build()
-            .unwrap(),
-    );
+    let t = Harness::new(stale_if_error_a_minute());
     t.get("/r").await;
     t.advance(2000);
     let gate = Gate::new();
@@ -585,13 +579,7 @@ async fn a_waiter_loading_on_its_own_keeps_stale_if_error() {
 /// copy in).
 #[tokio::test(start_paused = true)]
 async fn a_request_after_an_invalidation_is_not_answered_with_the_removed_copy() {
-    let t = Harness::new(
-        Policy::ttl(secs(1))
-            .jitter(0.0)
-            .stale_if_error(secs(60))
-            .build()
-            .unwrap(),
-    );
+    let t = Harness::new(stale_if_error_a_minute());
     t.get("/r").await;
     t.advance(2000);
     let gate = Gate::new();
@@ -937,13 +925,7 @@ async fn a_stale_stand_in_answers_only_the_requests_it_fits() {
 /// outage answered the old body).
 #[tokio::test]
 async fn a_304_without_freshness_keeps_must_revalidate() {
-    let t = Harness::new(
-        Policy::ttl(secs(1))
-            .jitter(0.0)
-            .stale_if_error(secs(60))
-            .build()
-            .unwrap(),
-    );
+    let t = Harness::new(stale_if_error_a_minute());
     t.origin.set(Mode::NotModified(&[(
         "cache-control",
         "max-age=0, must-revalidate",

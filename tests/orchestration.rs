@@ -338,57 +338,14 @@ async fn an_overtaken_fill_never_answers_the_flight_that_took_it_over() {
     }
     assert_eq!(calls.get(), 2);
 }
-/// An in-memory L2 whose invalidations wait until the gate opens.
-#[derive(Debug)]
-struct HeldInvalidations {
-    inner: tiercache::core::MemoryTier,
-    open: tokio::sync::watch::Sender<bool>,
-}
-
-impl tiercache::core::Tier for HeldInvalidations {
-    fn get<'a>(
-        &'a self,
-        key: &'a CacheKey,
-    ) -> tiercache::core::BoxFuture<
-        'a,
-        Result<Option<tiercache::core::TierHit>, tiercache::core::TierError>,
-    > {
-        self.inner.get(key)
-    }
-
-    fn put(
-        &self,
-        key: &CacheKey,
-        entry: &tiercache::core::Entry,
-        ttl: Duration,
-        tags: &[bytes::Bytes],
-    ) {
-        self.inner.put(key, entry, ttl, tags);
-    }
-
-    fn invalidate<'a>(
-        &'a self,
-        invalidation: tiercache::core::Invalidation,
-    ) -> tiercache::core::BoxFuture<'a, Result<(), tiercache::core::TierError>> {
-        let mut open = self.open.subscribe();
-        Box::pin(async move {
-            let _ = open.wait_for(|open| *open).await;
-            self.inner.invalidate(invalidation).await
-        })
-    }
-}
-
 /// A write whose client goes away while its invalidations are sent still
 /// invalidates everything it names (here its URL and its `Location`): the
 /// second used to be left out, in this instance's L1 too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_whose_client_goes_away_still_invalidates_all_it_names() {
-    let open = tokio::sync::watch::Sender::new(false);
+    let (l2, open) = tiercache::core::MemoryTier::holding_invalidations(Arc::new(MockClock::new()));
     let engine = TieredCache::builder()
-        .l2(HeldInvalidations {
-            inner: tiercache::core::MemoryTier::new(Arc::new(MockClock::new())),
-            open: open.clone(),
-        })
+        .l2(l2)
         .sweep_interval(None)
         .build()
         .unwrap();

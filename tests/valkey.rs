@@ -856,6 +856,23 @@ async fn behind_a_link(server: &ValkeyServer) -> (FaultProxy, ValkeyTier, Tiered
     (link, tier, cache)
 }
 
+/// Instance A behind a link, one entry of its own stored (its connections
+/// warm), then the link slowed to 300 ms each way; a 60 s policy.
+async fn a_warm_instance_on_a_slow_link(
+    server: &ValkeyServer,
+) -> (FaultProxy, ValkeyTier, TieredCache, Policy) {
+    let (link, a_tier, a) = behind_a_link(server).await;
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    a.put(
+        &CacheKey::new("warm"),
+        Fill::new(Value::from_body("w")),
+        &policy,
+    );
+    wait_for_keys(server, "tc:*:e", 1).await;
+    link.set(Fault::Latency(Duration::from_millis(300)));
+    (link, a_tier, a, policy)
+}
+
 /// Issue 14's open seam: instance A's fill is on its way to Valkey (a slow
 /// link) when instance B invalidates the key. B's `DEL` lands first and A's
 /// `SET` after it, so without more the old version sits in L2, served to
@@ -864,17 +881,8 @@ async fn behind_a_link(server: &ValkeyServer) -> (FaultProxy, ValkeyTier, Tiered
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fill_that_lands_after_another_instances_invalidation_is_taken_out_again() {
     let server = ValkeyServer::start();
-    let (link, a_tier, a) = behind_a_link(&server).await;
+    let (link, a_tier, a, policy) = a_warm_instance_on_a_slow_link(&server).await;
     let b = engine(tier(&server.url(), "tc").await);
-    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
-    a.put(
-        &CacheKey::new("warm"),
-        Fill::new(Value::from_body("w")),
-        &policy,
-    );
-    wait_for_keys(&server, "tc:*:e", 1).await;
-
-    link.set(Fault::Latency(Duration::from_millis(300)));
     let in_flight = CacheKey::new("in flight");
     let queued = CacheKey::new("queued");
     a.put(&in_flight, Fill::new(Value::from_body("old")), &policy);
@@ -910,19 +918,10 @@ async fn a_fill_that_lands_after_another_instances_invalidation_is_taken_out_aga
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_read_before_the_delete_again_leaves_every_l1() {
     let server = ValkeyServer::start();
-    let (link, a_tier, a) = behind_a_link(&server).await;
     let b = engine(tier(&server.url(), "tc").await);
     let d = engine(tier(&server.url(), "tc").await);
+    let (link, a_tier, a, policy) = a_warm_instance_on_a_slow_link(&server).await;
     server.subscribed("tc:inv", 3).await;
-    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
-    a.put(
-        &CacheKey::new("warm"),
-        Fill::new(Value::from_body("w")),
-        &policy,
-    );
-    wait_for_keys(&server, "tc:*:e", 1).await;
-
-    link.set(Fault::Latency(Duration::from_millis(300)));
     let key = CacheKey::new("in flight");
     a.put(&key, Fill::new(Value::from_body("old")), &policy);
     b.invalidate(&key).await.unwrap();

@@ -54,7 +54,7 @@ pub use clock::MockClock;
 pub use clock::{Clock, SystemClock};
 pub use engine::{
     Begin, BuildError, Commit, Fill, Hit, Lifetime, LoadError, Miss, Queued, Refresh, TieredCache,
-    TieredCacheBuilder,
+    TieredCacheBuilder, outliving_the_caller,
 };
 pub use entry::{Entry, Freshness, Source, Times, Value};
 pub use fleet::{Invalidation, InvalidationSink, LockAttempt, LockToken, Unlocked};

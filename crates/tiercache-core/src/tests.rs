@@ -453,34 +453,6 @@ fn a_hit_for_miss_mark_stays_as_long_as_its_policy_says() {
     assert!(bound <= Duration::from_secs(3602), "{bound:?}");
 }
 
-/// An in-memory L2 whose invalidations wait until the gate opens.
-#[derive(Debug)]
-struct HeldInvalidations {
-    inner: MemoryTier,
-    open: tokio::sync::watch::Sender<bool>,
-}
-
-impl Tier for HeldInvalidations {
-    fn get<'a>(&'a self, key: &'a CacheKey) -> BoxFuture<'a, Result<Option<TierHit>, TierError>> {
-        self.inner.get(key)
-    }
-
-    fn put(&self, key: &CacheKey, entry: &Entry, ttl: Duration, tags: &[bytes::Bytes]) {
-        self.inner.put(key, entry, ttl, tags);
-    }
-
-    fn invalidate<'a>(
-        &'a self,
-        invalidation: Invalidation,
-    ) -> BoxFuture<'a, Result<(), TierError>> {
-        let mut open = self.open.subscribe();
-        Box::pin(async move {
-            let _ = open.wait_for(|open| *open).await;
-            self.inner.invalidate(invalidation).await
-        })
-    }
-}
-
 /// An invalidation whose caller goes away while the shared tier is asked
 /// (a client that disconnected, a timeout around the call) still lands:
 /// the attempt runs on, and nothing is left behind in the outbox (it was
@@ -488,13 +460,10 @@ impl Tier for HeldInvalidations {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalidation_whose_caller_goes_away_still_lands() {
     let clock = MockClock::new();
-    let open = tokio::sync::watch::Sender::new(false);
+    let (l2, open) = MemoryTier::holding_invalidations(Arc::new(clock.clone()));
     let cache = TieredCache::builder()
         .clock(clock.clone())
-        .l2(HeldInvalidations {
-            inner: MemoryTier::new(Arc::new(clock.clone())),
-            open: open.clone(),
-        })
+        .l2(l2)
         .sweep_interval(None)
         .build()
         .unwrap();

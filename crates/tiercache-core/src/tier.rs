@@ -195,6 +195,9 @@ mod memory {
         clock: Arc<dyn Clock>,
         map: Arc<Mutex<HashMap<bytes::Bytes, (Entry, SystemTime)>>>,
         tags: Arc<Mutex<HashMap<bytes::Bytes, Vec<bytes::Bytes>>>>,
+        /// Invalidations wait until this turns true (see
+        /// [`holding_invalidations`](Self::holding_invalidations)).
+        held: Option<tokio::sync::watch::Receiver<bool>>,
     }
 
     impl MemoryTier {
@@ -204,7 +207,22 @@ mod memory {
                 clock,
                 map: Arc::default(),
                 tags: Arc::default(),
+                held: None,
             }
+        }
+
+        /// An empty tier on `clock` whose invalidations wait until the
+        /// sender returned is set to `true` (a shared tier that hangs:
+        /// for tests of callers that go away meanwhile).
+        pub fn holding_invalidations(
+            clock: Arc<dyn Clock>,
+        ) -> (Self, tokio::sync::watch::Sender<bool>) {
+            let (open, held) = tokio::sync::watch::channel(false);
+            let tier = Self {
+                held: Some(held),
+                ..Self::new(clock)
+            };
+            (tier, open)
         }
 
         /// Number of stored keys, dead or alive.
@@ -257,6 +275,19 @@ mod memory {
             &'a self,
             invalidation: Invalidation,
         ) -> BoxFuture<'a, Result<(), TierError>> {
+            let held = self.held.clone();
+            Box::pin(async move {
+                if let Some(mut held) = held {
+                    let _ = held.wait_for(|open| *open).await;
+                }
+                self.apply(invalidation);
+                Ok(())
+            })
+        }
+    }
+
+    impl MemoryTier {
+        fn apply(&self, invalidation: Invalidation) {
             let mut map = self.map.lock().unwrap();
             match invalidation {
                 Invalidation::Keys(hashes) => map
@@ -270,7 +301,6 @@ mod memory {
                 }
                 Invalidation::Prefix(pattern) => map.retain(|full, _| !pattern.matches_full(full)),
             }
-            Box::pin(async { Ok(()) })
         }
     }
 }

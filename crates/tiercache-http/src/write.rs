@@ -42,15 +42,7 @@ where
         // In a task of its own: a client that goes away while these are
         // sent must not leave the rest undone (here and everywhere).
         let work = invalidate_all(route.clone(), keys, request, also);
-        let queued = match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => match runtime.spawn(work).await {
-                Ok(queued) => queued,
-                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                // The runtime shuts down.
-                Err(_) => true,
-            },
-            Err(_) => work.await,
-        };
+        let queued = tiercache_core::outliving_the_caller(work, true).await;
         invalidated = Some(if queued { "queued" } else { "done" });
     }
     let mut res = res.map(CacheBody::stream);

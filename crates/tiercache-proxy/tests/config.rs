@@ -275,20 +275,7 @@ async fn sighup_reloads_the_routes_and_keeps_l1() {
         file(&server, listen, "[[route]]\npath = \"/x\"\ncache = false\n"),
     )
     .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"))
-        .arg("--config")
-        .arg(&path)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    bounded("the proxy listens", async {
-        while std::net::TcpStream::connect(listen).is_err() {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
+    let mut child = spawn_proxy(&["--config".as_ref(), path.as_os_str()], listen).await;
     fetch(listen, "/y").await;
     assert_eq!(h(&fetch(listen, "/y").await.1, "x-cache"), "HIT");
     assert_eq!(h(&fetch(listen, "/x").await.1, "x-cache"), "");
@@ -867,24 +854,9 @@ async fn sigterm_and_sigint_stop_the_proxy_gracefully() {
     let upstream = tiercache_testkit::Server::start(axum::Router::new()).await;
     for signal in ["-TERM", "-INT"] {
         let listen = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"))
-            .args([
-                "--upstream",
-                &upstream.url(),
-                "--listen",
-                &listen.to_string(),
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        bounded("the proxy listens", async {
-            while std::net::TcpStream::connect(listen).is_err() {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await;
+        let (url, at) = (upstream.url(), listen.to_string());
+        let args = ["--upstream", &url, "--listen", &at].map(std::ffi::OsStr::new);
+        let mut child = spawn_proxy(&args, listen).await;
         let kill = |signal: &str| {
             Command::new("kill")
                 .args([signal, &child.id().to_string()])
@@ -911,4 +883,22 @@ async fn sigterm_and_sigint_stop_the_proxy_gracefully() {
         .await;
         assert!(status.success(), "{signal}: {status:?}");
     }
+}
+
+/// The proxy binary started with `args`, once it listens on `listen`.
+async fn spawn_proxy(args: &[&std::ffi::OsStr], listen: SocketAddr) -> std::process::Child {
+    let child = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    bounded("the proxy listens", async {
+        while std::net::TcpStream::connect(listen).is_err() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    child
 }

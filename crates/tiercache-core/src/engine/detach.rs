@@ -10,6 +10,33 @@ use super::TieredCache;
 use crate::flight::FlightWatch;
 use crate::stats::{Counters, bump};
 
+/// Runs `work` in a task of its own and waits for its output: a caller that
+/// goes away (a client that disconnected, a timeout around the call) leaves
+/// it to finish, never half done. A panic in it is the caller's;
+/// `if_shut_down` answers when the runtime ends first. Outside a runtime it
+/// runs in place.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let sent = tiercache_core::outliving_the_caller(async { "sent" }, "cut").await;
+/// assert_eq!(sent, "sent");
+/// # }
+/// ```
+pub async fn outliving_the_caller<F>(work: F, if_shut_down: F::Output) -> F::Output
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => match runtime.spawn(work).await {
+            Ok(output) => output,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => if_shut_down,
+        },
+        Err(_) => work.await,
+    }
+}
+
 /// A fill's task, as its caller holds it. Dropped before the task ends
 /// (the caller went away, or took a stale answer at the soft timeout), it
 /// lets the fill run on while a `max_detached_fills` slot is free, held

@@ -136,16 +136,7 @@ impl TieredCache {
                 false
             }
         };
-        let landed = match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => match runtime.spawn(attempt).await {
-                Ok(landed) => landed,
-                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                // The runtime shuts down.
-                Err(_) => false,
-            },
-            Err(_) => attempt.await,
-        };
-        if landed {
+        if super::outliving_the_caller(attempt, false).await {
             return Ok(());
         }
         Err(Queued {

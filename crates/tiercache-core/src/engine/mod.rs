@@ -35,6 +35,7 @@ mod tags;
 
 pub use api::{Commit, LoadError};
 pub use builder::{BuildError, TieredCacheBuilder};
+pub use detach::outliving_the_caller;
 pub use fetch::{Begin, Hit, Miss, Refresh};
 pub use outbox::Queued;
 pub use store::{Fill, Lifetime};
