@@ -84,6 +84,94 @@ impl hyper::body::Body for UpstreamStream {
     }
 }
 
+/// A request body on its way to the upstream: a silence of `idle` ends it
+/// with an error, and its end (or its drop, once sent) is told to `done`.
+struct Uploading {
+    body: Body,
+    idle: Duration,
+    silence: Option<Pin<Box<tokio::time::Sleep>>>,
+    done: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Uploading {
+    /// `req` with its body so watched, and what hears the upload end;
+    /// `None` for a request without a body (nothing to wait for).
+    fn wrap(
+        req: Request<Body>,
+        idle: Duration,
+    ) -> (Request<Body>, Option<tokio::sync::oneshot::Receiver<()>>) {
+        if hyper::body::Body::size_hint(req.body()).exact() == Some(0) {
+            return (req, None);
+        }
+        let (done, uploaded) = tokio::sync::oneshot::channel();
+        let req = req.map(|body| {
+            Body::new(Self {
+                body,
+                idle,
+                silence: None,
+                done: Some(done),
+            })
+        });
+        (req, Some(uploaded))
+    }
+
+    fn ended(&mut self) {
+        if let Some(done) = self.done.take() {
+            let _ = done.send(());
+        }
+    }
+}
+
+impl hyper::body::Body for Uploading {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.body).poll_frame(cx) {
+            Poll::Ready(None) => {
+                this.ended();
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(frame)) => {
+                this.silence = None;
+                Poll::Ready(Some(frame.map_err(Into::into)))
+            }
+            Poll::Pending => {
+                let idle = this.idle;
+                let silence = this
+                    .silence
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
+                match silence.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Some(Err(format!(
+                        "the client sent nothing of its body for {idle:?}"
+                    )
+                    .into()))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for Uploading {
+    fn drop(&mut self) {
+        // hyper drops a body it has sent whole without polling it again.
+        self.ended();
+    }
+}
+
 /// A copy of `req` to send again if its connection fails under it: a GET
 /// or a HEAD without a body (safe to repeat, and nothing to replay).
 fn resendable(req: &Request<Body>) -> Option<Request<Body>> {
@@ -324,10 +412,23 @@ impl tower::Service<Request<Body>> for Forward {
         }
         let upstream = self.upstream_request(req);
         let again = resendable(&upstream);
-        let client = self.client.clone();
         let timeout = self.timeout;
+        // An upload's own time is not the upstream's: `timeout` starts once
+        // the upstream has the whole request, and bounds each silence of
+        // the upload before that.
+        let (upstream, uploaded) = Uploading::wrap(upstream, timeout);
+        let client = self.client.clone();
         Box::pin(async move {
-            let mut answered = tokio::time::timeout(timeout, client.request(upstream)).await;
+            let mut response = std::pin::pin!(client.request(upstream));
+            let mut answered = match uploaded {
+                Some(uploaded) => tokio::select! {
+                    biased;
+                    // Answered before the upload ended (an early refusal).
+                    answered = &mut response => Ok(answered),
+                    _ = uploaded => tokio::time::timeout(timeout, &mut response).await,
+                },
+                None => tokio::time::timeout(timeout, &mut response).await,
+            };
             // A GET or HEAD sent on a pooled connection the upstream closed
             // as it arrived (an upstream keeps idle connections for less
             // time than the pool does): sent once more, on a new one, as

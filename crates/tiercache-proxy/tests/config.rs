@@ -391,6 +391,78 @@ async fn the_valkey_timeout_comes_from_the_file_and_a_bad_one_is_refused_by_name
     assert!(err.contains("at most 60 s"), "{err}");
 }
 
+/// A request body that arrives chunk by chunk from the channel.
+struct Upload(tokio::sync::mpsc::Receiver<bytes::Bytes>);
+
+impl hyper::body::Body for Upload {
+    type Data = bytes::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Self::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|chunk| chunk.map(|c| Ok(hyper::body::Frame::data(c))))
+    }
+}
+
+/// `--origin-timeout` bounds the upstream's answer, not the client's
+/// upload: a slow but steady upload longer than it (here 600 ms against
+/// 300 ms) used to be a 504 ("no answer") though the upstream never had
+/// the whole body; the timer now starts once it has. A silence within the
+/// upload longer than the timeout still ends it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_upload_is_not_counted_in_the_origin_timeout() {
+    let app = Router::new().route(
+        "/upload",
+        axum::routing::post(|body: axum::body::Bytes| async move { format!("got {}", body.len()) }),
+    );
+    let server = Server::start(app).await;
+    let config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .origin_timeout(Duration::from_millis(300));
+    let proxy = Proxy::start(config).await.unwrap();
+    let client = Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build(hyper_util::client::legacy::connect::HttpConnector::new());
+    let upload = |gaps: Vec<u64>| {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(async move {
+            for gap in gaps {
+                tokio::time::sleep(Duration::from_millis(gap)).await;
+                if tx
+                    .send(bytes::Bytes::from_static(b"0123456789"))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        });
+        Request::post(format!("http://{}/upload", proxy.addr()))
+            .body(Body::new(Upload(rx)))
+            .unwrap()
+    };
+    let res = bounded(
+        "the upload",
+        client.request(upload(vec![0, 150, 150, 150, 150])),
+    )
+    .await
+    .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "got 50");
+    // A silence of 800 ms within the upload: cut, not waited on for ever.
+    let res = bounded(
+        "the stalled upload",
+        client.request(upload(vec![0, 800, 0])),
+    )
+    .await
+    .unwrap();
+    assert_ne!(res.status(), StatusCode::OK);
+}
+
 /// An upstream that never answers: past `--origin-timeout` the proxy
 /// answers 504 itself, and with stale-if-error the stale copy answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
