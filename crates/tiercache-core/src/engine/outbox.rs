@@ -8,7 +8,9 @@
 //! retries the queue with backoff (50 ms, doubling, 2 s at most) until each
 //! lands. The queue is bounded: past [`Outbox::CAP`] the oldest half is
 //! merged into one broader invalidation (every key, as of the newest one
-//! merged: a ban of all that L2 held before it), never dropped.
+//! merged: a ban of all that L2 held before it), never dropped; so are all
+//! but the newest past [`Outbox::MAX_HASHES`] key hashes held (a tag's
+//! invalidation names up to 100,000 keys).
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -79,11 +81,46 @@ impl Pending {
     }
 }
 
+impl Pending {
+    /// The key hashes it holds.
+    fn hashes(&self) -> usize {
+        match &self.invalidation {
+            Invalidation::Keys(hashes) | Invalidation::Tag(_, hashes) => hashes.len(),
+            Invalidation::Prefix(_) => 0,
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct State {
     next_id: u64,
     items: VecDeque<Pending>,
+    /// The key hashes the items hold.
+    hashes: usize,
     draining: bool,
+}
+
+impl State {
+    /// Merges the oldest `n` items into one invalidation of every key as
+    /// of the newest of them (never dropped: broader).
+    fn merge_oldest(&mut self, n: usize, counters: &Counters) {
+        let merged: Vec<Pending> = self.items.drain(..n).collect();
+        let Some(newest) = merged.iter().map(|p| p.at).max() else {
+            return;
+        };
+        self.hashes -= merged.iter().map(Pending::hashes).sum::<usize>();
+        counters
+            .invalidations_merged
+            .fetch_add(merged.len() as u64, Relaxed);
+        let everything = Pending {
+            id: self.next_id,
+            invalidation: Invalidation::Prefix(KeyPattern::new()),
+            at: newest,
+            queued: true,
+        };
+        self.next_id += 1;
+        self.items.push_front(everything);
+    }
 }
 
 /// See the module docs.
@@ -97,6 +134,10 @@ pub(crate) struct Outbox {
 impl Outbox {
     /// Most invalidations kept; past it the oldest half is merged into one.
     pub(crate) const CAP: usize = 10_000;
+
+    /// Most key hashes the items hold together (16 bytes each: 16 MiB):
+    /// past it all but the newest item are merged into one.
+    pub(crate) const MAX_HASHES: usize = 1 << 20;
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -113,26 +154,20 @@ impl Outbox {
         let mut state = self.lock();
         let id = state.next_id;
         state.next_id += 1;
-        state.items.push_back(Pending {
+        let item = Pending {
             id,
             invalidation,
             at,
             queued: false,
-        });
+        };
+        state.hashes += item.hashes();
+        state.items.push_back(item);
         if state.items.len() > Self::CAP {
-            let merged: Vec<Pending> = state.items.drain(..Self::CAP / 2).collect();
-            let newest = merged.iter().map(|p| p.at).max().unwrap_or(at);
-            counters
-                .invalidations_merged
-                .fetch_add(merged.len() as u64, Relaxed);
-            let everything = Pending {
-                id: state.next_id,
-                invalidation: Invalidation::Prefix(KeyPattern::new()),
-                at: newest,
-                queued: true,
-            };
-            state.next_id += 1;
-            state.items.push_front(everything);
+            state.merge_oldest(Self::CAP / 2, counters);
+        }
+        if state.hashes > Self::MAX_HASHES && state.items.len() > 1 {
+            let all_but_newest = state.items.len() - 1;
+            state.merge_oldest(all_but_newest, counters);
         }
         self.len.store(state.items.len(), Relaxed);
         id
@@ -148,7 +183,11 @@ impl Outbox {
 
     pub(crate) fn landed(&self, id: u64) {
         let mut state = self.lock();
-        state.items.retain(|p| p.id != id);
+        if let Some(at) = state.items.iter().position(|p| p.id == id)
+            && let Some(item) = state.items.remove(at)
+        {
+            state.hashes -= item.hashes();
+        }
         self.len.store(state.items.len(), Relaxed);
     }
 
@@ -282,6 +321,27 @@ mod tests {
         outbox.queued(id);
         assert!(outbox.covers(&elsewhere, before, &[]), "once queued");
         assert!(!outbox.covers(&elsewhere, now + Duration::from_secs(1), &[]));
+    }
+
+    /// Tag invalidations name up to 100,000 keys each: past the hash bound
+    /// the older ones are merged into one invalidation of everything.
+    #[test]
+    fn the_outbox_holds_a_bounded_number_of_hashes() {
+        let outbox = Outbox::default();
+        let counters = Counters::default();
+        let at = SystemTime::UNIX_EPOCH + Duration::from_secs(100);
+        let big = || {
+            let hashes = vec![CacheKey::new("k").hash(); Outbox::MAX_HASHES / 2 + 1];
+            Invalidation::Tag(Bytes::from_static(b"t"), hashes)
+        };
+        outbox.push(big(), at, &counters);
+        outbox.push(big(), at, &counters);
+        let state = outbox.lock();
+        assert!(state.hashes <= Outbox::MAX_HASHES, "{}", state.hashes);
+        assert!(matches!(
+            state.items.front().map(|p| &p.invalidation),
+            Some(Invalidation::Prefix(_))
+        ));
     }
 
     #[test]
