@@ -30,89 +30,30 @@ pub type UpstreamBody = http_body_util::Either<UpstreamStream, Body>;
 /// reads, not over the whole body): a stalled upstream never holds a client,
 /// or the requests waiting on its load, for longer. A cut body is not
 /// stored; the cache counts it as an origin failure.
+pub type UpstreamStream = Silences<Incoming>;
+
+/// A body cut with an error once its sender has sent nothing for `idle`
+/// (counted from the first wait after each frame); its end (or its drop,
+/// once sent whole) is told to `done` when there is one.
 #[derive(Debug)]
-pub struct UpstreamStream {
-    body: Incoming,
+pub struct Silences<B> {
+    body: B,
     idle: Duration,
-    deadline: Pin<Box<tokio::time::Sleep>>,
-}
-
-impl UpstreamStream {
-    fn new(body: Incoming, idle: Duration) -> Self {
-        Self {
-            body,
-            idle,
-            deadline: Box::pin(tokio::time::sleep(idle)),
-        }
-    }
-}
-
-impl hyper::body::Body for UpstreamStream {
-    type Data = Bytes;
-    type Error = Box<dyn std::error::Error + Send + Sync>;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        let this = &mut *self;
-        match Pin::new(&mut this.body).poll_frame(cx) {
-            Poll::Ready(frame) => {
-                if frame.is_some() {
-                    let next = tokio::time::Instant::now() + this.idle;
-                    this.deadline.as_mut().reset(next);
-                }
-                Poll::Ready(frame.map(|f| f.map_err(Into::into)))
-            }
-            Poll::Pending => match this.deadline.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Some(Err(format!(
-                    "the upstream sent nothing of its body for {:?}",
-                    this.idle
-                )
-                .into()))),
-                Poll::Pending => Poll::Pending,
-            },
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
-    }
-}
-
-/// A request body on its way to the upstream: a silence of `idle` ends it
-/// with an error, and its end (or its drop, once sent) is told to `done`.
-struct Uploading {
-    body: Body,
-    idle: Duration,
+    /// Who stays silent, for the error: "the upstream", "the client".
+    who: &'static str,
     silence: Option<Pin<Box<tokio::time::Sleep>>>,
     done: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
-impl Uploading {
-    /// `req` with its body so watched, and what hears the upload end;
-    /// `None` for a request without a body (nothing to wait for).
-    fn wrap(
-        req: Request<Body>,
-        idle: Duration,
-    ) -> (Request<Body>, Option<tokio::sync::oneshot::Receiver<()>>) {
-        if hyper::body::Body::size_hint(req.body()).exact() == Some(0) {
-            return (req, None);
+impl<B> Silences<B> {
+    fn new(body: B, idle: Duration, who: &'static str) -> Self {
+        Self {
+            body,
+            idle,
+            who,
+            silence: None,
+            done: None,
         }
-        let (done, uploaded) = tokio::sync::oneshot::channel();
-        let req = req.map(|body| {
-            Body::new(Self {
-                body,
-                idle,
-                silence: None,
-                done: Some(done),
-            })
-        });
-        (req, Some(uploaded))
     }
 
     fn ended(&mut self) {
@@ -122,7 +63,32 @@ impl Uploading {
     }
 }
 
-impl hyper::body::Body for Uploading {
+impl Silences<Body> {
+    /// `req` with its body cut after a silence of `idle`, and what hears
+    /// the upload end; `None` for a request without a body (nothing to
+    /// wait for).
+    fn upload(
+        req: Request<Body>,
+        idle: Duration,
+    ) -> (Request<Body>, Option<tokio::sync::oneshot::Receiver<()>>) {
+        if hyper::body::Body::size_hint(req.body()).exact() == Some(0) {
+            return (req, None);
+        }
+        let (done, uploaded) = tokio::sync::oneshot::channel();
+        let req = req.map(|body| {
+            let mut watched = Self::new(body, idle, "the client");
+            watched.done = Some(done);
+            Body::new(watched)
+        });
+        (req, Some(uploaded))
+    }
+}
+
+impl<B> hyper::body::Body for Silences<B>
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     type Data = Bytes;
     type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -147,7 +113,8 @@ impl hyper::body::Body for Uploading {
                     .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
                 match silence.as_mut().poll(cx) {
                     Poll::Ready(()) => Poll::Ready(Some(Err(format!(
-                        "the client sent nothing of its body for {idle:?}"
+                        "{} sent nothing of its body for {idle:?}",
+                        this.who
                     )
                     .into()))),
                     Poll::Pending => Poll::Pending,
@@ -165,7 +132,7 @@ impl hyper::body::Body for Uploading {
     }
 }
 
-impl Drop for Uploading {
+impl<B> Drop for Silences<B> {
     fn drop(&mut self) {
         // hyper drops a body it has sent whole without polling it again.
         self.ended();
@@ -416,7 +383,7 @@ impl tower::Service<Request<Body>> for Forward {
         // An upload's own time is not the upstream's: `timeout` starts once
         // the upstream has the whole request, and bounds each silence of
         // the upload before that.
-        let (upstream, uploaded) = Uploading::wrap(upstream, timeout);
+        let (upstream, uploaded) = Silences::upload(upstream, timeout);
         let client = self.client.clone();
         Box::pin(async move {
             let mut response = std::pin::pin!(client.request(upstream));
@@ -454,7 +421,7 @@ impl tower::Service<Request<Body>> for Forward {
                     for value in declared {
                         parts.headers.append(TRAILER, value);
                     }
-                    let body = UpstreamStream::new(body, timeout);
+                    let body = Silences::new(body, timeout, "the upstream");
                     Ok(Response::from_parts(
                         parts,
                         http_body_util::Either::Left(body),
