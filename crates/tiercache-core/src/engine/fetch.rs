@@ -454,14 +454,8 @@ impl Miss {
                     Ok(waited) => waited,
                     Err(_) => {
                         origin.observe(Event::LockWait(started.elapsed()));
-                        let answer = Answer {
-                            entry: stale.clone(),
-                            source: Source::L1,
-                            served: Served::Stale(StaleReason::OriginTimeout),
-                            collapsed: true,
-                        };
-                        engine.count(&answer);
-                        return Ok(Fetched::Entry(answer));
+                        let why = StaleReason::OriginTimeout;
+                        return Ok(engine.answered_stale(stale.clone(), why, true));
                     }
                 },
                 None => follower.wait().await,
@@ -473,16 +467,11 @@ impl Miss {
                     return match engine.followed(result, fallback.clone(), &origin, joined) {
                         Followed::Answer(answer) => Ok(answer),
                         Followed::Error(e) => Err(e),
-                        Followed::Alone => {
-                            engine
-                                .load_alone(&keys, &policy, origin, fallback, true, false)
-                                .await
-                        }
                         Followed::Again if !rejoined => {
                             rejoined = true;
                             continue;
                         }
-                        Followed::Again => {
+                        Followed::Alone | Followed::Again => {
                             engine
                                 .load_alone(&keys, &policy, origin, fallback, true, false)
                                 .await

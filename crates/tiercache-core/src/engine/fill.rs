@@ -95,12 +95,6 @@ impl TieredCache {
     ) -> Result<Fetched<O::Output>, FetchError<O::Error>> {
         let usable = lead.stale.clone().filter(|e| self.stale_usable(e));
         let soft = lead.policy.soft_timeout();
-        let stale_answer = |entry: Entry, why| Answer {
-            entry,
-            source: Source::L1,
-            served: Served::Stale(why),
-            collapsed: false,
-        };
         let flight = lead.leader.watch();
         let mut task = FillTask::spawn(self, flight, self.clone().fill(lead, origin));
         let joined = match (usable, soft) {
@@ -108,11 +102,7 @@ impl TieredCache {
                 Ok(joined) => joined,
                 // The origin is slow and a stale answer is at hand: give it
                 // now; the fill goes on in the background.
-                Err(_) => {
-                    bump(&self.inner.counters.stale_served);
-                    let answer = stale_answer(stale, StaleReason::OriginTimeout);
-                    return Ok(Fetched::Entry(answer));
-                }
+                Err(_) => return Ok(self.answered_stale(stale, StaleReason::OriginTimeout, false)),
             },
             _ => (&mut task.handle).await,
         };
@@ -334,6 +324,23 @@ impl TieredCache {
         Filled::Entry(entry, Source::L2, false)
     }
 
+    /// A stale L1 copy answers (stale-if-error, a soft timeout), counted.
+    pub(super) fn answered_stale<T>(
+        &self,
+        entry: Entry,
+        why: StaleReason,
+        collapsed: bool,
+    ) -> Fetched<T> {
+        let answer = Answer {
+            entry,
+            source: Source::L1,
+            served: Served::Stale(why),
+            collapsed,
+        };
+        self.count(&answer);
+        Fetched::Entry(answer)
+    }
+
     /// What a follower answers with, given its leader's result; `joined`
     /// is the journal epoch it noted before it joined the flight.
     pub(super) fn followed<O: Origin>(
@@ -421,16 +428,6 @@ impl TieredCache {
         hit_for_miss: bool,
     ) -> Result<Fetched<O::Output>, FetchError<O::Error>> {
         let usable = fallback.filter(|e| self.stale_usable(e));
-        let stand_in = |stale: Entry| {
-            let answer = Answer {
-                entry: stale,
-                source: Source::L1,
-                served: Served::Stale(StaleReason::OriginError),
-                collapsed,
-            };
-            self.count(&answer);
-            Ok(Fetched::Entry(answer))
-        };
         let epoch = self.inner.journal.epoch();
         let (started, began) = (Instant::now(), self.now());
         let loaded = origin.load(None).await;
@@ -450,7 +447,9 @@ impl TieredCache {
         let loaded = match (loaded, usable) {
             (Err(_), Some(stale))
             | (Ok(Loaded::Share { failed: true, .. }), Some(stale))
-            | (Ok(Loaded::Pass { failed: true, .. }), Some(stale)) => return stand_in(stale),
+            | (Ok(Loaded::Pass { failed: true, .. }), Some(stale)) => {
+                return Ok(self.answered_stale(stale, StaleReason::OriginError, collapsed));
+            }
             (loaded, _) => loaded,
         };
         match loaded.map_err(FetchError::Origin)? {
