@@ -150,7 +150,7 @@ const BOOKKEEPING: usize = 1800;
 /// the engine's tag index, which follows L1 but is not in it (a tag of its
 /// own, as every `Vary`ing URL's two entries share, costs ~500 bytes: the
 /// index's node and set; a key in a shared tag's set, ~32).
-const TAG_ALLOWANCE: usize = 250;
+pub(crate) const TAG_ALLOWANCE: usize = 250;
 /// Per-entry memory of a reader's view beyond its fields (see [`Entry::weight`]).
 const VIEW_ALLOWANCE: usize = 240;
 /// Per stored field, beyond its bytes: the pair and its two allocations,

@@ -26,8 +26,7 @@ fn churn(cache: &TieredCache, n: u32, live: u32, policy: impl Fn(u32) -> Policy)
     }
 }
 
-/// A tag with more keys than the L1 index keeps still reaches every one of
-/// them: the index knows it overflowed, and drops all of L1 instead.
+/// A tag stored with many keys reaches every one of them.
 #[tokio::test]
 async fn a_tag_past_the_index_bound_still_reaches_every_key() {
     let clock = MockClock::new();
@@ -41,10 +40,9 @@ async fn a_tag_past_the_index_bound_still_reaches_every_key() {
     assert!(keys.iter().all(|k| !cache.l1_contains(k)));
 }
 
-/// A tag's index kept the keys of entries L1 had dropped: past its bound
-/// (64 here) the tag was marked overflowed, and its next invalidation
-/// dropped all of L1, though only a few of its keys were still alive. The
-/// keys L1 no longer holds are pruned first.
+/// A tag's index kept the keys of entries L1 had dropped: past a bound
+/// (64 then) the tag was marked overflowed, and its next invalidation
+/// dropped all of L1, though only a few of its keys were still alive.
 #[tokio::test]
 async fn a_tag_whose_keys_left_l1_does_not_overflow_into_dropping_all_of_l1() {
     let clock = MockClock::new();
@@ -93,7 +91,7 @@ async fn the_tag_index_follows_l1_through_a_crawl_of_unique_tags() {
 /// share before a prune came (it came at a quarter past the last live
 /// count, which may be past the room): every tag recorded then was marked
 /// overflowed, and its invalidation dropped all of L1. Prunes come before
-/// the room runs out (the room is 1,000 records here).
+/// the room runs out.
 #[tokio::test]
 async fn stale_tag_records_never_use_up_the_room_of_live_ones() {
     let clock = MockClock::new();
@@ -109,6 +107,53 @@ async fn stale_tag_records_never_use_up_the_room_of_live_ones() {
         cache.l1_contains(&key(4_998)),
         "a live key of another tag went"
     );
+    assert!(
+        cache.l1_contains(&home),
+        "the tag's invalidation dropped all of L1"
+    );
+}
+
+/// A tag with more live keys than one tag's set used to keep (64 here) was
+/// marked overflowed, and its invalidation dropped all of L1, the entries
+/// of every other tag with it. A tag's set holds all its live keys (each
+/// weighed in L1), so the invalidation drops those and nothing else.
+#[tokio::test]
+async fn a_tag_with_many_live_keys_drops_only_its_own() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let plain = Policy::ttl(TTL).build().unwrap();
+    let home = CacheKey::new("home");
+    cache.put(&home, Value::from_body("home"), &plain);
+    churn(&cache, 200, 200, |_| own_tag("wide"));
+    cache.invalidate_tag("wide").await.unwrap();
+    assert!((0..200).all(|i| !cache.l1_contains(&key(i))));
+    assert!(
+        cache.l1_contains(&home),
+        "the tag's invalidation dropped all of L1"
+    );
+}
+
+/// The records all tags share had a fixed room (1,000 here, 1 M in a
+/// release build), less than L1 can hold: with L1 holding more tagged
+/// entries than that, each tag first seen was marked overflowed, and never
+/// pruned, so its invalidation dropped all of L1 long after. The room
+/// follows L1's budget (every record is weighed there).
+#[tokio::test]
+async fn a_tag_recorded_while_l1_holds_many_tagged_entries_drops_only_its_own() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let plain = Policy::ttl(TTL).build().unwrap();
+    let home = CacheKey::new("home");
+    cache.put(&home, Value::from_body("home"), &plain);
+    // 1,500 tagged entries alive at once, each under a tag of its own.
+    churn(&cache, 1_500, 1_500, |i| own_tag(&format!("t{i}")));
+    let late = CacheKey::new("late");
+    cache.put(&late, Value::from_body("late"), &own_tag("late"));
+    // They all leave L1, and the index is pruned.
+    (0..1_500).for_each(|i| cache.forget_local(&key(i)));
+    cache.sweep();
+    cache.invalidate_tag("late").await.unwrap();
+    assert!(!cache.l1_contains(&late));
     assert!(
         cache.l1_contains(&home),
         "the tag's invalidation dropped all of L1"

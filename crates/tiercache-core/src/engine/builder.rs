@@ -168,6 +168,7 @@ impl TieredCacheBuilder {
         let tags_incomplete = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let tag_keys = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let marks_clock = self.clock.clone();
+        let tag_room = Inner::tag_room(self.l1_capacity);
         let inner = Arc::new(Inner {
             l1: L1::new(self.l1_capacity, self.clock.clone(), counters.clone()),
             l2: self.l2,
@@ -182,7 +183,7 @@ impl TieredCacheBuilder {
             // Pruned to follow L1 (see `engine::tags`): this bound is a
             // safety net, past which a tag invalidation drops all of L1.
             tags: moka::sync::Cache::builder()
-                .max_capacity(1_000_000)
+                .max_capacity(tag_room as u64)
                 .eviction_listener({
                     let incomplete = tags_incomplete.clone();
                     let tag_keys = tag_keys.clone();
@@ -199,7 +200,8 @@ impl TieredCacheBuilder {
                 .build(),
             tags_incomplete,
             tag_keys,
-            tags_prune_at: std::sync::atomic::AtomicUsize::new(Inner::next_prune(0)),
+            tag_room,
+            tags_prune_at: std::sync::atomic::AtomicUsize::new(Inner::next_prune(0, tag_room)),
             journal: Journal::default(),
             outbox: Arc::default(),
             refreshes: Arc::new(tokio::sync::Semaphore::new(self.max_refreshes)),

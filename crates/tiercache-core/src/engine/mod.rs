@@ -77,8 +77,10 @@ pub(crate) struct Inner {
     /// The tag index lost a tag to its bound: the next tag invalidation
     /// cannot know every live key under it, and drops all of L1 instead.
     tags_incomplete: Arc<std::sync::atomic::AtomicBool>,
-    /// Keys recorded across all tags (bounded by `MAX_TAG_KEYS`).
+    /// Keys recorded across all tags (bounded by `tag_room`).
     tag_keys: Arc<std::sync::atomic::AtomicUsize>,
+    /// The records all tags share (see [`Inner::tag_room`]).
+    tag_room: usize,
     /// Records past which the tag index is pruned (see [`tags`]).
     tags_prune_at: std::sync::atomic::AtomicUsize,
     /// Recent invalidations, so a fill they overtook is not stored.

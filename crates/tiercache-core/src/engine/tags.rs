@@ -3,11 +3,15 @@
 //!
 //! The index follows L1: records of entries L1 has evicted or expired are
 //! pruned once the records outgrow the last live count by a quarter (and
-//! on every sweep), and a tag left with no live key leaves the index. So
-//! it holds at most ~1.25× the tag records of L1's live entries plus
-//! 1,024, whatever the number of unique tags (each `Vary`ing URL has one),
-//! and a crawl never pushes a tag out of it (which would make the next tag
-//! invalidation drop all of L1).
+//! on every sweep), and a tag left with no live key leaves the index. Each
+//! live record is weighed in its entry's L1 weight
+//! ([`TAG_ALLOWANCE`](crate::entry::TAG_ALLOWANCE) and the tag's bytes), so
+//! the index holds at most ~1.25x the records L1's budget pays for plus
+//! 1,024, whatever the number of unique tags (each `Vary`ing URL has one).
+//! Its room (see [`Inner::tag_room`]) is twice what the budget can pay
+//! for, so the prunes keep it short of the room: a crawl never pushes a
+//! tag out, nor a tag with many keys past its set (either would make the
+//! tag's invalidation drop all of L1).
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering::Relaxed;
@@ -23,7 +27,8 @@ use crate::KeyHash;
 #[derive(Debug, Default)]
 pub(crate) struct TagKeys {
     keys: HashSet<KeyHash>,
-    /// More keys than the index keeps were stored under the tag.
+    /// A key stored under the tag was not recorded (the index had no room
+    /// left): the tag's invalidation drops all of L1.
     pub(super) overflowed: bool,
     /// Pruned out of the index (no live key was left): a key is recorded
     /// in the tag's new index instead.
@@ -31,40 +36,21 @@ pub(crate) struct TagKeys {
 }
 
 impl TagKeys {
-    /// Records `key` (alive in L1). A tag at `cap` keys first drops the
-    /// keys no longer `live`; when more than three quarters are, or `room` is false
-    /// (the index as a whole is full), the tag is marked overflowed. `None`
-    /// when this index left the tag index; else whether `key` was added and
-    /// how many keys were pruned.
-    fn record(
-        &mut self,
-        key: KeyHash,
-        cap: usize,
-        room: bool,
-        live: impl Fn(&KeyHash) -> bool,
-    ) -> Option<(bool, usize)> {
+    /// Records `key` (alive in L1); with no `room` left in the index the
+    /// tag is marked overflowed instead. `None` when this index left the
+    /// tag index; else whether `key` was added.
+    fn record(&mut self, key: KeyHash, room: bool) -> Option<bool> {
         if self.dead {
             return None;
         }
         if self.overflowed || self.keys.contains(&key) {
-            return Some((false, 0));
+            return Some(false);
         }
-        let mut pruned = 0;
-        if self.keys.len() >= cap {
-            let before = self.keys.len();
-            self.keys.retain(|k| live(k));
-            pruned = before - self.keys.len();
-            // Mostly live: pruning again at the next key would cost the
-            // whole set each time.
-            if self.keys.len() > cap / 4 * 3 {
-                self.overflowed = true;
-            }
-        }
-        if self.overflowed || !room {
+        if !room {
             self.overflowed = true;
-            return Some((false, pruned));
+            return Some(false);
         }
-        Some((self.keys.insert(key), pruned))
+        Some(self.keys.insert(key))
     }
 
     /// Drains the keys of an index taken out for the tag's invalidation:
@@ -80,36 +66,37 @@ impl TagKeys {
 }
 
 impl Inner {
-    /// Keys remembered per tag in this process (the shared tier keeps its
-    /// own index); past it the tag is pruned of keys L1 no longer holds,
-    /// and marked overflowed if most are live (see `TagKeys`).
-    const MAX_KEYS_PER_TAG: usize = if cfg!(test) { 64 } else { 100_000 };
-    /// Keys remembered across all tags: the index's own bound (~64 B a key,
-    /// so ~64 MiB at most); past it new keys mark their tag overflowed.
-    const MAX_TAG_KEYS: usize = if cfg!(test) { 1_000 } else { 1_000_000 };
+    /// The least room of the index, in records (a key under a tag).
+    const MIN_TAG_ROOM: usize = if cfg!(test) { 1_000 } else { 1_000_000 };
+
+    /// The records all tags share, for an L1 of `l1_capacity` bytes: twice
+    /// the records its budget can pay for (each weighs at least
+    /// `TAG_ALLOWANCE`), at least `MIN_TAG_ROOM`. Past it a tag is marked
+    /// overflowed, which the prunes keep the index from reaching.
+    pub(super) fn tag_room(l1_capacity: u64) -> usize {
+        let paid = l1_capacity / crate::entry::TAG_ALLOWANCE as u64;
+        usize::try_from(paid.saturating_mul(2))
+            .unwrap_or(usize::MAX)
+            .max(Self::MIN_TAG_ROOM)
+    }
 
     /// Records `hash` (just put in L1) under each of `tags`.
     pub(super) fn record_tags(&self, hash: KeyHash, tags: &[Bytes]) {
         for tag in tags {
             loop {
                 let index = self.tags.get_with(tag.clone(), Default::default);
-                let room = self.tag_keys.load(Relaxed) < Self::MAX_TAG_KEYS;
-                let recorded = index.lock().unwrap_or_else(|e| e.into_inner()).record(
-                    hash,
-                    Self::MAX_KEYS_PER_TAG,
-                    room,
-                    |k| self.l1.contains(k),
-                );
-                let Some((added, pruned)) = recorded else {
+                let room = self.tag_keys.load(Relaxed) < self.tag_room;
+                let recorded = index
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .record(hash, room);
+                let Some(added) = recorded else {
                     // Pruned away meanwhile: the tag's next index.
                     self.forget_tag_index(tag, &index);
                     continue;
                 };
                 if added {
                     self.tag_keys.fetch_add(1, Relaxed);
-                }
-                if pruned > 0 {
-                    self.forget_tag_keys(pruned);
                 }
                 break;
             }
@@ -164,15 +151,16 @@ impl Inner {
         // Records added meanwhile may be missed here: the next prune counts
         // them again.
         self.tag_keys.store(left, Relaxed);
-        self.tags_prune_at.store(Self::next_prune(left), Relaxed);
+        self.tags_prune_at
+            .store(Self::next_prune(left, self.tag_room), Relaxed);
     }
 
     /// When the index is pruned next, with `left` records after a prune:
     /// past a quarter more, and below the room every tag shares. Near that
     /// room (7/8 of it live) only sweeps prune: a prune per fill would walk
     /// the whole index each time.
-    pub(super) fn next_prune(left: usize) -> usize {
-        let near_full = Self::MAX_TAG_KEYS / 8 * 7;
+    pub(super) fn next_prune(left: usize, room: usize) -> usize {
+        let near_full = room / 8 * 7;
         if left >= near_full {
             usize::MAX
         } else {
