@@ -154,6 +154,45 @@ impl L1 {
         let hard = entry.times().hard_until;
         let weight = u64::from(entry.weight());
         self.cache.insert(hash, entry);
+        self.inserted(hash, hard, weight);
+    }
+
+    /// The entry held under `hash`, live or not, as moka has it.
+    pub(crate) fn held(&self, hash: &KeyHash) -> Option<Entry> {
+        self.cache.get(hash)
+    }
+
+    /// Inserts `entry` only if `unchanged` says so of what L1 holds under
+    /// `hash` now, atomically: a read that went to L2 checks that L1 holds
+    /// what it held before; a renewal, the entry it read. A fill stored
+    /// meanwhile stays. Whether `entry` went in.
+    pub(crate) fn replace(
+        &self,
+        hash: KeyHash,
+        entry: Entry,
+        unchanged: impl FnOnce(Option<&Entry>) -> bool,
+    ) -> bool {
+        let hard = entry.times().hard_until;
+        let weight = u64::from(entry.weight());
+        let result = self.cache.entry(hash).and_compute_with(|live| {
+            if unchanged(live.as_ref().map(|live| live.value())) {
+                Op::Put(entry)
+            } else {
+                Op::Nop
+            }
+        });
+        let put = matches!(
+            result,
+            CompResult::Inserted(_) | CompResult::ReplacedWith(_)
+        );
+        if put {
+            self.inserted(hash, hard, weight);
+        }
+        put
+    }
+
+    /// After an entry of `weight` expiring at `hard` went in under `hash`.
+    fn inserted(&self, hash: KeyHash, hard: SystemTime, weight: u64) {
         self.epochs.moved(&hash);
         // moka evicts only when it runs its housekeeping: on its own, after
         // 64 to 384 writes, which for 64 KiB bodies is 4 to 25 MiB held

@@ -79,4 +79,6 @@ mod tests_detached;
 #[cfg(test)]
 mod tests_freshness;
 #[cfg(test)]
+mod tests_renew;
+#[cfg(test)]
 mod tests_tags;

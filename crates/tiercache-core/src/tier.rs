@@ -38,6 +38,17 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
     /// queue drops the write (and counts it).
     fn put(&self, key: &CacheKey, entry: &Entry, ttl: Duration, tags: &[Bytes]);
 
+    /// Stores `entry` as [`put`](Self::put) does, only while the tier holds
+    /// under `key` the fill `read` (the one stored when `read` was created:
+    /// the same [`Times::created_at`](crate::Times::created_at)) or
+    /// nothing: a renewal of `read` never replaces a newer fill another
+    /// instance stored meanwhile. The default stores it as `put` does, for
+    /// a tier that cannot tell.
+    fn put_over(&self, key: &CacheKey, entry: &Entry, ttl: Duration, tags: &[Bytes], read: &Entry) {
+        let _ = read;
+        self.put(key, entry, ttl, tags);
+    }
+
     /// Removes what `invalidation` names from the tier (for a tag, with the
     /// keys recorded under it, which it adds to the message) and tells the
     /// other instances, whose sinks drop the same from their L1.
@@ -268,6 +279,25 @@ mod memory {
                     .entry(tag.clone())
                     .or_default()
                     .push(key.full().clone());
+            }
+        }
+
+        fn put_over(
+            &self,
+            key: &CacheKey,
+            entry: &Entry,
+            ttl: Duration,
+            tags: &[Bytes],
+            read: &Entry,
+        ) {
+            let created = read.times().created_at;
+            let replaced = {
+                let map = self.map.lock().unwrap();
+                map.get(key.full())
+                    .is_none_or(|(held, _)| held.times().created_at == created)
+            };
+            if replaced {
+                self.put(key, entry, ttl, tags);
             }
         }
 

@@ -255,6 +255,15 @@ impl fmt::Display for DecodeError {
 
 impl std::error::Error for DecodeError {}
 
+/// Where an envelope holds its fill's `created_at` (8 bytes, the payload's
+/// first field): what tells two fills of a key apart.
+pub(crate) const CREATED_AT: std::ops::Range<usize> = HEADER_LEN..HEADER_LEN + 8;
+
+/// `entry`'s `created_at` as its envelope holds it (see [`CREATED_AT`]).
+pub(crate) fn created_at(entry: &Entry) -> [u8; 8] {
+    millis(entry.times().created_at).to_le_bytes()
+}
+
 fn millis(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
 }

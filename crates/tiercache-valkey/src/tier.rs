@@ -324,29 +324,11 @@ impl Tier for ValkeyTier {
     }
 
     fn put(&self, key: &CacheKey, entry: &Entry, ttl: Duration, tags: &[Bytes]) {
-        let px = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX).max(1);
-        let value = codec::encode(entry);
-        let size = value.len();
-        let queued = &self.inner.queued_bytes;
-        let before = queued.fetch_add(size, Relaxed);
-        if before > 0 && before + size > self.inner.queue_bytes_bound {
-            queued.fetch_sub(size, Relaxed);
-            self.inner.write_drops.fetch_add(1, Relaxed);
-            return;
-        }
-        let write = Write::Command(Command::Set {
-            key: self.entry_key(key),
-            value,
-            px,
-            tags: tags.iter().map(|t| self.tag_key(t)).collect(),
-            hash: key.hash(),
-            full: key.full().clone(),
-            heard: self.inner.overtaken.mark(),
-        });
-        if self.inner.writes.try_send(write).is_err() {
-            queued.fetch_sub(size, Relaxed);
-            self.inner.write_drops.fetch_add(1, Relaxed);
-        }
+        self.queue_fill(key, entry, ttl, tags, None);
+    }
+
+    fn put_over(&self, key: &CacheKey, entry: &Entry, ttl: Duration, tags: &[Bytes], read: &Entry) {
+        self.queue_fill(key, entry, ttl, tags, Some(codec::created_at(read)));
     }
 
     fn invalidate<'a>(
@@ -455,4 +437,43 @@ async fn load_bans(tier: Weak<Inner>) -> Option<Vec<Ban>> {
             })
             .collect(),
     )
+}
+
+impl ValkeyTier {
+    /// Queues a fill (see [`Tier::put`]); with `over`, stored only while
+    /// Valkey holds the fill created then, or nothing (see
+    /// [`Tier::put_over`]).
+    fn queue_fill(
+        &self,
+        key: &CacheKey,
+        entry: &Entry,
+        ttl: Duration,
+        tags: &[Bytes],
+        over: Option<[u8; 8]>,
+    ) {
+        let px = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX).max(1);
+        let value = codec::encode(entry);
+        let size = value.len();
+        let queued = &self.inner.queued_bytes;
+        let before = queued.fetch_add(size, Relaxed);
+        if before > 0 && before + size > self.inner.queue_bytes_bound {
+            queued.fetch_sub(size, Relaxed);
+            self.inner.write_drops.fetch_add(1, Relaxed);
+            return;
+        }
+        let write = Write::Command(Command::Set {
+            key: self.entry_key(key),
+            value,
+            px,
+            tags: tags.iter().map(|t| self.tag_key(t)).collect(),
+            hash: key.hash(),
+            full: key.full().clone(),
+            heard: self.inner.overtaken.mark(),
+            over,
+        });
+        if self.inner.writes.try_send(write).is_err() {
+            queued.fetch_sub(size, Relaxed);
+            self.inner.write_drops.fetch_add(1, Relaxed);
+        }
+    }
 }

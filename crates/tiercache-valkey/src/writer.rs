@@ -38,6 +38,10 @@ pub(crate) enum Command {
         full: Bytes,
         /// [`crate::overtaken::Overtaken::mark`] when it was queued.
         heard: u64,
+        /// A renewal: stored only while the key holds the fill created at
+        /// these envelope bytes (see [`crate::codec::CREATED_AT`]), or
+        /// nothing.
+        over: Option<[u8; 8]>,
     },
     /// Delete these entries again, each only while it still holds the
     /// stamped fill: fills another instance's invalidation overtook (see
@@ -254,6 +258,13 @@ const DELETE_IF_STAMPED: &str = "if redis.call('GETRANGE', KEYS[1], 0, ARGV[3]) 
      if n == 1 then redis.call('PUBLISH', ARGV[5], ARGV[6]) end \
      return n else return 0 end";
 
+/// Sets `KEYS[1]` to `ARGV[4]` with `PX ARGV[5]` only while it holds
+/// nothing, or an envelope whose bytes `ARGV[1]..=ARGV[2]` (its fill's
+/// creation) are `ARGV[3]`: a renewal never replaces a newer fill.
+const SET_OVER: &str = "local held = redis.call('GETRANGE', KEYS[1], ARGV[1], ARGV[2]) \
+     if held == '' or held == ARGV[3] then \
+     redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5]) return 1 else return 0 end";
+
 /// Sends a batch in one pipeline, in order: each fill's `SET … PX` and its
 /// tag sets; each release's shared answer, token-checked unlock and
 /// notification (see [`crate::lock::pipe_release`]). Per command, whether it
@@ -329,14 +340,34 @@ async fn pipe_fill(
         px,
         tags,
         hash,
+        over,
         ..
     } = fill
     else {
         return Ok(0);
     };
-    let _: () = pipe
-        .set(key, value.clone(), Some(Expiration::PX(*px)), None, false)
-        .await?;
+    match over {
+        None => {
+            let _: () = pipe
+                .set(key, value.clone(), Some(Expiration::PX(*px)), None, false)
+                .await?;
+        }
+        Some(created) => {
+            let eval = CustomCommand::new_static("EVAL", ClusterHash::Offset(2), false);
+            let at = &crate::codec::CREATED_AT;
+            let args = vec![
+                Value::from(SET_OVER),
+                Value::from(1),
+                Value::from(key.as_str()),
+                Value::from(at.start as i64),
+                Value::from((at.end - 1) as i64),
+                Value::from(Bytes::copy_from_slice(created)),
+                Value::from(value.clone()),
+                Value::from(*px),
+            ];
+            let _: () = pipe.custom(eval, args).await?;
+        }
+    }
     // A tag set's member is the key's hash.
     let member = if tags.is_empty() {
         String::new()

@@ -356,6 +356,11 @@ impl TieredCache {
     /// Sets `key` to expire at `at` (stale windows dropped), in L1 and L2.
     /// Returns whether there was a fresh value to expire.
     ///
+    /// It renews the value it read, and only while that is still the one
+    /// stored: in L1, and in the shared tier (see
+    /// [`Tier::put_over`](crate::Tier::put_over)). A newer fill stored
+    /// meanwhile, here or by another instance, stays as it is.
+    ///
     /// The entry keeps the tags it was stored under (in L2 their sets
     /// are renewed with it). [`touch`](Self::touch) renews a fresh lifetime
     /// drawn from a policy instead, and adds the policy's tags.
@@ -388,25 +393,40 @@ impl TieredCache {
             return true;
         }
         let times = Times::fresh(entry.times().created_at.min(now), later(now, ttl));
-        self.renew(key, &entry, times, ttl, epoch);
+        self.renew(key, &entry, entry.with_times(times), ttl, epoch);
         true
     }
 
     /// Resets `key`'s fresh lifetime to a new one drawn from `policy` (its
     /// ttl and jitter), as if it had just been stored. Returns whether there
     /// was a fresh value to touch.
+    ///
+    /// Like [`expire_at`](Self::expire_at), it renews the value it read and
+    /// only that: a newer fill stored meanwhile (in L1, or by another
+    /// instance in the shared tier) is left as it is.
     pub async fn touch(&self, key: &CacheKey, policy: &Policy) -> bool {
         // Before the read: an invalidation after it keeps the touch out.
         let epoch = self.inner.journal.epoch();
-        let Some(entry) = self.current(key).await else {
+        let Some(read) = self.current(key).await else {
             return false;
         };
-        let fill = Fill::new(entry.value().clone())
-            .variant(entry.variant().clone())
-            .origin_latency(entry.origin_latency())
-            // Every tag it had (a fill's own too); the store adds the policy's.
-            .tags(entry.tags().to_vec());
-        let _ = self.store_since(key, fill, policy, epoch);
+        // Every tag it had (a fill's own too), and the policy's.
+        let mut tags = read.tags().to_vec();
+        for tag in policy.tags() {
+            if !tags.contains(tag) {
+                tags.push(tag.clone());
+            }
+        }
+        let (times, ttl) = self.times_for(&Fill::new(read.value().clone()), policy, self.now());
+        let renewed = Entry::new(
+            key.full().clone(),
+            read.variant().clone(),
+            read.value().clone(),
+            times,
+            read.origin_latency(),
+        )
+        .with_tags(&tags);
+        self.renew(key, &read, renewed, ttl, epoch);
         true
     }
 
@@ -430,17 +450,17 @@ impl TieredCache {
         self.lookup_l2(key, epoch, |_| true).await
     }
 
-    /// Stores `entry` again with new `times`, unless an invalidation since
-    /// `epoch` (taken before `entry` was read) covers it.
-    fn renew(&self, key: &CacheKey, entry: &Entry, times: Times, ttl: Duration, epoch: u64) {
-        let renewed = entry.with_times(times);
+    /// Stores `renewed`, a renewal of `read`, unless an invalidation since
+    /// `epoch` (taken before `read` was read) covers it; and only over
+    /// `read` (see [`insert_over`](Self::insert_over)).
+    fn renew(&self, key: &CacheKey, read: &Entry, renewed: Entry, ttl: Duration, epoch: u64) {
         let footprint = Footprint {
             hashes: &[key.hash()],
             fulls: &[key.full().as_ref()],
-            tags: entry.tags(),
+            tags: renewed.tags(),
         };
         let _ = self.inner.journal.unless_overtaken(epoch, &footprint, || {
-            self.insert(key, renewed.clone(), ttl, renewed.tags())
+            self.insert_over(key, renewed.clone(), ttl, read)
         });
     }
 }

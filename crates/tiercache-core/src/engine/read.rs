@@ -118,6 +118,9 @@ impl TieredCache {
         stale_ok: bool,
     ) -> Option<Entry> {
         let l2 = self.inner.l2.as_ref()?;
+        // What L1 holds before the read: a fill stored while the read is on
+        // its way is newer than its answer, and stays.
+        let before = self.inner.l1.held(&key.hash());
         let hit = match l2.get(key).await {
             Ok(Some(hit)) => hit,
             Ok(None) => return None,
@@ -167,8 +170,18 @@ impl TieredCache {
         self.inner
             .journal
             .unless_overtaken(epoch, &footprint, || {
-                self.inner.l1.insert(key.hash(), promoted.clone());
-                self.inner.record_tags(key.hash(), promoted.tags());
+                let unchanged = |live: Option<&Entry>| match (live, &before) {
+                    (None, None) => true,
+                    (Some(live), Some(before)) => live.ptr_eq(before),
+                    _ => false,
+                };
+                if self
+                    .inner
+                    .l1
+                    .replace(key.hash(), promoted.clone(), unchanged)
+                {
+                    self.inner.record_tags(key.hash(), promoted.tags());
+                }
             })
             .ok()?;
         Some(promoted)

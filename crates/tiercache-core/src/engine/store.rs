@@ -241,7 +241,12 @@ impl TieredCache {
         )
     }
 
-    fn times_for(&self, fill: &Fill, policy: &Policy, now: SystemTime) -> (Times, Duration) {
+    pub(crate) fn times_for(
+        &self,
+        fill: &Fill,
+        policy: &Policy,
+        now: SystemTime,
+    ) -> (Times, Duration) {
         let fresh = {
             let mut rng = self.inner.rng.lock().unwrap_or_else(|e| e.into_inner());
             match fill.lifetime {
@@ -298,5 +303,30 @@ impl TieredCache {
         // key gone from L1 then knows its entry is.
         self.inner.l1.insert(key.hash(), entry);
         self.inner.record_tags(key.hash(), tags);
+    }
+
+    /// Stores `entry`, a renewal of `read`, under its own tags: in L1 only
+    /// while it holds `read` (or nothing: evicted meanwhile), and then in
+    /// L2 only while the tier holds the fill `read` came from (see
+    /// [`Tier::put_over`](crate::Tier::put_over)). A fill stored meanwhile,
+    /// here or by another instance, stays. Whether L1 took it.
+    pub(crate) fn insert_over(
+        &self,
+        key: &CacheKey,
+        entry: Entry,
+        l2_ttl: Duration,
+        read: &Entry,
+    ) -> bool {
+        let hash = key.hash();
+        let unchanged = |live: Option<&Entry>| live.is_none_or(|live| live.ptr_eq(read));
+        if !self.inner.l1.replace(hash, entry.clone(), unchanged) {
+            return false;
+        }
+        self.inner.uncacheable.invalidate(&hash);
+        if let Some(l2) = &self.inner.l2 {
+            l2.put_over(key, &entry, l2_ttl, entry.tags(), read);
+        }
+        self.inner.record_tags(hash, entry.tags());
+        true
     }
 }

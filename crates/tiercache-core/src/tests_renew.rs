@@ -1,0 +1,140 @@
+//! Renewals (`touch`, `expire_at`) and promotions store what they read:
+//! never over a newer fill stored meanwhile, here or by another instance.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::tests::{TTL, on_shared_l2};
+use crate::tier::BoxFuture;
+use crate::*;
+
+fn fill(body: &str) -> Fill {
+    Fill::new(Value::from_body(body.to_owned()))
+}
+
+/// Renews `key` by `touch` (`true`) or `expire_at`.
+async fn renew(cache: &TieredCache, key: &CacheKey, touch: bool) -> bool {
+    let policy = Policy::ttl(TTL).build().unwrap();
+    if touch {
+        cache.touch(key, &policy).await
+    } else {
+        cache.expire_at(key, cache.now() + TTL / 2).await
+    }
+}
+
+/// A renewal read the key (here from L1, a copy promoted from L2), then
+/// stored it again with a new lifetime: over the newer fill another
+/// instance had stored in L2 meanwhile, which every instance then read as
+/// the old value. L2's copy is replaced only while it is the fill read.
+#[tokio::test]
+async fn a_renewal_never_overwrites_another_instances_newer_fill() {
+    for touch in [true, false] {
+        let clock = MockClock::new();
+        let build = on_shared_l2(&clock);
+        let (writer, renewer, reader) = (build(), build(), build());
+        let policy = Policy::ttl(TTL).build().unwrap();
+        let key = CacheKey::new("k");
+        writer.store_now(&key, fill("old"), &policy);
+        assert_eq!(renewer.get(&key).await.unwrap().body, "old", "promoted");
+        clock.advance(Duration::from_millis(5));
+        writer.store_now(&key, fill("new"), &policy);
+        assert!(renew(&renewer, &key, touch).await);
+        assert_eq!(
+            reader.get(&key).await.unwrap().body,
+            "new",
+            "touch: {touch}: the renewal overwrote a newer fill"
+        );
+    }
+}
+
+/// An in-memory L2 that reads at once and answers once the gate opens.
+#[derive(Debug)]
+struct HeldAnswers {
+    inner: MemoryTier,
+    open: tokio::sync::watch::Sender<bool>,
+}
+
+impl Tier for HeldAnswers {
+    fn get<'a>(&'a self, key: &'a CacheKey) -> BoxFuture<'a, Result<Option<TierHit>, TierError>> {
+        let mut open = self.open.subscribe();
+        Box::pin(async move {
+            let read = self.inner.get(key).await;
+            let _ = open.wait_for(|open| *open).await;
+            read
+        })
+    }
+
+    fn put(&self, key: &CacheKey, entry: &Entry, ttl: Duration, tags: &[bytes::Bytes]) {
+        self.inner.put(key, entry, ttl, tags);
+    }
+
+    fn invalidate<'a>(
+        &'a self,
+        invalidation: Invalidation,
+    ) -> BoxFuture<'a, Result<(), TierError>> {
+        self.inner.invalidate(invalidation)
+    }
+}
+
+/// An L2 read's answer (a miss's, a renewal's) was promoted over whatever
+/// this instance stored while it was on its way: a `put` made then was
+/// replaced in L1 by the older copy read, and a renewal stored that copy
+/// again, in L2 too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_from_l2_never_replaces_a_fill_stored_while_it_was_on_its_way() {
+    for touch in [None, Some(true), Some(false)] {
+        let clock = MockClock::new();
+        let l2 = MemoryTier::new(Arc::new(clock.clone()));
+        let policy = Policy::ttl(TTL).build().unwrap();
+        let key = CacheKey::new("k");
+        let writer = TieredCache::builder()
+            .clock(clock.clone())
+            .l2(l2.clone())
+            .sweep_interval(None)
+            .build()
+            .unwrap();
+        writer.store_now(&key, fill("old"), &policy);
+        let open = tokio::sync::watch::Sender::new(false);
+        let cache = TieredCache::builder()
+            .clock(clock.clone())
+            .l2(HeldAnswers {
+                inner: l2.clone(),
+                open: open.clone(),
+            })
+            .sweep_interval(None)
+            .build()
+            .unwrap();
+        let reading = {
+            let (cache, key) = (cache.clone(), key.clone());
+            tokio::spawn(async move {
+                match touch {
+                    None => cache.get(&key).await.is_some(),
+                    Some(touch) => renew(&cache, &key, touch).await,
+                }
+            })
+        };
+        // The read has its answer (the old fill) and waits to return it.
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while open.receiver_count() == 0 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the read began");
+        clock.advance(Duration::from_millis(5));
+        cache.store_now(&key, fill("new"), &policy);
+        open.send_replace(true);
+        assert!(reading.await.unwrap());
+        assert_eq!(
+            cache.get(&key).await.unwrap().body,
+            "new",
+            "{touch:?}: L1 went back to the old fill"
+        );
+        writer.forget_local(&key);
+        assert_eq!(
+            writer.get(&key).await.unwrap().body,
+            "new",
+            "{touch:?}: L2 went back to the old fill"
+        );
+    }
+}
