@@ -1114,23 +1114,28 @@ async fn an_invalidation_during_expire_at_or_touch_wins() {
 /// L2), then store it again: over the newer fill another instance stored
 /// in Valkey meanwhile, which every instance then read as the old value.
 /// Valkey's copy is replaced only while it is the fill read (and then it
-/// is, promoted copy or not).
+/// is, promoted copy or not); refused, the renewal adds the key to no tag
+/// set, and the renewer drops its own copy (L2 no longer backs it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renewal_never_overwrites_another_instances_newer_fill() {
     let server = ValkeyServer::start();
     let writer_tier = tier(&server.url(), "renewal").await;
     let renewer_tier = tier(&server.url(), "renewal").await;
     let (writer, renewer) = (engine(writer_tier.clone()), engine(renewer_tier.clone()));
-    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
-    let short = Policy::ttl(Duration::from_secs(20))
-        .jitter(0.0)
-        .build()
-        .unwrap();
-    let renew = async |key: &CacheKey, touch: bool| {
+    // Long lives: nothing here may expire while the test runs.
+    let policy = Policy::ttl(Duration::from_secs(600)).build().unwrap();
+    let short = |tag: &str| {
+        Policy::ttl(Duration::from_secs(300))
+            .jitter(0.0)
+            .tag(tag.to_owned())
+            .build()
+            .unwrap()
+    };
+    let renew = async |key: &CacheKey, touch: bool, tag: &str| {
         let renewed = if touch {
-            renewer.touch(key, &short).await
+            renewer.touch(key, &short(tag)).await
         } else {
-            let at = std::time::SystemTime::now() + Duration::from_secs(20);
+            let at = std::time::SystemTime::now() + Duration::from_secs(300);
             renewer.expire_at(key, at).await
         };
         assert!(renewed);
@@ -1142,18 +1147,29 @@ async fn a_renewal_never_overwrites_another_instances_newer_fill() {
         writer.put(&key, Fill::new(Value::from_body("old")), &policy);
         bounded("the first fill", writer_tier.flush()).await;
         assert_eq!(renewer.get(&key).await.map(|v| v.body), Some("old".into()));
-        let reader = renew(&key, touch).await;
+        let reader = renew(&key, touch, "renewed").await;
         let ttl = reader.ttl(&key).await.expect("renewed in Valkey");
-        assert!(ttl <= Duration::from_secs(20), "touch: {touch}: {ttl:?}");
+        assert!(ttl <= Duration::from_secs(300), "touch: {touch}: {ttl:?}");
         // Two fills of one key are told apart by their creation, in ms.
         tokio::time::sleep(Duration::from_millis(5)).await;
         writer.put(&key, Fill::new(Value::from_body("new")), &policy);
         bounded("the newer fill", writer_tier.flush()).await;
-        let reader = renew(&key, touch).await;
+        let reader = renew(&key, touch, "refused").await;
         assert_eq!(
             reader.get(&key).await.map(|v| v.body),
             Some("new".into()),
             "touch: {touch}: the renewal overwrote a newer fill"
+        );
+        eventually("the renewer drops its old copy", || {
+            !renewer.l1_contains(&key)
+        })
+        .await;
+        writer.invalidate_tag("refused").await.unwrap();
+        reader.forget_local(&key);
+        assert_eq!(
+            reader.get(&key).await.map(|v| v.body),
+            Some("new".into()),
+            "touch: {touch}: a refused renewal added its tag to the newer fill"
         );
     }
 }

@@ -359,6 +359,14 @@ impl Entry {
         self.0.tags.iter().map(|t| t.len() + TAG_ALLOWANCE).sum()
     }
 
+    /// Whether `other` is of the same fill (a copy of it, or a renewal
+    /// that kept its creation): the same key, variant and creation time.
+    pub(crate) fn same_fill(&self, other: &Entry) -> bool {
+        self.times().created_at == other.times().created_at
+            && self.key() == other.key()
+            && self.variant() == other.variant()
+    }
+
     /// Whether two handles share one allocation.
     pub fn ptr_eq(&self, other: &Entry) -> bool {
         Arc::ptr_eq(&self.0, &other.0)

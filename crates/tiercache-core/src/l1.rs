@@ -163,9 +163,11 @@ impl L1 {
     }
 
     /// Inserts `entry` only if `unchanged` says so of what L1 holds under
-    /// `hash` now, atomically: a read that went to L2 checks that L1 holds
-    /// what it held before; a renewal, the entry it read. A fill stored
-    /// meanwhile stays. Whether `entry` went in.
+    /// `hash` now: a promotion checks that L1 holds nothing fresh; a
+    /// renewal, the fill it read. moka runs it atomically against other
+    /// computes and removals by `remove_if`, not against `insert`: the
+    /// engine's fills, promotions and renewals all write under the
+    /// journal's lock. Whether `entry` went in.
     pub(crate) fn replace(
         &self,
         hash: KeyHash,

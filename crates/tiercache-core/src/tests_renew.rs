@@ -2,6 +2,7 @@
 //! never over a newer fill stored meanwhile, here or by another instance.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use crate::tests::{TTL, on_shared_l2};
@@ -14,7 +15,7 @@ fn fill(body: &str) -> Fill {
 
 /// Renews `key` by `touch` (`true`) or `expire_at`.
 async fn renew(cache: &TieredCache, key: &CacheKey, touch: bool) -> bool {
-    let policy = Policy::ttl(TTL).build().unwrap();
+    let policy = Policy::ttl(TTL).jitter(0.0).build().unwrap();
     if touch {
         cache.touch(key, &policy).await
     } else {
@@ -47,19 +48,34 @@ async fn a_renewal_never_overwrites_another_instances_newer_fill() {
     }
 }
 
-/// An in-memory L2 that reads at once and answers once the gate opens.
+/// An in-memory L2 that reads at once and answers once the gate opens
+/// (the first `held` reads; later ones at once).
 #[derive(Debug)]
 struct HeldAnswers {
     inner: MemoryTier,
     open: tokio::sync::watch::Sender<bool>,
+    held: std::sync::atomic::AtomicUsize,
+}
+
+impl HeldAnswers {
+    fn new(inner: MemoryTier, open: &tokio::sync::watch::Sender<bool>, held: usize) -> Self {
+        let (open, held) = (open.clone(), held.into());
+        Self { inner, open, held }
+    }
 }
 
 impl Tier for HeldAnswers {
     fn get<'a>(&'a self, key: &'a CacheKey) -> BoxFuture<'a, Result<Option<TierHit>, TierError>> {
         let mut open = self.open.subscribe();
+        let held = self
+            .held
+            .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1))
+            .is_ok();
         Box::pin(async move {
             let read = self.inner.get(key).await;
-            let _ = open.wait_for(|open| *open).await;
+            if held {
+                let _ = open.wait_for(|open| *open).await;
+            }
             read
         })
     }
@@ -97,10 +113,7 @@ async fn a_read_from_l2_never_replaces_a_fill_stored_while_it_was_on_its_way() {
         let open = tokio::sync::watch::Sender::new(false);
         let cache = TieredCache::builder()
             .clock(clock.clone())
-            .l2(HeldAnswers {
-                inner: l2.clone(),
-                open: open.clone(),
-            })
+            .l2(HeldAnswers::new(l2.clone(), &open, usize::MAX))
             .sweep_interval(None)
             .build()
             .unwrap();
@@ -136,5 +149,53 @@ async fn a_read_from_l2_never_replaces_a_fill_stored_while_it_was_on_its_way() {
             "new",
             "{touch:?}: L2 went back to the old fill"
         );
+    }
+}
+
+/// Two reads of one fill from L2 make two copies, and only the first is
+/// promoted: a renewal whose read was the other was refused (L1 did not
+/// hold the very copy it read), in L1 and L2, though it renewed the fill
+/// L1 held. A renewal replaces a copy of the same fill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_whose_copy_was_not_the_one_promoted_still_renews() {
+    for touch in [true, false] {
+        let clock = MockClock::new();
+        let l2 = MemoryTier::new(Arc::new(clock.clone()));
+        let long = Policy::ttl(TTL * 10).jitter(0.0).build().unwrap();
+        let key = CacheKey::new("k");
+        let writer = TieredCache::builder()
+            .clock(clock.clone())
+            .l2(l2.clone())
+            .sweep_interval(None)
+            .build()
+            .unwrap();
+        writer.store_now(&key, fill("v"), &long);
+        let open = tokio::sync::watch::Sender::new(false);
+        let cache = TieredCache::builder()
+            .clock(clock.clone())
+            .l2(HeldAnswers::new(l2.clone(), &open, 1))
+            .sweep_interval(None)
+            .build()
+            .unwrap();
+        let renewing = {
+            let (cache, key) = (cache.clone(), key.clone());
+            tokio::spawn(async move { renew(&cache, &key, touch).await })
+        };
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while open.receiver_count() == 0 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the renewal's read began");
+        // Another read of the same fill is promoted first.
+        assert_eq!(cache.get(&key).await.unwrap().body, "v");
+        open.send_replace(true);
+        assert!(renewing.await.unwrap());
+        let ttl = cache.ttl(&key).await.unwrap();
+        assert!(ttl <= TTL, "touch: {touch}: not renewed here ({ttl:?})");
+        writer.forget_local(&key);
+        let ttl = writer.ttl(&key).await.unwrap();
+        assert!(ttl <= TTL, "touch: {touch}: not renewed in L2 ({ttl:?})");
     }
 }

@@ -250,3 +250,28 @@ async fn a_loaded_value_carries_the_policys_tags() {
         "the tag's invalidation missed a loaded value"
     );
 }
+
+/// A key stored again under other tags (an origin's surrogate keys that
+/// name a version) stayed recorded under its old ones as long as it lived:
+/// an invalidation of an old tag dropped the new entry, and the records,
+/// weighed by no entry, grew with every new tag.
+#[tokio::test]
+async fn a_key_stored_again_under_other_tags_leaves_its_old_ones() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let k = key(1);
+    for version in 0..100 {
+        cache.put(&k, Value::from_body("v"), &own_tag(&format!("v{version}")));
+    }
+    cache.invalidate_tag("v0").await.unwrap();
+    assert!(
+        cache.l1_contains(&k),
+        "an old tag's invalidation dropped it"
+    );
+    cache.sweep();
+    let inner = cache.inner_for_tests();
+    inner.tags.run_pending_tasks();
+    assert_eq!(inner.tags.entry_count(), 1, "records left under old tags");
+    cache.invalidate_tag("v99").await.unwrap();
+    assert!(!cache.l1_contains(&k));
+}

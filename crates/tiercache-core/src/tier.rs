@@ -273,13 +273,7 @@ mod memory {
                 .lock()
                 .unwrap()
                 .insert(key.full().clone(), (entry.clone(), until));
-            let mut index = self.tags.lock().unwrap();
-            for tag in tags {
-                index
-                    .entry(tag.clone())
-                    .or_default()
-                    .push(key.full().clone());
-            }
+            self.record_tags(key, tags);
         }
 
         fn put_over(
@@ -290,14 +284,17 @@ mod memory {
             tags: &[Bytes],
             read: &Entry,
         ) {
+            let now = self.clock.now();
             let created = read.times().created_at;
-            let replaced = {
-                let map = self.map.lock().unwrap();
-                map.get(key.full())
-                    .is_none_or(|(held, _)| held.times().created_at == created)
-            };
+            let mut map = self.map.lock().unwrap();
+            // What Valkey would hold: nothing past its expiry.
+            let replaced = map
+                .get(key.full())
+                .is_none_or(|(held, until)| *until <= now || held.times().created_at == created);
             if replaced {
-                self.put(key, entry, ttl, tags);
+                map.insert(key.full().clone(), (entry.clone(), now + ttl));
+                drop(map);
+                self.record_tags(key, tags);
             }
         }
 
@@ -317,6 +314,16 @@ mod memory {
     }
 
     impl MemoryTier {
+        fn record_tags(&self, key: &CacheKey, tags: &[Bytes]) {
+            let mut index = self.tags.lock().unwrap();
+            for tag in tags {
+                index
+                    .entry(tag.clone())
+                    .or_default()
+                    .push(key.full().clone());
+            }
+        }
+
         fn apply(&self, invalidation: Invalidation) {
             let mut map = self.map.lock().unwrap();
             match invalidation {

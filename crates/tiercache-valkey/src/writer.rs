@@ -260,10 +260,14 @@ const DELETE_IF_STAMPED: &str = "if redis.call('GETRANGE', KEYS[1], 0, ARGV[3]) 
 
 /// Sets `KEYS[1]` to `ARGV[4]` with `PX ARGV[5]` only while it holds
 /// nothing, or an envelope whose bytes `ARGV[1]..=ARGV[2]` (its fill's
-/// creation) are `ARGV[3]`: a renewal never replaces a newer fill.
+/// creation) are `ARGV[3]`: a renewal never replaces a newer fill. Refused,
+/// it publishes `ARGV[7]` on `ARGV[6]` (a `D` message): the renewer, and
+/// any instance holding the old fill, drop their L1 copies, which L2 no
+/// longer backs.
 const SET_OVER: &str = "local held = redis.call('GETRANGE', KEYS[1], ARGV[1], ARGV[2]) \
      if held == '' or held == ARGV[3] then \
-     redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5]) return 1 else return 0 end";
+     redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5]) return 1 end \
+     redis.call('PUBLISH', ARGV[6], ARGV[7]) return 0";
 
 /// Sends a batch in one pipeline, in order: each fill's `SET … PX` and its
 /// tag sets; each release's shared answer, token-checked unlock and
@@ -286,7 +290,7 @@ async fn apply_batch(
     for command in batch {
         match command {
             Command::Set { .. } => {
-                let queued = pipe_fill(&pipe, command, now).await?;
+                let queued = pipe_fill(inner, &pipe, command, now).await?;
                 deciding.push(sent..sent + queued);
                 sent += queued;
             }
@@ -319,17 +323,46 @@ async fn apply_batch(
         }
     }
     let replies: Vec<Result<Value, fred::error::Error>> = pipe.try_all().await;
-    let landed = |span: std::ops::Range<usize>| {
-        replies.len() == sent && replies[span].iter().all(Result::is_ok)
+    let landed = |span: &std::ops::Range<usize>| {
+        replies.len() == sent && replies[span.clone()].iter().all(Result::is_ok)
     };
-    let every = landed(0..sent);
-    Ok((deciding.into_iter().map(landed).collect(), every))
+    let mut every = landed(&(0..sent));
+    let mut per_command: Vec<bool> = deciding.iter().map(landed).collect();
+    // Renewals that replaced their fill (the script answered 1): their tag
+    // sets now, in a second round trip (a refused one adds none).
+    let renewals = inner.client.pipeline();
+    let mut renewed = Vec::new();
+    for (i, command) in batch.iter().enumerate() {
+        if let Command::Set {
+            over: Some(_),
+            tags,
+            hash,
+            px,
+            ..
+        } = command
+            && !tags.is_empty()
+            && per_command[i]
+            && matches!(replies[deciding[i].start], Ok(Value::Integer(1)))
+        {
+            pipe_tags(&renewals, tags, hash, *px, now).await?;
+            renewed.push(i);
+        }
+    }
+    if !renewed.is_empty() {
+        let replies: Vec<Result<Value, fred::error::Error>> = renewals.try_all().await;
+        if !replies.iter().all(Result::is_ok) {
+            every = false;
+            renewed.iter().for_each(|&i| per_command[i] = false);
+        }
+    }
+    Ok((per_command, every))
 }
 
 /// Queues a fill (a `Command::Set`): its `SET … PX`, then each tag's sorted
-/// set: the member scored by its expiry, expired members trimmed, the set
-/// living as long as its longest member. How many commands it queued.
+/// set (see [`pipe_tags`]); a renewal's script alone (its tags wait for its
+/// answer). How many commands it queued.
 async fn pipe_fill(
+    inner: &Inner,
     pipe: &Pipeline<Client>,
     fill: &Command,
     now: i64,
@@ -346,28 +379,41 @@ async fn pipe_fill(
     else {
         return Ok(0);
     };
-    match over {
-        None => {
-            let _: () = pipe
-                .set(key, value.clone(), Some(Expiration::PX(*px)), None, false)
-                .await?;
-        }
-        Some(created) => {
-            let eval = CustomCommand::new_static("EVAL", ClusterHash::Offset(2), false);
-            let at = &crate::codec::CREATED_AT;
-            let args = vec![
-                Value::from(SET_OVER),
-                Value::from(1),
-                Value::from(key.as_str()),
-                Value::from(at.start as i64),
-                Value::from((at.end - 1) as i64),
-                Value::from(Bytes::copy_from_slice(created)),
-                Value::from(value.clone()),
-                Value::from(*px),
-            ];
-            let _: () = pipe.custom(eval, args).await?;
-        }
+    if let Some(created) = over {
+        let eval = CustomCommand::new_static("EVAL", ClusterHash::Offset(2), false);
+        let at = &crate::codec::CREATED_AT;
+        let message = crate::bus::encode_drop(&inner.bus.instance, &[*hash]);
+        let args = vec![
+            Value::from(SET_OVER),
+            Value::from(1),
+            Value::from(key.as_str()),
+            Value::from(at.start as i64),
+            Value::from((at.end - 1) as i64),
+            Value::from(Bytes::copy_from_slice(created)),
+            Value::from(value.clone()),
+            Value::from(*px),
+            Value::from(inner.bus.channel.as_str()),
+            Value::from(message),
+        ];
+        let _: () = pipe.custom(eval, args).await?;
+        return Ok(1);
     }
+    let _: () = pipe
+        .set(key, value.clone(), Some(Expiration::PX(*px)), None, false)
+        .await?;
+    Ok(1 + pipe_tags(pipe, tags, hash, *px, now).await?)
+}
+
+/// Queues each tag's sorted set for a fill of `hash` living `px` ms: the
+/// member scored by its expiry, expired members trimmed, the set living as
+/// long as its longest member. How many commands it queued.
+async fn pipe_tags(
+    pipe: &Pipeline<Client>,
+    tags: &[String],
+    hash: &KeyHash,
+    px: i64,
+    now: i64,
+) -> Result<usize, fred::error::Error> {
     // A tag set's member is the key's hash.
     let member = if tags.is_empty() {
         String::new()
@@ -380,8 +426,8 @@ async fn pipe_fill(
         let _: () = pipe
             .zremrangebyscore(set, f64::NEG_INFINITY, now as f64)
             .await?;
-        let _: () = pipe.pexpire(set, *px, Some(ExpireOptions::NX)).await?;
-        let _: () = pipe.pexpire(set, *px, Some(ExpireOptions::GT)).await?;
+        let _: () = pipe.pexpire(set, px, Some(ExpireOptions::NX)).await?;
+        let _: () = pipe.pexpire(set, px, Some(ExpireOptions::GT)).await?;
     }
-    Ok(1 + 4 * tags.len())
+    Ok(4 * tags.len())
 }

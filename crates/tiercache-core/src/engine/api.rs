@@ -462,5 +462,6 @@ impl TieredCache {
         let _ = self.inner.journal.unless_overtaken(epoch, &footprint, || {
             self.insert_over(key, renewed.clone(), ttl, read)
         });
+        self.inner.prune_tags_if_due();
     }
 }

@@ -201,6 +201,7 @@ impl TieredCacheBuilder {
             tags_incomplete,
             tag_keys,
             tag_room,
+            tags_prune_due: std::sync::atomic::AtomicBool::new(false),
             tags_prune_at: std::sync::atomic::AtomicUsize::new(Inner::next_prune(0, tag_room)),
             journal: Journal::default(),
             outbox: Arc::default(),

@@ -81,6 +81,9 @@ pub(crate) struct Inner {
     tag_keys: Arc<std::sync::atomic::AtomicUsize>,
     /// The records all tags share (see [`Inner::tag_room`]).
     tag_room: usize,
+    /// A fill found the index past `tags_prune_at`: pruned once out of
+    /// the journal's lock.
+    tags_prune_due: std::sync::atomic::AtomicBool,
     /// Records past which the tag index is pruned (see [`tags`]).
     tags_prune_at: std::sync::atomic::AtomicUsize,
     /// Recent invalidations, so a fill they overtook is not stored.

@@ -118,9 +118,6 @@ impl TieredCache {
         stale_ok: bool,
     ) -> Option<Entry> {
         let l2 = self.inner.l2.as_ref()?;
-        // What L1 holds before the read: a fill stored while the read is on
-        // its way is newer than its answer, and stays.
-        let before = self.inner.l1.held(&key.hash());
         let hit = match l2.get(key).await {
             Ok(Some(hit)) => hit,
             Ok(None) => return None,
@@ -167,23 +164,23 @@ impl TieredCache {
         // Read before an invalidation landed: the copy may be the one it
         // removed. Recorded under its tags, as a fill is: this instance's
         // own tag invalidations then reach it too, Valkey down or not.
+        // Only over nothing fresh: L1 had nothing fresh when it was asked
+        // (else no read), so a fresh entry there now was stored while the
+        // read was on its way, and is as new as its answer or newer.
         self.inner
             .journal
             .unless_overtaken(epoch, &footprint, || {
-                let unchanged = |live: Option<&Entry>| match (live, &before) {
-                    (None, None) => true,
-                    (Some(live), Some(before)) => live.ptr_eq(before),
-                    _ => false,
+                let mut old = None;
+                let unfresh = |live: Option<&Entry>| {
+                    old = live.cloned();
+                    live.is_none_or(|live| !matches!(live.freshness(now), Freshness::Fresh(_)))
                 };
-                if self
-                    .inner
-                    .l1
-                    .replace(key.hash(), promoted.clone(), unchanged)
-                {
-                    self.inner.record_tags(key.hash(), promoted.tags());
+                if self.inner.l1.replace(key.hash(), promoted.clone(), unfresh) {
+                    self.inner.retag(key.hash(), old.as_ref(), promoted.tags());
                 }
             })
             .ok()?;
+        self.inner.prune_tags_if_due();
         Some(promoted)
     }
 

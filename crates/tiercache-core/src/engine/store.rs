@@ -220,6 +220,7 @@ impl TieredCache {
             }
             self.insert(key, main.clone(), l2_ttl, &fill.tags);
         });
+        self.inner.prune_tags_if_due();
         (main, stored)
     }
 
@@ -301,13 +302,21 @@ impl TieredCache {
         }
         // In L1 before its tags record it: a prune that finds a record's
         // key gone from L1 then knows its entry is.
+        // The entry it replaces, for its tags (none recorded: none to drop).
+        let old = (self
+            .inner
+            .tag_keys
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0)
+        .then(|| self.inner.l1.held(&key.hash()))
+        .flatten();
         self.inner.l1.insert(key.hash(), entry);
-        self.inner.record_tags(key.hash(), tags);
+        self.inner.retag(key.hash(), old.as_ref(), tags);
     }
 
     /// Stores `entry`, a renewal of `read`, under its own tags: in L1 only
-    /// while it holds `read` (or nothing: evicted meanwhile), and then in
-    /// L2 only while the tier holds the fill `read` came from (see
+    /// while it holds `read`'s fill (or nothing: evicted meanwhile), and
+    /// then in L2 only while the tier holds that fill (see
     /// [`Tier::put_over`](crate::Tier::put_over)). A fill stored meanwhile,
     /// here or by another instance, stays. Whether L1 took it.
     pub(crate) fn insert_over(
@@ -318,7 +327,11 @@ impl TieredCache {
         read: &Entry,
     ) -> bool {
         let hash = key.hash();
-        let unchanged = |live: Option<&Entry>| live.is_none_or(|live| live.ptr_eq(read));
+        let mut old = None;
+        let unchanged = |live: Option<&Entry>| {
+            old = live.cloned();
+            live.is_none_or(|live| live.same_fill(read))
+        };
         if !self.inner.l1.replace(hash, entry.clone(), unchanged) {
             return false;
         }
@@ -326,7 +339,7 @@ impl TieredCache {
         if let Some(l2) = &self.inner.l2 {
             l2.put_over(key, &entry, l2_ttl, entry.tags(), read);
         }
-        self.inner.record_tags(hash, entry.tags());
+        self.inner.retag(hash, old.as_ref(), entry.tags());
         true
     }
 }

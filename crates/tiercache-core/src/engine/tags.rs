@@ -21,7 +21,7 @@ use bytes::Bytes;
 use moka::ops::compute::Op;
 
 use super::Inner;
-use crate::KeyHash;
+use crate::{Entry, KeyHash};
 
 /// The keys this instance stored under one tag.
 #[derive(Debug, Default)]
@@ -102,6 +102,39 @@ impl Inner {
             }
         }
         if self.tag_keys.load(Relaxed) > self.tags_prune_at.load(Relaxed) {
+            // Pruned by the caller once out of the journal's lock (see
+            // `prune_tags_if_due`): a prune walks the whole index.
+            self.tags_prune_due.store(true, Relaxed);
+        }
+    }
+
+    /// Records `hash`, just put in L1 in place of `old`, under `tags`, and
+    /// takes it out of the tags only `old` had: a key stored again under
+    /// other tags leaves no record behind that a prune would keep (its key
+    /// is live) and no entry weighs.
+    pub(super) fn retag(&self, hash: KeyHash, old: Option<&Entry>, tags: &[Bytes]) {
+        for gone in old.map_or(&[][..], Entry::tags) {
+            if tags.contains(gone) {
+                continue;
+            }
+            let Some(index) = self.tags.get(gone) else {
+                continue;
+            };
+            if index
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .keys
+                .remove(&hash)
+            {
+                self.forget_tag_keys(1);
+            }
+        }
+        self.record_tags(hash, tags);
+    }
+
+    /// Prunes the index if a fill found it due (see [`record_tags`](Self::record_tags)).
+    pub(crate) fn prune_tags_if_due(&self) {
+        if self.tags_prune_due.load(Relaxed) && self.tags_prune_due.swap(false, Relaxed) {
             self.prune_tags();
         }
     }
@@ -138,6 +171,11 @@ impl Inner {
             let dead = {
                 let mut keys = index.lock().unwrap_or_else(|e| e.into_inner());
                 keys.keys.retain(|k| self.l1.contains(k));
+                // A set that once held many more keys gives their room back.
+                let live = keys.keys.len();
+                if keys.keys.capacity() > 4 * live + 64 {
+                    keys.keys.shrink_to(2 * live);
+                }
                 keys.dead |= keys.keys.is_empty() && !keys.overflowed;
                 if !keys.dead {
                     left += keys.keys.len();
