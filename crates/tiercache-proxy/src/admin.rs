@@ -4,14 +4,21 @@
 use axum::Router;
 use axum::extract::State;
 use axum::routing::get;
-use http::Uri;
+use std::net::{IpAddr, SocketAddr};
+
+use http::header::{AUTHORIZATION, WWW_AUTHENTICATE};
+use http::{HeaderValue, Uri};
 use tiercache_http::ResponseCacheLayer;
+
+use crate::AdminToken;
 
 /// What the admin endpoints work on.
 #[derive(Clone)]
 pub(crate) struct Admin {
     pub(crate) layer: ResponseCacheLayer,
     pub(crate) prometheus: metrics_exporter_prometheus::PrometheusHandle,
+    /// What `POST /invalidate` asks for (none: loopback clients only).
+    pub(crate) token: Option<AdminToken>,
 }
 
 /// The admin endpoints over `admin`'s layer, and the dashboard.
@@ -55,10 +62,76 @@ struct InvalidateQuery {
 /// entries from L1, Valkey and every instance's L1 before answering `200
 /// invalidated`; when Valkey cannot be reached in time, this instance's L1
 /// is clean, the invalidation is queued and retried until it lands, and the
-/// answer is `202 queued`.
+/// answer is `202 queued`. Only for a client [`allowed`] to.
 async fn invalidate(
-    State(Admin { layer, .. }): State<Admin>,
+    State(Admin { layer, token, .. }): State<Admin>,
+    axum::extract::ConnectInfo(peer): axum::extract::ConnectInfo<SocketAddr>,
+    headers: http::HeaderMap,
     axum::extract::Query(q): axum::extract::Query<InvalidateQuery>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    if let Err(refused) = allowed(peer.ip(), headers.get(AUTHORIZATION), token.as_ref()) {
+        return refused.into_response();
+    }
+    run_invalidation(layer, q).await.into_response()
+}
+
+/// Why a client may not invalidate.
+#[derive(Debug, PartialEq, Eq)]
+enum Refused {
+    /// A token is set, and the client did not send it (401).
+    NoToken,
+    /// No token is set, and the client is on another machine (403).
+    NotLocal,
+}
+
+impl axum::response::IntoResponse for Refused {
+    fn into_response(self) -> axum::response::Response {
+        match self {
+            Refused::NoToken => (
+                http::StatusCode::UNAUTHORIZED,
+                [(WWW_AUTHENTICATE, r#"Bearer realm="tiercache-admin""#)],
+                "POST /invalidate needs `Authorization: Bearer` and the admin token\n",
+            )
+                .into_response(),
+            Refused::NotLocal => (
+                http::StatusCode::FORBIDDEN,
+                "POST /invalidate from another machine needs an admin token (set TIERCACHE_ADMIN_TOKEN, or admin_token in the config file)\n",
+            )
+                .into_response(),
+        }
+    }
+}
+
+/// Whether a client at `peer` sending `authorization` may invalidate: with
+/// a `token`, whoever sends it as a bearer credential; without one, a
+/// client on this machine.
+fn allowed(
+    peer: IpAddr,
+    authorization: Option<&HeaderValue>,
+    token: Option<&AdminToken>,
+) -> Result<(), Refused> {
+    match token {
+        Some(token) => {
+            let given = authorization.map(HeaderValue::as_bytes).and_then(|v| {
+                v.strip_prefix(b"Bearer ")
+                    .or_else(|| v.strip_prefix(b"bearer "))
+            });
+            if given.is_some_and(|given| token.matches(given.trim_ascii())) {
+                Ok(())
+            } else {
+                Err(Refused::NoToken)
+            }
+        }
+        None if peer.to_canonical().is_loopback() => Ok(()),
+        None => Err(Refused::NotLocal),
+    }
+}
+
+/// Runs the invalidation `q` names.
+async fn run_invalidation(
+    layer: ResponseCacheLayer,
+    q: InvalidateQuery,
 ) -> (http::StatusCode, String) {
     let bad = |msg: String| (http::StatusCode::BAD_REQUEST, msg + "\n");
     let uri = |name: &str, value: &str| {
@@ -87,5 +160,47 @@ async fn invalidate(
     match done {
         Ok(()) => (http::StatusCode::OK, "invalidated\n".into()),
         Err(queued) => (http::StatusCode::ACCEPTED, format!("queued: {queued}\n")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn token() -> AdminToken {
+        AdminToken::new("0123456789abcdef-token").unwrap()
+    }
+
+    fn status(result: Result<(), Refused>) -> u16 {
+        use axum::response::IntoResponse;
+        result.map_or_else(|r| r.into_response().status().as_u16(), |()| 200)
+    }
+
+    #[test]
+    fn without_a_token_only_this_machine_may_invalidate() {
+        let here: IpAddr = "127.0.0.1".parse().unwrap();
+        let here_v6: IpAddr = "::1".parse().unwrap();
+        let mapped: IpAddr = "::ffff:127.0.0.1".parse().unwrap();
+        let elsewhere: IpAddr = "10.0.0.7".parse().unwrap();
+        assert_eq!(status(allowed(here, None, None)), 200);
+        assert_eq!(status(allowed(here_v6, None, None)), 200);
+        assert_eq!(status(allowed(mapped, None, None)), 200);
+        assert_eq!(status(allowed(elsewhere, None, None)), 403);
+    }
+
+    #[test]
+    fn with_a_token_everyone_must_send_it() {
+        let token = token();
+        let elsewhere: IpAddr = "10.0.0.7".parse().unwrap();
+        let here: IpAddr = "127.0.0.1".parse().unwrap();
+        let right = HeaderValue::from_static("Bearer 0123456789abcdef-token");
+        let wrong = HeaderValue::from_static("Bearer 0123456789abcdef-tokeX");
+        let longer = HeaderValue::from_static("Bearer 0123456789abcdef-token2");
+        let basic = HeaderValue::from_static("Basic 0123456789abcdef-token");
+        assert_eq!(status(allowed(elsewhere, Some(&right), Some(&token))), 200);
+        assert_eq!(status(allowed(here, None, Some(&token))), 401);
+        for refused in [&wrong, &longer, &basic] {
+            assert_eq!(status(allowed(elsewhere, Some(refused), Some(&token))), 401);
+        }
     }
 }

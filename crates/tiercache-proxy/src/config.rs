@@ -21,6 +21,12 @@ pub struct ProxyConfig {
     pub listen: SocketAddr,
     /// Where the admin endpoints listen (none when `None`).
     pub admin: Option<SocketAddr>,
+    /// The bearer token `POST /invalidate` asks for (`Authorization:
+    /// Bearer TOKEN`); without one only a client on this machine (a
+    /// loopback address) may invalidate. From `TIERCACHE_ADMIN_TOKEN` or a
+    /// config file's `admin_token`, never a flag: a command line is seen
+    /// by every user of the machine.
+    pub admin_token: Option<AdminToken>,
     /// The fresh lifetime of responses without explicit freshness; `None`
     /// (the default) stores only responses whose origin declares freshness.
     pub ttl: Option<Duration>,
@@ -106,6 +112,7 @@ impl ProxyConfig {
             upstream,
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             admin: None,
+            admin_token: None,
             ttl: None,
             jitter: Policy::DEFAULT_JITTER,
             max_body: ResponseCacheLayer::DEFAULT_MAX_BODY as u64,
@@ -146,6 +153,13 @@ impl ProxyConfig {
     /// Sets the admin address.
     pub fn admin(mut self, addr: SocketAddr) -> Self {
         self.admin = Some(addr);
+        self
+    }
+
+    /// Sets the token `POST /invalidate` on the admin address asks for
+    /// (like `TIERCACHE_ADMIN_TOKEN`).
+    pub fn admin_token(mut self, token: AdminToken) -> Self {
+        self.admin_token = Some(token);
         self
     }
 
@@ -335,5 +349,52 @@ impl ProxyConfig {
     pub fn max_body(mut self, bytes: u64) -> Self {
         self.max_body = bytes;
         self
+    }
+}
+
+/// The secret the admin address asks of `POST /invalidate`: printable
+/// ASCII with no spaces, 16 characters or more. Its `Debug` never shows it.
+///
+/// ```
+/// use tiercache_proxy::AdminToken;
+///
+/// let token = AdminToken::new("s3cret-s3cret-s3cret").unwrap();
+/// assert!(token.matches(b"s3cret-s3cret-s3cret"));
+/// assert!(!format!("{token:?}").contains("s3cret"));
+/// assert!(AdminToken::new("short").unwrap_err().to_string().contains("16 characters"));
+/// ```
+#[derive(Clone)]
+pub struct AdminToken(String);
+
+impl AdminToken {
+    /// The token, checked: what a bearer credential may carry here
+    /// (visible ASCII, no spaces), long enough not to be guessed.
+    pub fn new(token: impl Into<String>) -> Result<Self, ProxyError> {
+        let token = token.into();
+        if token.len() < 16 || !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(ProxyError::Config(
+                "the admin token (`TIERCACHE_ADMIN_TOKEN`, `admin_token` in a config file): 16 characters or more, printable ASCII, no spaces".into(),
+            ));
+        }
+        Ok(Self(token))
+    }
+
+    /// Whether `given` is the token, in a time that does not tell how much
+    /// of it matched.
+    pub fn matches(&self, given: &[u8]) -> bool {
+        let ours = self.0.as_bytes();
+        let differ = given
+            .iter()
+            .zip(ours)
+            .fold(ours.len() ^ given.len(), |acc, (a, b)| {
+                acc | usize::from(a ^ b)
+            });
+        differ == 0
+    }
+}
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminToken(…)")
     }
 }

@@ -5,6 +5,7 @@
 //! upstream = "http://127.0.0.1:9000"
 //! listen   = "127.0.0.1:8080"
 //! admin    = "127.0.0.1:8081"
+//! admin_token = "…"                         # POST /invalidate from other hosts (else loopback only)
 //! valkey   = "redis://127.0.0.1:6379"      # optional
 //! valkey_timeout = "50ms"                   # one Valkey command at most
 //! origin_timeout = "60s"                    # for the head (else 504), and each silence in a body
@@ -130,6 +131,7 @@ struct File {
     upstream: Option<String>,
     listen: Option<SocketAddr>,
     admin: Option<SocketAddr>,
+    admin_token: Option<String>,
     valkey: Option<String>,
     #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
     valkey_timeout: Option<Duration>,
@@ -219,6 +221,11 @@ pub fn parse(text: &str, name: &str) -> Result<FileConfig, ProxyError> {
         config.listen = listen;
     }
     config.admin = file.admin;
+    config.admin_token = file
+        .admin_token
+        .map(crate::AdminToken::new)
+        .transpose()
+        .map_err(|e| ProxyError::Config(format!("{name}: {e}")))?;
     config.valkey = file.valkey;
     if let Some(timeout) = file.valkey_timeout {
         config.valkey_timeout = timeout;

@@ -54,7 +54,7 @@ use tiercache_core::{Policy, TieredCache};
 use tiercache_http::ResponseCacheLayer;
 use tiercache_valkey::{ValkeyError, ValkeyTier};
 
-pub use crate::config::ProxyConfig;
+pub use crate::config::{AdminToken, ProxyConfig};
 use crate::forward::Forward;
 
 /// A running proxy; stops when dropped.
@@ -158,6 +158,7 @@ impl Proxy {
             let router = admin::router(admin::Admin {
                 layer: layer.clone(),
                 prometheus,
+                token: config.admin_token.clone(),
             });
             serving.push(tokio::spawn(serve::serve(
                 listener,

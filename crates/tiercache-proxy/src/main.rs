@@ -125,7 +125,9 @@ struct Args {
     /// how long a fleet-wide fill lock lives if its owner dies.
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     lock_timeout: Duration,
-    /// Admin address serving GET /stats and POST /invalidate?key=URL|tag=T|prefix=PATH.
+    /// Admin address serving GET /stats and POST /invalidate?key=URL|tag=T|prefix=PATH
+    /// (the latter for loopback clients only, unless TIERCACHE_ADMIN_TOKEN
+    /// sets the bearer token it asks for).
     #[arg(long)]
     admin: Option<SocketAddr>,
 }
@@ -229,6 +231,15 @@ fn settings(args: &Args, matches: &ArgMatches) -> Result<ProxyConfig, String> {
     if let Some(admin) = args.admin {
         config.admin = Some(admin);
     }
+    // From the environment, never a flag (a command line is seen by every
+    // user of the machine); over the config file's.
+    if let Some(token) = std::env::var_os("TIERCACHE_ADMIN_TOKEN") {
+        let token = token
+            .into_string()
+            .map_err(|_| "`TIERCACHE_ADMIN_TOKEN`: not valid UTF-8".to_owned())?;
+        config.admin_token =
+            Some(tiercache_proxy::AdminToken::new(token).map_err(|e| e.to_string())?);
+    }
     config.check().map_err(|e| e.to_string())?;
     Ok(config)
 }
@@ -258,6 +269,7 @@ async fn main() -> ExitCode {
     // Before the port opens: a signal that comes as it does must find its
     // handler, not the default (which ends the process).
     let signals = Signals::install();
+    let config_has_no_token = config.admin_token.is_none();
     match Proxy::start(config).await {
         Ok(proxy) => {
             eprintln!(
@@ -268,6 +280,11 @@ async fn main() -> ExitCode {
                     .map(|a| format!(", admin on http://{a}"))
                     .unwrap_or_default()
             );
+            if proxy.admin_addr().is_some_and(|a| !a.ip().is_loopback()) && config_has_no_token {
+                eprintln!(
+                    "tiercache-proxy: POST /invalidate on the admin address answers loopback clients only; set TIERCACHE_ADMIN_TOKEN to let others invalidate with it"
+                );
+            }
             let Signals {
                 terminate,
                 interrupt,

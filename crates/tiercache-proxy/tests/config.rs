@@ -191,6 +191,17 @@ async fn check_config_validates_and_exits() {
     assert_eq!(refused.status.code(), Some(2));
     let text = String::from_utf8_lossy(&refused.stderr);
     assert!(text.contains("`--valkey-timeout`"), "{text}");
+    // The admin token, from the environment: one that could be guessed is
+    // refused, naming where it came from.
+    let refused = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"))
+        .args(["--upstream", "http://127.0.0.1:9", "--check-config"])
+        .env("TIERCACHE_ADMIN_TOKEN", "short")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&refused.stderr);
+    assert!(text.contains("TIERCACHE_ADMIN_TOKEN"), "{text}");
     // Settings that were taken silently before (a black-box audit): each is
     // refused naming what is wrong.
     for (args, names) in [

@@ -182,6 +182,46 @@ async fn miss_then_hit_and_stats_on_the_admin_address() {
     assert_eq!(horizon["entries"], 1);
 }
 
+/// `POST /invalidate` dropped entries for anyone who could reach the admin
+/// address. With a token set, it asks every client for it (a bearer
+/// credential); without one, only clients on this machine may (checked by
+/// the admin module's unit tests: a test cannot connect from elsewhere).
+#[tokio::test]
+async fn the_admin_address_asks_for_its_token_before_invalidating() {
+    let (server, state) = upstream().await;
+    let token = "a-long-admin-token-0123456789";
+    let config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .admin(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .admin_token(tiercache_proxy::AdminToken::new(token).unwrap())
+        .ttl(Duration::from_secs(60));
+    let proxy = Proxy::start(config).await.unwrap();
+    let admin = proxy.admin_addr().unwrap();
+    let invalidate = |auth: Option<&str>| {
+        let mut req = Request::post(format!("http://{admin}/invalidate?key=/echo"));
+        if let Some(auth) = auth {
+            req = req.header("authorization", auth);
+        }
+        req.body(Body::empty()).unwrap()
+    };
+    fetch(get_req(proxy.addr(), "/echo")).await;
+    for refused in [None, Some("Bearer wrong-token-0123456789"), Some(token)] {
+        let (status, headers, _) = fetch(invalidate(refused)).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{refused:?}");
+        assert!(headers.contains_key("www-authenticate"));
+        let (_, headers, _) = fetch(get_req(proxy.addr(), "/echo")).await;
+        assert_eq!(headers["x-cache"], "HIT", "{refused:?} invalidated");
+    }
+    let (status, _, _) = fetch(invalidate(Some(&format!("Bearer {token}")))).await;
+    assert_eq!(status, StatusCode::OK);
+    let (_, headers, _) = fetch(get_req(proxy.addr(), "/echo")).await;
+    assert_eq!(headers["x-cache"], "MISS");
+    assert_eq!(state.calls.get(), 2);
+    // The read-only endpoints stay open (a Prometheus scrape).
+    let (status, _, _) = fetch(get_req(admin, "/metrics")).await;
+    assert_eq!(status, StatusCode::OK);
+}
+
 /// Over h2c the client's address reaches the upstream too (HTTP/2
 /// connections build their service apart from HTTP/1's).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
