@@ -49,6 +49,13 @@ pub struct ProxyConfig {
     /// may then send nothing of its body before the body is cut (a failure
     /// too, never stored).
     pub origin_timeout: Duration,
+    /// Most requests at the upstream at once (connections in use); a
+    /// request waits for a slot at most the origin timeout, then is
+    /// answered 503. `None` (the default): no cap.
+    pub upstream_max_connections: Option<usize>,
+    /// How long an idle connection to the upstream is kept (zero: none
+    /// kept); keep it below the upstream's own keep-alive timeout.
+    pub upstream_idle_timeout: Duration,
     /// How long a client may take to send a request's head, or leave a
     /// keep-alive connection idle between requests, before it is closed.
     pub client_timeout: Duration,
@@ -121,6 +128,8 @@ impl ProxyConfig {
             valkey: None,
             valkey_timeout: ValkeyConfig::DEFAULT_COMMAND_TIMEOUT,
             origin_timeout: Self::DEFAULT_ORIGIN_TIMEOUT,
+            upstream_max_connections: None,
+            upstream_idle_timeout: crate::forward::Forward::DEFAULT_IDLE_TIMEOUT,
             client_timeout: Self::DEFAULT_CLIENT_TIMEOUT,
             stale_while_revalidate: Duration::ZERO,
             stale_if_error: Duration::ZERO,
@@ -217,6 +226,16 @@ impl ProxyConfig {
         if self.origin_timeout.is_zero() || self.origin_timeout > Duration::from_secs(86_400) {
             return Err(ProxyError::Config(
                 "`--origin-timeout` (`origin_timeout` in a config file): greater than 0, at most 1 day".into(),
+            ));
+        }
+        if self.upstream_max_connections == Some(0) {
+            return Err(ProxyError::Config(
+                "`--upstream-max-connections` (`upstream_max_connections` in a config file): at least 1".into(),
+            ));
+        }
+        if self.upstream_idle_timeout > Duration::from_secs(86_400) {
+            return Err(ProxyError::Config(
+                "`--upstream-idle-timeout` (`upstream_idle_timeout` in a config file): at most 1 day".into(),
             ));
         }
         // Keyed, a field passes to the upstream as the client sent it: for
@@ -328,6 +347,20 @@ impl ProxyConfig {
     /// quiet within its body (default 60 s).
     pub fn origin_timeout(mut self, timeout: Duration) -> Self {
         self.origin_timeout = timeout;
+        self
+    }
+
+    /// Caps the requests at the upstream at once (like
+    /// `--upstream-max-connections`).
+    pub fn upstream_max_connections(mut self, n: usize) -> Self {
+        self.upstream_max_connections = Some(n);
+        self
+    }
+
+    /// Sets how long an idle upstream connection is kept (like
+    /// `--upstream-idle-timeout`).
+    pub fn upstream_idle_timeout(mut self, idle: Duration) -> Self {
+        self.upstream_idle_timeout = idle;
         self
     }
 

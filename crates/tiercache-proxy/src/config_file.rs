@@ -9,6 +9,8 @@
 //! valkey   = "redis://127.0.0.1:6379"      # optional
 //! valkey_timeout = "50ms"                   # one Valkey command at most
 //! origin_timeout = "60s"                    # for the head (else 504), and each silence in a body
+//! upstream_max_connections = 64             # requests at the upstream at once (default: no cap)
+//! upstream_idle_timeout = "4s"              # below the upstream's keep-alive timeout (default 60s)
 //! client_timeout = "75s"                    # a client's head, its idle keep-alive connection, an unread answer
 //! l1_capacity = "256MiB"
 //!
@@ -137,6 +139,9 @@ struct File {
     valkey_timeout: Option<Duration>,
     #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
     origin_timeout: Option<Duration>,
+    upstream_max_connections: Option<usize>,
+    #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
+    upstream_idle_timeout: Option<Duration>,
     #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
     client_timeout: Option<Duration>,
     #[serde(default, deserialize_with = "size")]
@@ -235,6 +240,10 @@ pub fn parse(text: &str, name: &str) -> Result<FileConfig, ProxyError> {
     }
     if let Some(timeout) = file.origin_timeout {
         config.origin_timeout = timeout;
+    }
+    config.upstream_max_connections = file.upstream_max_connections;
+    if let Some(idle) = file.upstream_idle_timeout {
+        config.upstream_idle_timeout = idle;
     }
     if let Some(bytes) = file.l1_capacity {
         config.l1_capacity = bytes;

@@ -11,16 +11,17 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::ConnectInfo;
-use bytes::Bytes;
 use http::header::{CONNECTION, HOST, HeaderName, HeaderValue, TE, TRAILER, VIA};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri};
-use hyper::body::{Frame, Incoming, SizeHint};
+use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tiercache_http::headers::strip_hop_by_hop;
 use tiercache_http::request::{is_unkeyed, same_name};
+
+pub use crate::silences::Silences;
 
 /// The upstream's answer: its body streams through, or the proxy's own error page.
 pub type UpstreamBody = http_body_util::Either<UpstreamStream, Body>;
@@ -31,113 +32,6 @@ pub type UpstreamBody = http_body_util::Either<UpstreamStream, Body>;
 /// or the requests waiting on its load, for longer. A cut body is not
 /// stored; the cache counts it as an origin failure.
 pub type UpstreamStream = Silences<Incoming>;
-
-/// A body cut with an error once its sender has sent nothing for `idle`
-/// (counted from the first wait after each frame); its end (or its drop,
-/// once sent whole) is told to `done` when there is one.
-#[derive(Debug)]
-pub struct Silences<B> {
-    body: B,
-    idle: Duration,
-    /// Who stays silent, for the error: "the upstream", "the client".
-    who: &'static str,
-    silence: Option<Pin<Box<tokio::time::Sleep>>>,
-    done: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-impl<B> Silences<B> {
-    fn new(body: B, idle: Duration, who: &'static str) -> Self {
-        Self {
-            body,
-            idle,
-            who,
-            silence: None,
-            done: None,
-        }
-    }
-
-    fn ended(&mut self) {
-        if let Some(done) = self.done.take() {
-            let _ = done.send(());
-        }
-    }
-}
-
-impl Silences<Body> {
-    /// `req` with its body cut after a silence of `idle`, and what hears
-    /// the upload end; `None` for a request without a body (nothing to
-    /// wait for).
-    fn upload(
-        req: Request<Body>,
-        idle: Duration,
-    ) -> (Request<Body>, Option<tokio::sync::oneshot::Receiver<()>>) {
-        if hyper::body::Body::size_hint(req.body()).exact() == Some(0) {
-            return (req, None);
-        }
-        let (done, uploaded) = tokio::sync::oneshot::channel();
-        let req = req.map(|body| {
-            let mut watched = Self::new(body, idle, "the client");
-            watched.done = Some(done);
-            Body::new(watched)
-        });
-        (req, Some(uploaded))
-    }
-}
-
-impl<B> hyper::body::Body for Silences<B>
-where
-    B: hyper::body::Body<Data = Bytes> + Unpin,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    type Data = Bytes;
-    type Error = Box<dyn std::error::Error + Send + Sync>;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        let this = &mut *self;
-        match Pin::new(&mut this.body).poll_frame(cx) {
-            Poll::Ready(None) => {
-                this.ended();
-                Poll::Ready(None)
-            }
-            Poll::Ready(Some(frame)) => {
-                this.silence = None;
-                Poll::Ready(Some(frame.map_err(Into::into)))
-            }
-            Poll::Pending => {
-                let idle = this.idle;
-                let silence = this
-                    .silence
-                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
-                match silence.as_mut().poll(cx) {
-                    Poll::Ready(()) => Poll::Ready(Some(Err(format!(
-                        "{} sent nothing of its body for {idle:?}",
-                        this.who
-                    )
-                    .into()))),
-                    Poll::Pending => Poll::Pending,
-                }
-            }
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
-    }
-}
-
-impl<B> Drop for Silences<B> {
-    fn drop(&mut self) {
-        // hyper drops a body it has sent whole without polling it again.
-        self.ended();
-    }
-}
 
 /// A copy of `req` to send again if its connection fails under it: a GET
 /// or a HEAD without a body (safe to repeat, and nothing to replay).
@@ -219,15 +113,38 @@ pub struct Forward {
     keyed: Arc<[HeaderName]>,
     /// This process's `Via` entry (`1.1 tiercache-` and a random id).
     via: HeaderValue,
+    /// Requests at the upstream at once, when capped (see
+    /// [`max_connections`](Self::max_connections)).
+    slots: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 impl Forward {
+    /// How long an idle connection to the upstream is kept for the next
+    /// request by default: 60 s, as nginx's upstream `keepalive_timeout`.
+    pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
     /// A forwarder to `upstream` (`http://host:port`; see `check_upstream`).
     pub fn new(upstream: &Uri) -> Result<Self, String> {
+        Self::with_idle_timeout(upstream, Self::DEFAULT_IDLE_TIMEOUT)
+    }
+
+    /// A forwarder to `upstream` whose idle connections are closed after
+    /// `idle` (none kept for zero). Keep it below the upstream's own
+    /// keep-alive timeout (Node's and uvicorn's 5 s, gunicorn's 2 s): a
+    /// request sent on a connection the upstream is closing fails (a GET or
+    /// HEAD is sent once more; another method answers 502).
+    pub fn with_idle_timeout(upstream: &Uri, idle: Duration) -> Result<Self, String> {
         let (scheme, authority) = check_upstream(upstream)?;
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new()).build(connector);
+        let mut builder = Client::builder(TokioExecutor::new());
+        builder.pool_timer(hyper_util::rt::TokioTimer::new());
+        if idle.is_zero() {
+            builder.pool_max_idle_per_host(0);
+        } else {
+            builder.pool_idle_timeout(idle);
+        }
+        let client = builder.build(connector);
         // Random per process: a chain of tiercache proxies is no loop.
         let id = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
         let via = HeaderValue::try_from(format!("1.1 tiercache-{:08x}", id as u32)).expect("ASCII");
@@ -238,7 +155,18 @@ impl Forward {
             keyed: Arc::from([]),
             via,
             timeout: crate::ProxyConfig::DEFAULT_ORIGIN_TIMEOUT,
+            slots: None,
         })
+    }
+
+    /// Sends at most `n` requests to the upstream at once (so uses at most
+    /// `n` connections), background refreshes included; a request finds its
+    /// slot within the origin timeout or is answered 503 (a failure:
+    /// stale-if-error applies). A slot is held until the answer's body
+    /// ends. Unlimited by default, as nginx's `max_conns`.
+    pub fn max_connections(mut self, n: usize) -> Self {
+        self.slots = Some(Arc::new(tokio::sync::Semaphore::new(n)));
+        self
     }
 
     /// Sets how long the upstream may take to send its head before the
@@ -385,7 +313,20 @@ impl tower::Service<Request<Body>> for Forward {
         // the upload before that.
         let (upstream, uploaded) = Silences::upload(upstream, timeout);
         let client = self.client.clone();
+        let slots = self.slots.clone();
         Box::pin(async move {
+            let slot = match slots {
+                Some(slots) => match tokio::time::timeout(timeout, slots.acquire_owned()).await {
+                    Ok(Ok(slot)) => Some(slot),
+                    _ => {
+                        let text = format!(
+                            "tiercache-proxy: every upstream connection stayed in use for {timeout:?}\n"
+                        );
+                        return Ok(own_answer(StatusCode::SERVICE_UNAVAILABLE, text, head));
+                    }
+                },
+                None => None,
+            };
             let mut response = std::pin::pin!(client.request(upstream));
             let mut answered = match uploaded {
                 Some(uploaded) => tokio::select! {
@@ -421,7 +362,7 @@ impl tower::Service<Request<Body>> for Forward {
                     for value in declared {
                         parts.headers.append(TRAILER, value);
                     }
-                    let body = Silences::new(body, timeout, "the upstream");
+                    let body = Silences::new(body, timeout, "the upstream").holding(slot);
                     Ok(Response::from_parts(
                         parts,
                         http_body_util::Either::Left(body),

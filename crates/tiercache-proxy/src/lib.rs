@@ -44,6 +44,7 @@ pub mod forward;
 mod prometheus;
 pub mod routes;
 mod serve;
+mod silences;
 pub mod units;
 
 use std::net::SocketAddr;
@@ -127,9 +128,13 @@ impl Proxy {
         // handles from it (several proxies in one process stay apart).
         let recorder = prometheus::recorder();
         let prometheus = recorder.handle();
-        let forward = Forward::new(&config.upstream)
-            .map_err(ProxyError::Config)?
-            .timeout(config.origin_timeout);
+        let mut forward =
+            Forward::with_idle_timeout(&config.upstream, config.upstream_idle_timeout)
+                .map_err(ProxyError::Config)?
+                .timeout(config.origin_timeout);
+        if let Some(n) = config.upstream_max_connections {
+            forward = forward.max_connections(n);
+        }
         let recorder: SharedRecorder = Arc::new(recorder);
         let (table, layer) = route_table(&config, &engine, &forward, &recorder)?;
         let table = Arc::new(std::sync::RwLock::new(Arc::new(table)));

@@ -77,6 +77,16 @@ struct Args {
     /// within its body before the body is cut [default: 60s]
     #[arg(long, value_parser = parse_duration)]
     origin_timeout: Option<Duration>,
+    /// Most requests at the upstream at once (so connections in use),
+    /// background refreshes included; a request waits for a slot at most
+    /// the origin timeout, then is answered 503 [default: no cap]
+    #[arg(long, value_name = "N")]
+    upstream_max_connections: Option<usize>,
+    /// How long an idle connection to the upstream is kept for the next
+    /// request (0: none kept); keep it below the upstream's own keep-alive
+    /// timeout (Node 5s, gunicorn 2s) [default: 60s]
+    #[arg(long, value_parser = parse_duration)]
+    upstream_idle_timeout: Option<Duration>,
     /// How long a client may take to send a request's head, leave a
     /// keep-alive connection idle, or leave a response unread, before it is
     /// closed; keep it above the
@@ -227,6 +237,12 @@ fn settings(args: &Args, matches: &ArgMatches) -> Result<ProxyConfig, String> {
     }
     if let Some(timeout) = args.origin_timeout {
         config.origin_timeout = timeout;
+    }
+    if let Some(n) = args.upstream_max_connections {
+        config.upstream_max_connections = Some(n);
+    }
+    if let Some(idle) = args.upstream_idle_timeout {
+        config.upstream_idle_timeout = idle;
     }
     if let Some(admin) = args.admin {
         config.admin = Some(admin);

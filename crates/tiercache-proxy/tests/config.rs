@@ -232,6 +232,24 @@ async fn check_config_validates_and_exits() {
             ][..],
             "`--valkey-timeout`",
         ),
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--upstream-max-connections",
+                "0",
+            ][..],
+            "`--upstream-max-connections`",
+        ),
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--upstream-idle-timeout",
+                "400d",
+            ][..],
+            "`--upstream-idle-timeout`",
+        ),
         // Past a day the proxy panicked on the first body frame.
         (
             &[

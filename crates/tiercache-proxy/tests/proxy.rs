@@ -222,6 +222,33 @@ async fn the_admin_address_asks_for_its_token_before_invalidating() {
     assert_eq!(status, StatusCode::OK);
 }
 
+/// A miss flood of distinct URLs took one upstream connection each, with
+/// no cap (a slow upstream took sockets until file descriptors ran out).
+/// With `upstream_max_connections` the others wait for a slot, and all are
+/// answered once the upstream moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_most_the_capped_requests_reach_the_upstream_at_once() {
+    let (server, state) = upstream().await;
+    let config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .ttl(Duration::from_secs(60))
+        .upstream_max_connections(2);
+    let proxy = Proxy::start(config).await.unwrap();
+    let tasks: Vec<_> = (0..5)
+        .map(|i| tokio::spawn(fetch(get_req(proxy.addr(), &format!("/slow?i={i}")))))
+        .collect();
+    eventually("two requests at the upstream", || state.calls.get() == 2).await;
+    // The other three wait for a slot (a chance for one to get past).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(state.calls.get(), 2, "past the cap");
+    state.gate.open();
+    for task in tasks {
+        let (status, _, _) = bounded("a capped request", task).await.unwrap();
+        assert_eq!(status, StatusCode::OK);
+    }
+    assert_eq!(state.calls.get(), 5);
+}
+
 /// Over h2c the client's address reaches the upstream too (HTTP/2
 /// connections build their service apart from HTTP/1's).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
