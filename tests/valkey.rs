@@ -1164,6 +1164,10 @@ async fn a_renewal_never_overwrites_another_instances_newer_fill() {
             !renewer.l1_contains(&key)
         })
         .await;
+        assert!(
+            writer.l1_contains(&key),
+            "touch: {touch}: the newer fill's copy was dropped too"
+        );
         writer.invalidate_tag("refused").await.unwrap();
         reader.forget_local(&key);
         assert_eq!(

@@ -110,6 +110,16 @@ pub trait InvalidationSink: Send + Sync + 'static {
     fn drop_copies(&self, hashes: &[KeyHash]) {
         self.apply(&Invalidation::Keys(hashes.to_vec()));
     }
+
+    /// Copies of `hash` created at one of `created` (to the millisecond)
+    /// are no longer backed by the shared tier, which holds a newer fill (a
+    /// renewal of an old one was refused there: the old fill's and the
+    /// renewal's times): drops them from L1, and nothing else (the newer
+    /// fill's copies stay). By default, as [`drop_copies`](Self::drop_copies).
+    fn drop_fill(&self, hash: KeyHash, created: &[std::time::SystemTime]) {
+        let _ = created;
+        self.drop_copies(&[hash]);
+    }
 }
 
 /// A leader's hold on the fleet-wide fill lock for one key. Release it with

@@ -269,6 +269,25 @@ impl L1 {
         self.cache.contains_key(hash)
     }
 
+    /// Drops the entry under `hash` if it carries `tag`; whether L1 holds
+    /// one under `hash` without it (stored again under other tags since
+    /// the tag recorded the key), which stays.
+    pub(crate) fn invalidate_tagged(&self, hash: &KeyHash, tag: &[u8]) -> bool {
+        let mut spared = false;
+        let result = self.cache.entry(*hash).and_compute_with(|live| match live {
+            Some(live) if !live.value().tags().iter().any(|t| t == tag) => {
+                spared = true;
+                Op::Nop
+            }
+            Some(_) => Op::Remove,
+            None => Op::Nop,
+        });
+        if matches!(result, CompResult::Removed(_)) {
+            self.epochs.moved(hash);
+        }
+        spared
+    }
+
     pub(crate) fn invalidate(&self, hash: &KeyHash) {
         self.cache.invalidate(hash);
         self.epochs.moved(hash);
@@ -310,7 +329,7 @@ impl L1 {
     /// Removes `hash` if its live entry satisfies `dead`; counts it as expired.
     /// Removes the live entry under `hash` if `doomed` picks it, atomically
     /// (a fill that replaced it meanwhile stays); the caller counts why.
-    fn remove_if(&self, hash: &KeyHash, doomed: impl FnOnce(&Entry) -> bool) -> bool {
+    pub(crate) fn remove_if(&self, hash: &KeyHash, doomed: impl FnOnce(&Entry) -> bool) -> bool {
         let result = self.cache.entry(*hash).and_compute_with(|live| match live {
             Some(live) if doomed(live.value()) => Op::Remove,
             _ => Op::Nop,

@@ -199,3 +199,52 @@ async fn a_renewal_whose_copy_was_not_the_one_promoted_still_renews() {
         assert!(ttl <= TTL, "touch: {touch}: not renewed in L2 ({ttl:?})");
     }
 }
+
+/// A fill stored while an L2 read was on its way, already stale (here its
+/// lifetime ran out before the read's answer came, within its
+/// stale-while-revalidate window), was replaced by the older copy read:
+/// a promotion replaces a stale entry only if it is not newer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_from_l2_never_replaces_a_newer_stale_fill() {
+    let clock = MockClock::new();
+    let l2 = MemoryTier::new(Arc::new(clock.clone()));
+    let long = Policy::ttl(TTL * 10).jitter(0.0).build().unwrap();
+    let brief = Policy::ttl(Duration::from_secs(1))
+        .jitter(0.0)
+        .stale_while_revalidate(TTL)
+        .build()
+        .unwrap();
+    let key = CacheKey::new("k");
+    let writer = TieredCache::builder()
+        .clock(clock.clone())
+        .l2(l2.clone())
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    writer.store_now(&key, fill("old"), &long);
+    let open = tokio::sync::watch::Sender::new(false);
+    let cache = TieredCache::builder()
+        .clock(clock.clone())
+        .l2(HeldAnswers::new(l2.clone(), &open, 1))
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let reading = {
+        let (cache, key) = (cache.clone(), key.clone());
+        tokio::spawn(async move { cache.get(&key).await.is_some() })
+    };
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while open.receiver_count() == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the read began");
+    clock.advance(Duration::from_millis(5));
+    cache.store_now(&key, fill("new"), &brief);
+    clock.advance(Duration::from_secs(2));
+    open.send_replace(true);
+    assert!(reading.await.unwrap());
+    let held = cache.inner_for_tests().l1.held(&key.hash()).unwrap();
+    assert_eq!(held.value().body, "new", "L1 went back to the old fill");
+}

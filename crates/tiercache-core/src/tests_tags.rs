@@ -275,3 +275,28 @@ async fn a_key_stored_again_under_other_tags_leaves_its_old_ones() {
     cache.invalidate_tag("v99").await.unwrap();
     assert!(!cache.l1_contains(&k));
 }
+
+/// A key whose entry died (removed on a read past its hard expiry) and was
+/// stored again under another tag kept its record under the old one, and
+/// an invalidation of the old tag dropped the new entry. A tag's
+/// invalidation drops only entries that carry it.
+#[tokio::test]
+async fn a_tag_invalidation_spares_a_refill_under_other_tags() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let k = key(1);
+    let short = Policy::ttl(TTL).jitter(0.0).tag("old").build().unwrap();
+    cache.put(&k, Value::from_body("v1"), &short);
+    clock.advance(TTL * 2);
+    assert!(
+        cache.get(&k).await.is_none(),
+        "dead, and removed on the read"
+    );
+    cache.put(&k, Value::from_body("v2"), &own_tag("new"));
+    cache.invalidate_tag("old").await.unwrap();
+    assert_eq!(
+        cache.get(&k).await.map(|v| v.body),
+        Some("v2".into()),
+        "the old tag's invalidation dropped the refill"
+    );
+}

@@ -6,7 +6,7 @@ use axum::extract::State;
 use axum::routing::get;
 use std::net::{IpAddr, SocketAddr};
 
-use http::header::{AUTHORIZATION, WWW_AUTHENTICATE};
+use http::header::{AUTHORIZATION, ORIGIN, WWW_AUTHENTICATE};
 use http::{HeaderValue, Uri};
 use tiercache_http::ResponseCacheLayer;
 
@@ -70,7 +70,16 @@ async fn invalidate(
     axum::extract::Query(q): axum::extract::Query<InvalidateQuery>,
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
-    if let Err(refused) = allowed(peer.ip(), headers.get(AUTHORIZATION), token.as_ref()) {
+    // A browser page on this machine can send a simple cross-site POST to
+    // a loopback address: a request from a page is never "this machine".
+    let from_a_page = headers.contains_key(ORIGIN);
+    let peer = peer.ip();
+    if let Err(refused) = allowed(
+        peer,
+        from_a_page,
+        headers.get(AUTHORIZATION),
+        token.as_ref(),
+    ) {
         return refused.into_response();
     }
     run_invalidation(layer, q).await.into_response()
@@ -81,7 +90,8 @@ async fn invalidate(
 enum Refused {
     /// A token is set, and the client did not send it (401).
     NoToken,
-    /// No token is set, and the client is on another machine (403).
+    /// No token is set, and the client is on another machine, or is a
+    /// browser's page (403).
     NotLocal,
 }
 
@@ -96,7 +106,7 @@ impl axum::response::IntoResponse for Refused {
                 .into_response(),
             Refused::NotLocal => (
                 http::StatusCode::FORBIDDEN,
-                "POST /invalidate from another machine needs an admin token (set TIERCACHE_ADMIN_TOKEN, or admin_token in the config file)\n",
+                "POST /invalidate from another machine, or from a browser's page, needs an admin token (set TIERCACHE_ADMIN_TOKEN, or admin_token in the config file)\n",
             )
                 .into_response(),
         }
@@ -105,17 +115,21 @@ impl axum::response::IntoResponse for Refused {
 
 /// Whether a client at `peer` sending `authorization` may invalidate: with
 /// a `token`, whoever sends it as a bearer credential; without one, a
-/// client on this machine.
+/// client on this machine that is not a browser's page (`from_a_page`: it
+/// sent `Origin`). Behind a proxy or sidecar on the same machine, every
+/// client looks local: set a token there.
 fn allowed(
     peer: IpAddr,
+    from_a_page: bool,
     authorization: Option<&HeaderValue>,
     token: Option<&AdminToken>,
 ) -> Result<(), Refused> {
     match token {
         Some(token) => {
+            // The scheme's name is case blind (RFC 9110 §11.1).
             let given = authorization.map(HeaderValue::as_bytes).and_then(|v| {
-                v.strip_prefix(b"Bearer ")
-                    .or_else(|| v.strip_prefix(b"bearer "))
+                let (scheme, rest) = v.split_at_checked(7)?;
+                scheme.eq_ignore_ascii_case(b"bearer ").then_some(rest)
             });
             if given.is_some_and(|given| token.matches(given.trim_ascii())) {
                 Ok(())
@@ -123,7 +137,7 @@ fn allowed(
                 Err(Refused::NoToken)
             }
         }
-        None if peer.to_canonical().is_loopback() => Ok(()),
+        None if peer.to_canonical().is_loopback() && !from_a_page => Ok(()),
         None => Err(Refused::NotLocal),
     }
 }
@@ -182,10 +196,12 @@ mod tests {
         let here_v6: IpAddr = "::1".parse().unwrap();
         let mapped: IpAddr = "::ffff:127.0.0.1".parse().unwrap();
         let elsewhere: IpAddr = "10.0.0.7".parse().unwrap();
-        assert_eq!(status(allowed(here, None, None)), 200);
-        assert_eq!(status(allowed(here_v6, None, None)), 200);
-        assert_eq!(status(allowed(mapped, None, None)), 200);
-        assert_eq!(status(allowed(elsewhere, None, None)), 403);
+        assert_eq!(status(allowed(here, false, None, None)), 200);
+        assert_eq!(status(allowed(here_v6, false, None, None)), 200);
+        assert_eq!(status(allowed(mapped, false, None, None)), 200);
+        assert_eq!(status(allowed(elsewhere, false, None, None)), 403);
+        // A page in a browser on this machine (a cross-site POST).
+        assert_eq!(status(allowed(here, true, None, None)), 403);
     }
 
     #[test]
@@ -197,10 +213,21 @@ mod tests {
         let wrong = HeaderValue::from_static("Bearer 0123456789abcdef-tokeX");
         let longer = HeaderValue::from_static("Bearer 0123456789abcdef-token2");
         let basic = HeaderValue::from_static("Basic 0123456789abcdef-token");
-        assert_eq!(status(allowed(elsewhere, Some(&right), Some(&token))), 200);
-        assert_eq!(status(allowed(here, None, Some(&token))), 401);
+        let shouted = HeaderValue::from_static("BEARER 0123456789abcdef-token");
+        assert_eq!(
+            status(allowed(here, true, Some(&shouted), Some(&token))),
+            200
+        );
+        assert_eq!(
+            status(allowed(elsewhere, false, Some(&right), Some(&token))),
+            200
+        );
+        assert_eq!(status(allowed(here, false, None, Some(&token))), 401);
         for refused in [&wrong, &longer, &basic] {
-            assert_eq!(status(allowed(elsewhere, Some(refused), Some(&token))), 401);
+            assert_eq!(
+                status(allowed(elsewhere, false, Some(refused), Some(&token))),
+                401
+            );
         }
     }
 }

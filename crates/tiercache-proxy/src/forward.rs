@@ -116,6 +116,25 @@ pub struct Forward {
     /// Requests at the upstream at once, when capped (see
     /// [`max_connections`](Self::max_connections)).
     slots: Option<Arc<tokio::sync::Semaphore>>,
+    /// How long an idle pooled connection is kept.
+    idle: Duration,
+}
+
+/// A client whose idle connections are kept for `idle` (none for zero), at
+/// most `max_idle` of them.
+fn pool(idle: Duration, max_idle: usize) -> Client<HttpConnector, Body> {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let mut builder = Client::builder(TokioExecutor::new());
+    builder.pool_timer(hyper_util::rt::TokioTimer::new());
+    if idle.is_zero() {
+        builder.pool_max_idle_per_host(0);
+    } else {
+        builder
+            .pool_idle_timeout(idle)
+            .pool_max_idle_per_host(max_idle);
+    }
+    builder.build(connector)
 }
 
 impl Forward {
@@ -135,16 +154,7 @@ impl Forward {
     /// HEAD is sent once more; another method answers 502).
     pub fn with_idle_timeout(upstream: &Uri, idle: Duration) -> Result<Self, String> {
         let (scheme, authority) = check_upstream(upstream)?;
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        let mut builder = Client::builder(TokioExecutor::new());
-        builder.pool_timer(hyper_util::rt::TokioTimer::new());
-        if idle.is_zero() {
-            builder.pool_max_idle_per_host(0);
-        } else {
-            builder.pool_idle_timeout(idle);
-        }
-        let client = builder.build(connector);
+        let client = pool(idle, usize::MAX);
         // Random per process: a chain of tiercache proxies is no loop.
         let id = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
         let via = HeaderValue::try_from(format!("1.1 tiercache-{:08x}", id as u32)).expect("ASCII");
@@ -156,16 +166,20 @@ impl Forward {
             via,
             timeout: crate::ProxyConfig::DEFAULT_ORIGIN_TIMEOUT,
             slots: None,
+            idle,
         })
     }
 
-    /// Sends at most `n` requests to the upstream at once (so uses at most
-    /// `n` connections), background refreshes included; a request finds its
-    /// slot within the origin timeout or is answered 503 (a failure:
-    /// stale-if-error applies). A slot is held until the answer's body
-    /// ends. Unlimited by default, as nginx's `max_conns`.
+    /// Sends at most `n` requests to the upstream at once, background
+    /// refreshes included, and keeps at most `n` idle connections; a
+    /// request finds its slot within the origin timeout or is answered 503
+    /// (a failure: stale-if-error applies). A slot is held until the
+    /// answer's body ends, so a client that reads a large uncached body
+    /// slowly holds one that long (as nginx's `max_conns` with buffering
+    /// off). Unlimited by default.
     pub fn max_connections(mut self, n: usize) -> Self {
         self.slots = Some(Arc::new(tokio::sync::Semaphore::new(n)));
+        self.client = pool(self.idle, n);
         self
     }
 

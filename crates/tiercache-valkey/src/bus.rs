@@ -69,6 +69,32 @@ pub(crate) fn decode_drop(text: &str) -> Option<Vec<KeyHash>> {
     words.map(KeyHash::from_hex).collect()
 }
 
+/// `FROM R HASH MILLIS…`: drop L1's copies of this key created at one of
+/// the MILLIS, and nothing else (see [`InvalidationSink::drop_fill`]); sent
+/// by the script that refused a renewal (the fill it read, and the
+/// renewal). Instances that predate it ignore it.
+pub(crate) fn encode_stale_fill(from: &str, hash: KeyHash, created_ms: &[u64]) -> String {
+    let mut text = format!("{from} R {hash}");
+    for ms in created_ms {
+        text.push_str(&format!(" {ms}"));
+    }
+    text
+}
+
+/// Reads [`encode_stale_fill`]'s output; `None` for anything else.
+pub(crate) fn decode_stale_fill(text: &str) -> Option<(KeyHash, Vec<SystemTime>)> {
+    let mut words = text.split(' ');
+    let (_from, kind) = (words.next()?, words.next()?);
+    if kind != "R" {
+        return None;
+    }
+    let hash = KeyHash::from_hex(words.next()?)?;
+    let created = words
+        .map(|w| Some(UNIX_EPOCH + Duration::from_millis(w.parse().ok()?)))
+        .collect::<Option<Vec<_>>>()?;
+    (!created.is_empty()).then_some((hash, created))
+}
+
 /// Reads [`encode`]'s output; `None` for anything else.
 pub(crate) fn decode(text: &str) -> Option<Message> {
     let mut words = text.split(' ');
@@ -353,6 +379,12 @@ impl Bus {
             }
             return;
         }
+        if let Some((hash, created)) = decode_stale_fill(&text) {
+            if let Some(sink) = self.sink() {
+                sink.drop_fill(hash, &created);
+            }
+            return;
+        }
         let Some(decoded) = decode(&text) else {
             return;
         };
@@ -444,6 +476,16 @@ mod tests {
         });
         assert!(decode_drop(&keys).is_none());
         assert!(decode_drop("me D zz").is_none(), "not a hash");
+        let hash = CacheKey::new("c").hash();
+        let text = encode_stale_fill("me", hash, &[1_800_000_000_123, 7]);
+        let at = |ms| UNIX_EPOCH + Duration::from_millis(ms);
+        assert_eq!(
+            decode_stale_fill(&text),
+            Some((hash, vec![at(1_800_000_000_123), at(7)]))
+        );
+        assert!(decode(&text).is_none() && decode_drop(&text).is_none());
+        assert!(decode_stale_fill(&format!("{text} x")).is_none());
+        assert!(decode_stale_fill(&format!("me R {hash}")).is_none());
     }
 
     #[test]

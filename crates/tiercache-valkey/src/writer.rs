@@ -261,9 +261,9 @@ const DELETE_IF_STAMPED: &str = "if redis.call('GETRANGE', KEYS[1], 0, ARGV[3]) 
 /// Sets `KEYS[1]` to `ARGV[4]` with `PX ARGV[5]` only while it holds
 /// nothing, or an envelope whose bytes `ARGV[1]..=ARGV[2]` (its fill's
 /// creation) are `ARGV[3]`: a renewal never replaces a newer fill. Refused,
-/// it publishes `ARGV[7]` on `ARGV[6]` (a `D` message): the renewer, and
-/// any instance holding the old fill, drop their L1 copies, which L2 no
-/// longer backs.
+/// it publishes `ARGV[7]` on `ARGV[6]` (an `R` message): the renewer, and
+/// any instance holding the old fill, drop their L1 copies of it, which L2
+/// no longer backs (copies of the newer fill stay).
 const SET_OVER: &str = "local held = redis.call('GETRANGE', KEYS[1], ARGV[1], ARGV[2]) \
      if held == '' or held == ARGV[3] then \
      redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5]) return 1 end \
@@ -382,7 +382,13 @@ async fn pipe_fill(
     if let Some(created) = over {
         let eval = CustomCommand::new_static("EVAL", ClusterHash::Offset(2), false);
         let at = &crate::codec::CREATED_AT;
-        let message = crate::bus::encode_drop(&inner.bus.instance, &[*hash]);
+        // The fill read, and the renewal (the renewer's own copy).
+        let renewed = value
+            .get(crate::codec::CREATED_AT)
+            .and_then(|b| <[u8; 8]>::try_from(b).ok())
+            .unwrap_or(*created);
+        let created_ms = [u64::from_le_bytes(*created), u64::from_le_bytes(renewed)];
+        let message = crate::bus::encode_stale_fill(&inner.bus.instance, *hash, &created_ms);
         let args = vec![
             Value::from(SET_OVER),
             Value::from(1),

@@ -181,6 +181,18 @@ impl InvalidationSink for Inner {
         self.drop_hashes(hashes);
     }
 
+    fn drop_fill(&self, hash: KeyHash, created: &[std::time::SystemTime]) {
+        let millis = |t: &std::time::SystemTime| {
+            t.duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_millis()
+        };
+        self.l1.remove_if(&hash, |live| {
+            let at = millis(&live.times().created_at);
+            created.iter().any(|c| millis(c) == at)
+        });
+    }
+
     fn resync(&self) {
         self.journal.record(Scope::All, || {
             self.l1.clear();
@@ -197,7 +209,7 @@ impl Inner {
     fn drop_tag(&self, tag: &Bytes) -> Vec<KeyHash> {
         let incomplete = self.tags_incomplete.swap(false, Relaxed);
         let index = self.tags.remove(tag);
-        let (keys, overflowed) = match &index {
+        let (mut keys, overflowed) = match &index {
             Some(index) => {
                 let mut index = index.lock().unwrap_or_else(|e| e.into_inner());
                 let keys: Vec<KeyHash> = index.take();
@@ -211,7 +223,10 @@ impl Inner {
             self.tags.invalidate_all();
             self.tag_keys.store(0, Relaxed);
         } else {
-            self.drop_hashes(&keys);
+            // Only entries that carry the tag: a key stored again under
+            // other tags (its record here outlived the entry it was made
+            // for) stays, here and, left out of the message, everywhere.
+            keys.retain(|hash| !self.l1.invalidate_tagged(hash, tag));
             // The index leaves out keys moka no longer shows (pruned by
             // `contains`), among them entries past moka's own expiry that
             // its housekeeping has not removed yet, so no listener has

@@ -171,9 +171,14 @@ impl TieredCache {
             .journal
             .unless_overtaken(epoch, &footprint, || {
                 let mut old = None;
+                // Nor over a stale one created after it (a fill stale from
+                // its start, or stored stale from a refresh's failure).
                 let unfresh = |live: Option<&Entry>| {
                     old = live.cloned();
-                    live.is_none_or(|live| !matches!(live.freshness(now), Freshness::Fresh(_)))
+                    live.is_none_or(|live| {
+                        !matches!(live.freshness(now), Freshness::Fresh(_))
+                            && live.times().created_at <= promoted.times().created_at
+                    })
                 };
                 if self.inner.l1.replace(key.hash(), promoted.clone(), unfresh) {
                     self.inner.retag(key.hash(), old.as_ref(), promoted.tags());
