@@ -36,6 +36,7 @@ pub mod codec;
 mod config;
 mod invalidate;
 mod lock;
+mod message;
 mod overtaken;
 mod reconnect;
 mod tier;

@@ -10,16 +10,13 @@
 use std::fmt;
 use std::time::{Duration, SystemTime};
 
-use tokio::time::Instant;
-
 use super::TieredCache;
-use super::fill::{Followed, Lead, Locked};
 use super::read::Lookup;
 
-use crate::flight::{FlightError, FlightResult, Join, Leader, Waited};
+use crate::flight::Leader;
 use crate::stats::bump;
 use crate::{
-    Answer, CacheKey, Entry, Event, FetchError, Fetched, Freshness, Origin, Policy, Select, Served,
+    Answer, CacheKey, Entry, FetchError, Fetched, Freshness, Origin, Policy, Select, Served,
     Source, StaleReason,
 };
 
@@ -61,18 +58,18 @@ pub(super) struct Keys {
 
 /// The rest of a fetch after an L1 miss: see [`Miss::run`]. (Boxed: a hit
 /// never pays for moving it.)
-pub struct Miss(Box<MissState>);
+pub struct Miss(pub(super) Box<MissState>);
 
-struct MissState {
-    engine: TieredCache,
-    keys: Keys,
-    policy: Policy,
+pub(super) struct MissState {
+    pub(super) engine: TieredCache,
+    pub(super) keys: Keys,
+    pub(super) policy: Policy,
     /// An entry to revalidate, or to answer with when the origin fails.
-    fallback: Option<Entry>,
+    pub(super) fallback: Option<Entry>,
     /// Go to the origin (with `fallback`'s validators) without reading L2.
-    revalidate: bool,
+    pub(super) revalidate: bool,
     /// The key is marked uncacheable: straight to the origin, no flight.
-    hit_for_miss: bool,
+    pub(super) hit_for_miss: bool,
 }
 
 impl fmt::Debug for Miss {
@@ -87,16 +84,16 @@ impl fmt::Debug for Miss {
 
 /// A background refresh of an entry that answered (its flight is already
 /// led: nobody else starts one for the key meanwhile).
-pub struct Refresh(Box<RefreshState>);
+pub struct Refresh(pub(super) Box<RefreshState>);
 
-struct RefreshState {
-    engine: TieredCache,
-    keys: Keys,
-    policy: Policy,
-    current: Entry,
-    leader: Leader,
+pub(super) struct RefreshState {
+    pub(super) engine: TieredCache,
+    pub(super) keys: Keys,
+    pub(super) policy: Policy,
+    pub(super) current: Entry,
+    pub(super) leader: Leader,
     /// Its slot among the refreshes running at once, held until it ends.
-    slot: tokio::sync::OwnedSemaphorePermit,
+    pub(super) slot: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl fmt::Debug for Refresh {
@@ -336,183 +333,5 @@ impl TieredCache {
             entry.freshness(self.now()),
             Freshness::Stale | Freshness::StaleIfError
         )
-    }
-}
-
-impl Miss {
-    /// Whether the key is marked uncacheable (hit-for-miss): the request
-    /// goes to the origin alone, without waiting on anyone.
-    pub fn hit_for_miss(&self) -> bool {
-        self.0.hit_for_miss
-    }
-
-    /// Ends the fetch from storage alone, never the origin (HTTP's
-    /// `only-if-cached`, RFC 9111 §5.2.1.7): the fresh L2 entry that
-    /// `select` accepts (promoted to L1, counted as an L2 hit), or `None`.
-    /// `select` is taken whole, as [`run`](Self::run) takes its origin.
-    /// No flight is joined: a load another request leads is not waited on.
-    /// An entry that must be revalidated before use answers nothing here.
-    ///
-    /// ```
-    /// # use std::time::Duration;
-    /// # use tiercache_core::{Begin, CacheKey, Policy, TieredCache};
-    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let cache = TieredCache::builder().build()?;
-    /// let policy = Policy::ttl(Duration::from_secs(30)).build()?;
-    /// let Begin::Miss(miss) = cache.begin(&CacheKey::new("cold"), &policy, &()) else {
-    ///     unreachable!("nothing is stored yet");
-    /// };
-    /// assert!(miss.stored(()).await.is_none());
-    /// # Ok(()) }
-    /// ```
-    pub async fn stored<S: Select + Send>(self, select: S) -> Option<Answer> {
-        let MissState {
-            engine,
-            keys,
-            revalidate,
-            hit_for_miss,
-            ..
-        } = *self.0;
-        if hit_for_miss || revalidate {
-            return None;
-        }
-        let select = Locked(std::sync::Mutex::new(select));
-        let epoch = engine.inner.journal.epoch();
-        let entry = engine
-            .read_l2(&keys.requested, &keys.flight, epoch, &select, false)
-            .await
-            .filter(|entry| !select.must_revalidate(entry))?;
-        let answer = Answer {
-            entry,
-            source: Source::L2,
-            served: Served::Hit,
-            collapsed: false,
-        };
-        engine.count(&answer);
-        Some(answer)
-    }
-
-    /// Runs the rest of the fetch with `origin`: see [`TieredCache::fetch`].
-    pub async fn run<O: Origin>(
-        self,
-        origin: O,
-    ) -> Result<Fetched<O::Output>, FetchError<O::Error>> {
-        let MissState {
-            engine,
-            keys,
-            policy,
-            fallback,
-            revalidate,
-            hit_for_miss,
-        } = *self.0;
-        if hit_for_miss {
-            engine.record_bypass("hit-for-miss");
-            return engine
-                .load_alone(&keys, &policy, origin, None, false, true)
-                .await;
-        }
-        let mut collapsed = false;
-        // Joined again once after an overtaken answer; a second overtaken
-        // one (a key invalidated faster than it loads) loads alone.
-        let mut rejoined = false;
-        // A stale entry that may stand in for a slow origin: past the soft
-        // timeout it answers a follower as it answers the leader.
-        let stand_in = fallback
-            .clone()
-            .filter(|e| engine.stale_usable(e))
-            .zip(policy.soft_timeout())
-            .map(|(entry, soft)| (entry, Instant::now() + soft));
-        loop {
-            // Before the join: an invalidation recorded after this epoch
-            // came after the request (see `FlightResult::Overtaken`).
-            let joined = engine.inner.journal.epoch();
-            let follower = match engine
-                .inner
-                .flights
-                .join(keys.flight.hash(), policy.lock_wait())
-            {
-                Join::Leader(leader) => {
-                    let lead = Lead {
-                        leader,
-                        keys,
-                        policy,
-                        stale: fallback,
-                        revalidate,
-                        current: None,
-                    };
-                    return engine.lead(lead, origin).await;
-                }
-                Join::Follower(follower) => follower,
-            };
-            if !collapsed {
-                bump(&engine.inner.counters.coalesced);
-                collapsed = true;
-            }
-            let started = Instant::now();
-            let waited = match &stand_in {
-                Some((stale, at)) => match tokio::time::timeout_at(*at, follower.wait()).await {
-                    Ok(waited) => waited,
-                    Err(_) => {
-                        origin.observe(Event::LockWait(started.elapsed()));
-                        let why = StaleReason::OriginTimeout;
-                        return Ok(engine.answered_stale(stale.clone(), why, true));
-                    }
-                },
-                None => follower.wait().await,
-            };
-            origin.observe(Event::LockWait(started.elapsed()));
-            match waited {
-                Waited::Done(FlightResult::Failed(FlightError::Abandoned)) => continue,
-                Waited::Done(result) => {
-                    return match engine.followed(result, fallback.clone(), &origin, joined) {
-                        Followed::Answer(answer) => Ok(answer),
-                        Followed::Error(e) => Err(e),
-                        Followed::Again if !rejoined => {
-                            rejoined = true;
-                            continue;
-                        }
-                        Followed::Alone | Followed::Again => {
-                            engine
-                                .load_alone(&keys, &policy, origin, fallback, true, false)
-                                .await
-                        }
-                    };
-                }
-                // The flight's deadline passed: the next join takes it over
-                // (or follows whoever did).
-                Waited::TimedOut => {
-                    bump(&engine.inner.counters.lock_timeouts);
-                    origin.observe(Event::LockTimeout);
-                }
-            }
-        }
-    }
-}
-
-impl Refresh {
-    /// Starts the refresh in the background with `origin`: it reads L2 (a
-    /// copy newer than the current entry ends it), then calls the origin
-    /// with the current entry to revalidate.
-    pub fn spawn<O: Origin>(self, origin: O) {
-        let RefreshState {
-            engine,
-            keys,
-            policy,
-            current,
-            leader,
-            slot,
-        } = *self.0;
-        let lead = Lead {
-            leader,
-            keys,
-            policy,
-            stale: Some(current.clone()),
-            revalidate: false,
-            current: Some(current),
-        };
-        tokio::spawn(async move {
-            let _ = engine.fill(lead, origin).await;
-            drop(slot);
-        });
     }
 }

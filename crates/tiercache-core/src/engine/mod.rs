@@ -28,6 +28,7 @@ mod fill;
 mod fleet;
 mod invalidate;
 mod journal;
+mod miss;
 mod outbox;
 pub(crate) mod read;
 mod store;
