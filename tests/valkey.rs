@@ -1177,3 +1177,32 @@ async fn a_renewal_never_overwrites_another_instances_newer_fill() {
         );
     }
 }
+
+/// A renewal stores its fill again only while Valkey still holds it: one
+/// deleted behind the renewer's back (as a delete again does, with only a
+/// drop message after it) is not brought back for the renewal's lifetime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_never_brings_back_a_fill_valkey_no_longer_holds() {
+    let server = ValkeyServer::start();
+    let l2 = tier(&server.url(), "gone").await;
+    let cache = engine(l2.clone());
+    let policy = Policy::ttl(Duration::from_secs(600)).build().unwrap();
+    for touch in [true, false] {
+        let key = CacheKey::new(format!("gone {touch}"));
+        cache.put(&key, Fill::new(Value::from_body("v")), &policy);
+        bounded("the fill", l2.flush()).await;
+        server.cmd(&["DEL", &l2.entry_key(&key)]);
+        let renewed = if touch {
+            cache.touch(&key, &policy).await
+        } else {
+            let at = std::time::SystemTime::now() + Duration::from_secs(300);
+            cache.expire_at(&key, at).await
+        };
+        assert!(renewed, "a fresh copy in L1 to renew");
+        bounded("the renewal", l2.flush()).await;
+        assert!(
+            server.keys(&l2.entry_key(&key)).is_empty(),
+            "touch: {touch}: brought back in Valkey"
+        );
+    }
+}

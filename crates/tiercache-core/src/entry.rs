@@ -360,11 +360,22 @@ impl Entry {
     }
 
     /// Whether `other` is of the same fill (a copy of it, or a renewal
-    /// that kept its creation): the same key, variant and creation time.
+    /// that kept its creation): the same key, variant and creation time (to
+    /// the millisecond).
     pub(crate) fn same_fill(&self, other: &Entry) -> bool {
-        self.times().created_at == other.times().created_at
+        self.created_ms() == other.created_ms()
             && self.key() == other.key()
             && self.variant() == other.variant()
+    }
+
+    /// When it was created, to the millisecond: as precise as a copy read
+    /// back from a shared tier (Valkey's envelope) knows it.
+    pub(crate) fn created_ms(&self) -> u128 {
+        self.times()
+            .created_at
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_millis()
     }
 
     /// Whether two handles share one allocation.

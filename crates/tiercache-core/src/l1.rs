@@ -275,7 +275,12 @@ impl L1 {
     pub(crate) fn invalidate_tagged(&self, hash: &KeyHash, tag: &[u8]) -> bool {
         let mut spared = false;
         let result = self.cache.entry(*hash).and_compute_with(|live| match live {
-            Some(live) if !live.value().tags().iter().any(|t| t == tag) => {
+            // An entry with no tags at all (a copy of an envelope that
+            // could not carry them) is not told apart: it goes.
+            Some(live)
+                if !live.value().tags().is_empty()
+                    && !live.value().tags().iter().any(|t| t == tag) =>
+            {
                 spared = true;
                 Op::Nop
             }

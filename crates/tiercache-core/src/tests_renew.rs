@@ -248,3 +248,107 @@ async fn a_read_from_l2_never_replaces_a_newer_stale_fill() {
     let held = cache.inner_for_tests().l1.held(&key.hash()).unwrap();
     assert_eq!(held.value().body, "new", "L1 went back to the old fill");
 }
+
+/// An in-memory L2 that keeps creation times to the millisecond, as
+/// Valkey's envelope does.
+#[derive(Debug)]
+struct Millis(MemoryTier);
+
+impl Tier for Millis {
+    fn get<'a>(&'a self, key: &'a CacheKey) -> BoxFuture<'a, Result<Option<TierHit>, TierError>> {
+        Box::pin(async move {
+            let hit = self.0.get(key).await?;
+            Ok(hit.map(|mut hit| {
+                let mut times = hit.entry.times();
+                let since = times
+                    .created_at
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap();
+                times.created_at =
+                    std::time::UNIX_EPOCH + Duration::from_millis(since.as_millis() as u64);
+                hit.entry = hit.entry.with_times(times);
+                hit
+            }))
+        })
+    }
+
+    fn put(&self, key: &CacheKey, entry: &Entry, ttl: Duration, tags: &[bytes::Bytes]) {
+        self.0.put(key, entry, ttl, tags);
+    }
+
+    fn put_over(
+        &self,
+        key: &CacheKey,
+        entry: &Entry,
+        ttl: Duration,
+        tags: &[bytes::Bytes],
+        read: &Entry,
+    ) {
+        self.0.put_over(key, entry, ttl, tags, read);
+    }
+
+    fn invalidate<'a>(
+        &'a self,
+        invalidation: Invalidation,
+    ) -> BoxFuture<'a, Result<(), TierError>> {
+        self.0.invalidate(invalidation)
+    }
+}
+
+/// A fill made here carries its creation to the nanosecond, its copy read
+/// back from L2 to the millisecond: the two were told apart, so a copy of
+/// this instance's own fill (renewed in L2 by another instance) was never
+/// promoted over its stale entry, and a renewal of it was refused.
+#[tokio::test]
+async fn a_copy_read_back_to_the_millisecond_is_the_same_fill() {
+    let clock = MockClock::new();
+    clock.advance(Duration::from_micros(300));
+    let l2 = MemoryTier::new(Arc::new(clock.clone()));
+    let build = || {
+        TieredCache::builder()
+            .clock(clock.clone())
+            .l2(Millis(l2.clone()))
+            .sweep_interval(None)
+            .build()
+            .unwrap()
+    };
+    let (filler, other) = (build(), build());
+    let policy = Policy::ttl(Duration::from_secs(10))
+        .jitter(0.0)
+        .stale_if_error(TTL)
+        .build()
+        .unwrap();
+    let key = CacheKey::new("k");
+    filler.store_now(&key, fill("v"), &policy);
+    assert!(other.get(&key).await.is_some(), "promoted");
+    assert!(other.expire_at(&key, other.now() + TTL * 5).await);
+    clock.advance(Duration::from_secs(11));
+    // The filler's own entry is stale now; L2's copy is fresh.
+    let touch = Policy::ttl(TTL).jitter(0.0).build().unwrap();
+    assert!(filler.touch(&key, &touch).await);
+    let ttl = filler.ttl(&key).await.unwrap();
+    assert!(ttl > Duration::from_secs(59), "not renewed ({ttl:?})");
+}
+
+/// A renewal read a fill, which a delete-again (a `D` message: no journal
+/// record) then took out of L1 and L2; the renewal stored it again over
+/// nothing, everywhere, for its new lifetime. A renewal never creates.
+#[tokio::test]
+async fn a_renewal_never_brings_back_a_fill_taken_out_meanwhile() {
+    let clock = MockClock::new();
+    let build = crate::tests::on_shared_l2(&clock);
+    let (cache, reader) = (build(), build());
+    let policy = Policy::ttl(TTL).jitter(0.0).build().unwrap();
+    let key = CacheKey::new("k");
+    let read = cache.store_now(&key, fill("v"), &policy);
+    // Taken out of both tiers after the renewal read it.
+    cache.forget_local(&key);
+    reader.invalidate(&key).await.unwrap();
+    let renewed = read.with_times(Times::fresh(read.times().created_at, cache.now() + TTL));
+    assert!(
+        !cache.insert_over(&key, renewed, TTL, &read),
+        "L1 held nothing"
+    );
+    assert!(reader.get(&key).await.is_none(), "brought back in L2");
+    assert!(cache.get(&key).await.is_none(), "brought back in L1");
+}

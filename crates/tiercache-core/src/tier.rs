@@ -40,10 +40,10 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
 
     /// Stores `entry` as [`put`](Self::put) does, only while the tier holds
     /// under `key` the fill `read` (the one stored when `read` was created:
-    /// the same [`Times::created_at`](crate::Times::created_at)) or
-    /// nothing: a renewal of `read` never replaces a newer fill another
-    /// instance stored meanwhile. The default stores it as `put` does, for
-    /// a tier that cannot tell.
+    /// the same [`Times::created_at`](crate::Times::created_at), to the
+    /// millisecond): a renewal of `read` never replaces a newer fill another
+    /// instance stored meanwhile, nor brings back one taken out. The default
+    /// stores it as `put` does, for a tier that cannot tell.
     fn put_over(&self, key: &CacheKey, entry: &Entry, ttl: Duration, tags: &[Bytes], read: &Entry) {
         let _ = read;
         self.put(key, entry, ttl, tags);
@@ -285,12 +285,12 @@ mod memory {
             read: &Entry,
         ) {
             let now = self.clock.now();
-            let created = read.times().created_at;
             let mut map = self.map.lock().unwrap();
-            // What Valkey would hold: nothing past its expiry.
-            let replaced = map
-                .get(key.full())
-                .is_none_or(|(held, until)| *until <= now || held.times().created_at == created);
+            // As Valkey: the same fill (to the millisecond), still alive; a
+            // renewal never creates.
+            let replaced = map.get(key.full()).is_some_and(|(held, until)| {
+                *until > now && held.created_ms() == read.created_ms()
+            });
             if replaced {
                 map.insert(key.full().clone(), (entry.clone(), now + ttl));
                 drop(map);

@@ -441,7 +441,7 @@ async fn load_bans(tier: Weak<Inner>) -> Option<Vec<Ban>> {
 
 impl ValkeyTier {
     /// Queues a fill (see [`Tier::put`]); with `over`, stored only while
-    /// Valkey holds the fill created then, or nothing (see
+    /// Valkey holds the fill created then (see
     /// [`Tier::put_over`]).
     fn queue_fill(
         &self,

@@ -39,8 +39,7 @@ pub(crate) enum Command {
         /// [`crate::overtaken::Overtaken::mark`] when it was queued.
         heard: u64,
         /// A renewal: stored only while the key holds the fill created at
-        /// these envelope bytes (see [`crate::codec::CREATED_AT`]), or
-        /// nothing.
+        /// these envelope bytes (see [`crate::codec::CREATED_AT`]).
         over: Option<[u8; 8]>,
     },
     /// Delete these entries again, each only while it still holds the
@@ -258,14 +257,15 @@ const DELETE_IF_STAMPED: &str = "if redis.call('GETRANGE', KEYS[1], 0, ARGV[3]) 
      if n == 1 then redis.call('PUBLISH', ARGV[5], ARGV[6]) end \
      return n else return 0 end";
 
-/// Sets `KEYS[1]` to `ARGV[4]` with `PX ARGV[5]` only while it holds
-/// nothing, or an envelope whose bytes `ARGV[1]..=ARGV[2]` (its fill's
-/// creation) are `ARGV[3]`: a renewal never replaces a newer fill. Refused,
-/// it publishes `ARGV[7]` on `ARGV[6]` (an `R` message): the renewer, and
-/// any instance holding the old fill, drop their L1 copies of it, which L2
-/// no longer backs (copies of the newer fill stay).
+/// Sets `KEYS[1]` to `ARGV[4]` with `PX ARGV[5]` only while it holds an
+/// envelope whose bytes `ARGV[1]..=ARGV[2]` (its fill's creation) are
+/// `ARGV[3]`: a renewal never replaces a newer fill, nor brings back one
+/// taken out (expired, invalidated, deleted again). Refused, it publishes
+/// `ARGV[7]` on `ARGV[6]` (an `R` message): the renewer, and any instance
+/// holding the old fill, drop their L1 copies of it, which L2 no longer
+/// backs (copies of a newer fill stay).
 const SET_OVER: &str = "local held = redis.call('GETRANGE', KEYS[1], ARGV[1], ARGV[2]) \
-     if held == '' or held == ARGV[3] then \
+     if held == ARGV[3] then \
      redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5]) return 1 end \
      redis.call('PUBLISH', ARGV[6], ARGV[7]) return 0";
 

@@ -225,7 +225,9 @@ impl Inner {
         } else {
             // Only entries that carry the tag: a key stored again under
             // other tags (its record here outlived the entry it was made
-            // for) stays, here and, left out of the message, everywhere.
+            // for) stays here, and is left out of the message (the shared
+            // tier's own tag set, by key, may still name it: then it goes
+            // there, and from every L1 with it, as an over-invalidation).
             keys.retain(|hash| !self.l1.invalidate_tagged(hash, tag));
             // The index leaves out keys moka no longer shows (pruned by
             // `contains`), among them entries past moka's own expiry that

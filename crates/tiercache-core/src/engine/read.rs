@@ -177,7 +177,7 @@ impl TieredCache {
                     old = live.cloned();
                     live.is_none_or(|live| {
                         !matches!(live.freshness(now), Freshness::Fresh(_))
-                            && live.times().created_at <= promoted.times().created_at
+                            && live.created_ms() <= promoted.created_ms()
                     })
                 };
                 if self.inner.l1.replace(key.hash(), promoted.clone(), unfresh) {

@@ -294,7 +294,7 @@ impl TieredCache {
 
     /// Puts `entry` in L1 and (queued) in L2 under `key`, records it under
     /// `tags`, and clears any hit-for-miss mark. Callers hold the journal's
-    /// lock (see [`store_since`](Self::store_since)) or renew an entry.
+    /// lock (see [`store_since`](Self::store_since)).
     pub(crate) fn insert(&self, key: &CacheKey, entry: Entry, l2_ttl: Duration, tags: &[Bytes]) {
         self.inner.uncacheable.invalidate(&key.hash());
         if let Some(l2) = &self.inner.l2 {
@@ -315,8 +315,8 @@ impl TieredCache {
     }
 
     /// Stores `entry`, a renewal of `read`, under its own tags: in L1 only
-    /// while it holds `read`'s fill (or nothing: evicted meanwhile), and
-    /// then in L2 only while the tier holds that fill (see
+    /// while it holds `read`'s fill, and then in L2 only while the tier
+    /// holds that fill (see
     /// [`Tier::put_over`](crate::Tier::put_over)). A fill stored meanwhile,
     /// here or by another instance, stays. Whether L1 took it.
     pub(crate) fn insert_over(
@@ -328,9 +328,11 @@ impl TieredCache {
     ) -> bool {
         let hash = key.hash();
         let mut old = None;
+        // Never over nothing: an entry gone meanwhile may have been taken
+        // out (a delete again's drop is no journal record).
         let unchanged = |live: Option<&Entry>| {
             old = live.cloned();
-            live.is_none_or(|live| live.same_fill(read))
+            live.is_some_and(|live| live.same_fill(read))
         };
         if !self.inner.l1.replace(hash, entry.clone(), unchanged) {
             return false;
