@@ -13,6 +13,27 @@ fn fill(body: &str) -> Fill {
     Fill::new(Value::from_body(body.to_owned()))
 }
 
+/// An engine on `clock` with `l2` as its shared tier.
+fn on(clock: &MockClock, l2: impl Tier) -> TieredCache {
+    TieredCache::builder()
+        .clock(clock.clone())
+        .l2(l2)
+        .sweep_interval(None)
+        .build()
+        .unwrap()
+}
+
+/// Waits until a read holds its answer at `open`'s gate.
+async fn a_read_waits(open: &tokio::sync::watch::Sender<bool>, what: &str) {
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while open.receiver_count() == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect(what);
+}
+
 /// Renews `key` by `touch` (`true`) or `expire_at`.
 async fn renew(cache: &TieredCache, key: &CacheKey, touch: bool) -> bool {
     let policy = Policy::ttl(TTL).jitter(0.0).build().unwrap();
@@ -103,20 +124,10 @@ async fn a_read_from_l2_never_replaces_a_fill_stored_while_it_was_on_its_way() {
         let l2 = MemoryTier::new(Arc::new(clock.clone()));
         let policy = Policy::ttl(TTL).build().unwrap();
         let key = CacheKey::new("k");
-        let writer = TieredCache::builder()
-            .clock(clock.clone())
-            .l2(l2.clone())
-            .sweep_interval(None)
-            .build()
-            .unwrap();
+        let writer = on(&clock, l2.clone());
         writer.store_now(&key, fill("old"), &policy);
         let open = tokio::sync::watch::Sender::new(false);
-        let cache = TieredCache::builder()
-            .clock(clock.clone())
-            .l2(HeldAnswers::new(l2.clone(), &open, usize::MAX))
-            .sweep_interval(None)
-            .build()
-            .unwrap();
+        let cache = on(&clock, HeldAnswers::new(l2.clone(), &open, usize::MAX));
         let reading = {
             let (cache, key) = (cache.clone(), key.clone());
             tokio::spawn(async move {
@@ -127,13 +138,7 @@ async fn a_read_from_l2_never_replaces_a_fill_stored_while_it_was_on_its_way() {
             })
         };
         // The read has its answer (the old fill) and waits to return it.
-        tokio::time::timeout(Duration::from_secs(5), async {
-            while open.receiver_count() == 0 {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await
-        .expect("the read began");
+        a_read_waits(&open, "the read began").await;
         clock.advance(Duration::from_millis(5));
         cache.store_now(&key, fill("new"), &policy);
         open.send_replace(true);
@@ -163,31 +168,15 @@ async fn a_renewal_whose_copy_was_not_the_one_promoted_still_renews() {
         let l2 = MemoryTier::new(Arc::new(clock.clone()));
         let long = Policy::ttl(TTL * 10).jitter(0.0).build().unwrap();
         let key = CacheKey::new("k");
-        let writer = TieredCache::builder()
-            .clock(clock.clone())
-            .l2(l2.clone())
-            .sweep_interval(None)
-            .build()
-            .unwrap();
+        let writer = on(&clock, l2.clone());
         writer.store_now(&key, fill("v"), &long);
         let open = tokio::sync::watch::Sender::new(false);
-        let cache = TieredCache::builder()
-            .clock(clock.clone())
-            .l2(HeldAnswers::new(l2.clone(), &open, 1))
-            .sweep_interval(None)
-            .build()
-            .unwrap();
+        let cache = on(&clock, HeldAnswers::new(l2.clone(), &open, 1));
         let renewing = {
             let (cache, key) = (cache.clone(), key.clone());
             tokio::spawn(async move { renew(&cache, &key, touch).await })
         };
-        tokio::time::timeout(Duration::from_secs(5), async {
-            while open.receiver_count() == 0 {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await
-        .expect("the renewal's read began");
+        a_read_waits(&open, "the renewal's read began").await;
         // Another read of the same fill is promoted first.
         assert_eq!(cache.get(&key).await.unwrap().body, "v");
         open.send_replace(true);
@@ -215,31 +204,15 @@ async fn a_read_from_l2_never_replaces_a_newer_stale_fill() {
         .build()
         .unwrap();
     let key = CacheKey::new("k");
-    let writer = TieredCache::builder()
-        .clock(clock.clone())
-        .l2(l2.clone())
-        .sweep_interval(None)
-        .build()
-        .unwrap();
+    let writer = on(&clock, l2.clone());
     writer.store_now(&key, fill("old"), &long);
     let open = tokio::sync::watch::Sender::new(false);
-    let cache = TieredCache::builder()
-        .clock(clock.clone())
-        .l2(HeldAnswers::new(l2.clone(), &open, 1))
-        .sweep_interval(None)
-        .build()
-        .unwrap();
+    let cache = on(&clock, HeldAnswers::new(l2.clone(), &open, 1));
     let reading = {
         let (cache, key) = (cache.clone(), key.clone());
         tokio::spawn(async move { cache.get(&key).await.is_some() })
     };
-    tokio::time::timeout(Duration::from_secs(5), async {
-        while open.receiver_count() == 0 {
-            tokio::task::yield_now().await;
-        }
-    })
-    .await
-    .expect("the read began");
+    a_read_waits(&open, "the read began").await;
     clock.advance(Duration::from_millis(5));
     cache.store_now(&key, fill("new"), &brief);
     clock.advance(Duration::from_secs(2));
@@ -304,14 +277,7 @@ async fn a_copy_read_back_to_the_millisecond_is_the_same_fill() {
     let clock = MockClock::new();
     clock.advance(Duration::from_micros(300));
     let l2 = MemoryTier::new(Arc::new(clock.clone()));
-    let build = || {
-        TieredCache::builder()
-            .clock(clock.clone())
-            .l2(Millis(l2.clone()))
-            .sweep_interval(None)
-            .build()
-            .unwrap()
-    };
+    let build = || on(&clock, Millis(l2.clone()));
     let (filler, other) = (build(), build());
     let policy = Policy::ttl(Duration::from_secs(10))
         .jitter(0.0)

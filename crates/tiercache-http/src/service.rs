@@ -291,6 +291,8 @@ struct InnerUri(http::Uri);
 /// the other's key). The key, the invalidations and `Location` are all
 /// about the URL the client asked for; the inner service gets back the
 /// URI it routes by ([`for_inner`]).
+// On every L1 hit: inlined into the application's crate too.
+#[inline]
 fn key_on_original_uri(parts: &mut http::request::Parts) {
     let Some(axum::extract::OriginalUri(original)) = parts.extensions.get() else {
         return;

@@ -51,6 +51,8 @@ impl HeadView {
 }
 
 /// The view of `entry`, built on first use with `targets` (RFC 9213 fields).
+// On every L1 hit: inlined into the application's crate too.
+#[inline]
 pub(crate) fn view<'a>(entry: &'a Entry, targets: &[HeaderName]) -> ViewRef<'a> {
     match entry.view(|e| head_view(e, targets)) {
         Some(view) => ViewRef::Shared(view),
