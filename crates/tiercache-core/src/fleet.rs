@@ -113,9 +113,9 @@ pub trait InvalidationSink: Send + Sync + 'static {
 
     /// Copies of `hash` created at one of `created` (to the millisecond)
     /// are no longer backed by the shared tier, which holds a newer fill (a
-    /// renewal of an old one was refused there: the old fill's and the
-    /// renewal's times): drops them from L1, and nothing else (the newer
-    /// fill's copies stay). By default, as [`drop_copies`](Self::drop_copies).
+    /// renewal of an old one was refused there): drops them from L1, and
+    /// nothing else (the newer fill's copies stay). By default, as
+    /// [`drop_copies`](Self::drop_copies).
     fn drop_fill(&self, hash: KeyHash, created: &[std::time::SystemTime]) {
         let _ = created;
         self.drop_copies(&[hash]);

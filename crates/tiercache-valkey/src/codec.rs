@@ -264,6 +264,13 @@ pub(crate) fn created_at(entry: &Entry) -> [u8; 8] {
     millis(entry.times().created_at).to_le_bytes()
 }
 
+/// The creation an envelope holds (see [`CREATED_AT`]), if it is long
+/// enough to hold one.
+pub(crate) fn created_at_of(envelope: &[u8]) -> Option<SystemTime> {
+    let bytes = <[u8; 8]>::try_from(envelope.get(CREATED_AT)?).ok()?;
+    Some(UNIX_EPOCH + Duration::from_millis(u64::from_le_bytes(bytes)))
+}
+
 fn millis(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
 }

@@ -57,9 +57,10 @@ pub(crate) fn decode_drop(text: &str) -> Option<Vec<KeyHash>> {
 }
 
 /// `FROM R HASH MILLIS…`: drop L1's copies of this key created at one of
-/// the MILLIS, and nothing else (see [`InvalidationSink::drop_fill`](tiercache_core::InvalidationSink::drop_fill)); sent
-/// by the script that refused a renewal (the fill it read, and the
-/// renewal). Instances that predate it ignore it.
+/// the MILLIS, and nothing else (see
+/// [`InvalidationSink::drop_fill`](tiercache_core::InvalidationSink::drop_fill));
+/// sent by the script that refused a renewal (the fill it read).
+/// Instances that predate it ignore it.
 pub(crate) fn encode_stale_fill(from: &str, hash: KeyHash, created_ms: &[u64]) -> String {
     let mut text = format!("{from} R {hash}");
     for ms in created_ms {

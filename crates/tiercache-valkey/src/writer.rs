@@ -13,6 +13,7 @@ use tokio::sync::mpsc;
 
 use tiercache_core::KeyHash;
 
+use crate::codec;
 use crate::lock::Release;
 use crate::overtaken::{STAMP_HEAD, STAMP_TAIL, Stamp, Target, Undo};
 use crate::tier::Inner;
@@ -261,9 +262,9 @@ const DELETE_IF_STAMPED: &str = "if redis.call('GETRANGE', KEYS[1], 0, ARGV[3]) 
 /// envelope whose bytes `ARGV[1]..=ARGV[2]` (its fill's creation) are
 /// `ARGV[3]`: a renewal never replaces a newer fill, nor brings back one
 /// taken out (expired, invalidated, deleted again). Refused, it publishes
-/// `ARGV[7]` on `ARGV[6]` (an `R` message): the renewer, and any instance
-/// holding the old fill, drop their L1 copies of it, which L2 no longer
-/// backs (copies of a newer fill stay).
+/// `ARGV[7]` on `ARGV[6]` (an `R` message): every instance holding the old
+/// fill drops its L1 copies of it, which L2 no longer backs (copies of a
+/// newer fill stay); the renewer drops its renewal's copy on the reply.
 const SET_OVER: &str = "local held = redis.call('GETRANGE', KEYS[1], ARGV[1], ARGV[2]) \
      if held == ARGV[3] then \
      redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5]) return 1 end \
@@ -333,19 +334,34 @@ async fn apply_batch(
     let renewals = inner.client.pipeline();
     let mut renewed = Vec::new();
     for (i, command) in batch.iter().enumerate() {
-        if let Command::Set {
+        let Command::Set {
             over: Some(_),
             tags,
             hash,
             px,
+            value,
             ..
         } = command
-            && !tags.is_empty()
-            && per_command[i]
-            && matches!(replies[deciding[i].start], Ok(Value::Integer(1)))
-        {
-            pipe_tags(&renewals, tags, hash, *px, now).await?;
-            renewed.push(i);
+        else {
+            continue;
+        };
+        if !per_command[i] {
+            continue;
+        }
+        match replies[deciding[i].start] {
+            Ok(Value::Integer(1)) if !tags.is_empty() => {
+                pipe_tags(&renewals, tags, hash, *px, now).await?;
+                renewed.push(i);
+            }
+            // Refused: this instance's renewed copy is the only one (the
+            // script's message names the fill read, for every instance).
+            Ok(Value::Integer(0)) => {
+                if let (Some(sink), Some(created)) = (inner.bus.sink(), codec::created_at_of(value))
+                {
+                    sink.drop_fill(*hash, &[created]);
+                }
+            }
+            _ => {}
         }
     }
     if !renewed.is_empty() {
@@ -382,12 +398,9 @@ async fn pipe_fill(
     if let Some(created) = over {
         let eval = CustomCommand::new_static("EVAL", ClusterHash::Offset(2), false);
         let at = &crate::codec::CREATED_AT;
-        // The fill read, and the renewal (the renewer's own copy).
-        let renewed = value
-            .get(crate::codec::CREATED_AT)
-            .and_then(|b| <[u8; 8]>::try_from(b).ok())
-            .unwrap_or(*created);
-        let created_ms = [u64::from_le_bytes(*created), u64::from_le_bytes(renewed)];
+        // The fill read (the renewer drops its renewal's copy itself: no
+        // other instance has it, and its time may be a newer fill's).
+        let created_ms = [u64::from_le_bytes(*created)];
         let message = crate::bus::encode_stale_fill(&inner.bus.instance, *hash, &created_ms);
         let args = vec![
             Value::from(SET_OVER),
