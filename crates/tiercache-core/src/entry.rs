@@ -361,11 +361,22 @@ impl Entry {
 
     /// Whether `other` is of the same fill (a copy of it, or a renewal
     /// that kept its creation): the same key, variant and creation time (to
-    /// the millisecond).
+    /// the millisecond when one of them was read back from a shared tier,
+    /// which keeps no more).
     pub(crate) fn same_fill(&self, other: &Entry) -> bool {
-        self.created_ms() == other.created_ms()
-            && self.key() == other.key()
-            && self.variant() == other.variant()
+        let (a, b) = (self.times().created_at, other.times().created_at);
+        // To the millisecond only when one side knows no more than that (a
+        // copy read back from Valkey): two fills made here in one
+        // millisecond stay two.
+        let whole_ms = |t: SystemTime| {
+            t.duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .subsec_nanos()
+                .is_multiple_of(1_000_000)
+        };
+        let same_time =
+            a == b || (self.created_ms() == other.created_ms() && (whole_ms(a) || whole_ms(b)));
+        same_time && self.key() == other.key() && self.variant() == other.variant()
     }
 
     /// When it was created, to the millisecond: as precise as a copy read

@@ -318,3 +318,47 @@ async fn a_renewal_never_brings_back_a_fill_taken_out_meanwhile() {
     assert!(reader.get(&key).await.is_none(), "brought back in L2");
     assert!(cache.get(&key).await.is_none(), "brought back in L1");
 }
+
+/// Two fills of one key in the same millisecond on this instance were one
+/// fill to a renewal: a `touch` that read the first replaced the second,
+/// stored meanwhile. Entries made here keep their nanoseconds: only a copy
+/// read back to the millisecond (from Valkey) matches by millisecond.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_never_replaces_a_fill_made_here_in_the_same_millisecond() {
+    let clock = MockClock::new();
+    clock.advance(Duration::from_micros(100));
+    let l2 = MemoryTier::new(Arc::new(clock.clone()));
+    let writer = on(&clock, l2.clone());
+    let policy = Policy::ttl(TTL).jitter(0.0).build().unwrap();
+    let key = CacheKey::new("k");
+    writer.store_now(&key, fill("old"), &policy);
+    let open = tokio::sync::watch::Sender::new(false);
+    let cache = on(&clock, HeldAnswers::new(l2.clone(), &open, 1));
+    let renewing = {
+        let (cache, key) = (cache.clone(), key.clone());
+        tokio::spawn(async move { renew(&cache, &key, true).await })
+    };
+    a_read_waits(&open, "the renewal's read began").await;
+    clock.advance(Duration::from_micros(800));
+    cache.store_now(&key, fill("new"), &policy);
+    open.send_replace(true);
+    assert!(renewing.await.unwrap());
+    assert_eq!(cache.get(&key).await.unwrap().body, "new", "replaced");
+}
+
+/// A renewal whose copy L1 no longer holds (moka refused the promotion, or
+/// evicted it) still renews the shared tier's fill, which it holds.
+#[tokio::test]
+async fn a_renewal_renews_l2_when_l1_holds_nothing() {
+    let clock = MockClock::new();
+    let build = crate::tests::on_shared_l2(&clock);
+    let (cache, reader) = (build(), build());
+    let policy = Policy::ttl(TTL).jitter(0.0).build().unwrap();
+    let key = CacheKey::new("k");
+    let read = cache.store_now(&key, fill("v"), &policy);
+    cache.forget_local(&key);
+    let renewed = read.with_times(Times::fresh(read.times().created_at, cache.now() + TTL * 5));
+    cache.insert_over(&key, renewed, TTL * 5, &read);
+    let ttl = reader.ttl(&key).await.unwrap();
+    assert!(ttl > TTL, "not renewed in L2 ({ttl:?})");
+}

@@ -149,10 +149,19 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
                     hash,
                     full,
                     value,
+                    over,
                     ..
                 } => {
                     if !landed {
                         failed_fills += 1;
+                        // A renewal that may have been refused without a
+                        // word: its copy here goes (a miss at worst).
+                        if over.is_some()
+                            && let (Some(sink), Some(created)) =
+                                (inner.bus.sink(), codec::created_at_of(&value))
+                        {
+                            sink.drop_fill(hash, &[created]);
+                        }
                     }
                     let stamp = Stamp::of(&value);
                     sent.push(Target {

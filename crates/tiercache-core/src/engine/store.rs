@@ -315,8 +315,8 @@ impl TieredCache {
     }
 
     /// Stores `entry`, a renewal of `read`, under its own tags: in L1 only
-    /// while it holds `read`'s fill, and then in L2 only while the tier
-    /// holds that fill (see
+    /// while it holds `read`'s fill, in L2 only while the tier holds that
+    /// fill (see
     /// [`Tier::put_over`](crate::Tier::put_over)). A fill stored meanwhile,
     /// here or by another instance, stays. Whether L1 took it.
     pub(crate) fn insert_over(
@@ -329,19 +329,27 @@ impl TieredCache {
         let hash = key.hash();
         let mut old = None;
         // Never over nothing: an entry gone meanwhile may have been taken
-        // out (a delete again's drop is no journal record).
+        // out (a delete again's drop is no journal record). Over another
+        // fill, nowhere: it is newer than what was read.
+        let mut other_fill = false;
         let unchanged = |live: Option<&Entry>| {
             old = live.cloned();
+            other_fill = live.is_some_and(|live| !live.same_fill(read));
             live.is_some_and(|live| live.same_fill(read))
         };
-        if !self.inner.l1.replace(hash, entry.clone(), unchanged) {
+        let in_l1 = self.inner.l1.replace(hash, entry.clone(), unchanged);
+        if other_fill {
             return false;
         }
-        self.inner.uncacheable.invalidate(&hash);
+        // L1 holding nothing (moka refused or evicted the copy) still
+        // renews the shared tier's fill, which never sets over nothing.
         if let Some(l2) = &self.inner.l2 {
             l2.put_over(key, &entry, l2_ttl, entry.tags(), read);
         }
-        self.inner.retag(hash, old.as_ref(), entry.tags());
-        true
+        if in_l1 {
+            self.inner.uncacheable.invalidate(&hash);
+            self.inner.retag(hash, old.as_ref(), entry.tags());
+        }
+        in_l1
     }
 }
