@@ -296,29 +296,6 @@ async fn a_copy_read_back_to_the_millisecond_is_the_same_fill() {
     assert!(ttl > Duration::from_secs(59), "not renewed ({ttl:?})");
 }
 
-/// A renewal read a fill, which a delete-again (a `D` message: no journal
-/// record) then took out of L1 and L2; the renewal stored it again over
-/// nothing, everywhere, for its new lifetime. A renewal never creates.
-#[tokio::test]
-async fn a_renewal_never_brings_back_a_fill_taken_out_meanwhile() {
-    let clock = MockClock::new();
-    let build = crate::tests::on_shared_l2(&clock);
-    let (cache, reader) = (build(), build());
-    let policy = Policy::ttl(TTL).jitter(0.0).build().unwrap();
-    let key = CacheKey::new("k");
-    let read = cache.store_now(&key, fill("v"), &policy);
-    // Taken out of both tiers after the renewal read it.
-    cache.forget_local(&key);
-    reader.invalidate(&key).await.unwrap();
-    let renewed = read.with_times(Times::fresh(read.times().created_at, cache.now() + TTL));
-    assert!(
-        !cache.insert_over(&key, renewed, TTL, &read),
-        "L1 held nothing"
-    );
-    assert!(reader.get(&key).await.is_none(), "brought back in L2");
-    assert!(cache.get(&key).await.is_none(), "brought back in L1");
-}
-
 /// Two fills of one key in the same millisecond on this instance were one
 /// fill to a renewal: a `touch` that read the first replaced the second,
 /// stored meanwhile. Entries made here keep their nanoseconds: only a copy
@@ -347,9 +324,12 @@ async fn a_renewal_never_replaces_a_fill_made_here_in_the_same_millisecond() {
 }
 
 /// A renewal whose copy L1 no longer holds (moka refused the promotion, or
-/// evicted it) still renews the shared tier's fill, which it holds.
+/// evicted it) still renews the shared tier's fill, which it holds. But it
+/// never creates: a fill taken out of both tiers after the renewal read it
+/// (by a delete again, whose `D` message records nothing in the journal)
+/// came back everywhere for the renewal's lifetime.
 #[tokio::test]
-async fn a_renewal_renews_l2_when_l1_holds_nothing() {
+async fn a_renewal_with_nothing_in_l1_renews_l2_and_never_creates() {
     let clock = MockClock::new();
     let build = crate::tests::on_shared_l2(&clock);
     let (cache, reader) = (build(), build());
@@ -357,8 +337,13 @@ async fn a_renewal_renews_l2_when_l1_holds_nothing() {
     let key = CacheKey::new("k");
     let read = cache.store_now(&key, fill("v"), &policy);
     cache.forget_local(&key);
-    let renewed = read.with_times(Times::fresh(read.times().created_at, cache.now() + TTL * 5));
-    cache.insert_over(&key, renewed, TTL * 5, &read);
+    let renewed = |ttl| read.with_times(Times::fresh(read.times().created_at, cache.now() + ttl));
+    assert!(!cache.insert_over(&key, renewed(TTL * 5), TTL * 5, &read));
     let ttl = reader.ttl(&key).await.unwrap();
     assert!(ttl > TTL, "not renewed in L2 ({ttl:?})");
+    // Taken out of both tiers after the renewal read it.
+    reader.invalidate(&key).await.unwrap();
+    assert!(!cache.insert_over(&key, renewed(TTL), TTL, &read));
+    assert!(reader.get(&key).await.is_none(), "brought back in L2");
+    assert!(cache.get(&key).await.is_none(), "brought back in L1");
 }
