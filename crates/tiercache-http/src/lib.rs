@@ -39,6 +39,7 @@
 pub mod body;
 pub mod cache_control;
 pub mod cacheable;
+mod conditional;
 mod config;
 pub mod freshness;
 pub mod future;
