@@ -144,6 +144,16 @@ struct EntryInner {
     view: OnceLock<Box<dyn Any + Send + Sync>>,
 }
 
+/// `t` since the Unix epoch (zero before it).
+fn since_epoch(t: SystemTime) -> Duration {
+    t.duration_since(std::time::UNIX_EPOCH).unwrap_or_default()
+}
+
+/// `t` in milliseconds since the Unix epoch, as a shared tier keeps it.
+pub(crate) fn millis(t: SystemTime) -> u128 {
+    since_epoch(t).as_millis()
+}
+
 /// Per-entry memory beyond its bytes (see [`Entry::weight`]).
 const BOOKKEEPING: usize = 1800;
 /// Per tag an entry is recorded under, beyond the tag's bytes: its share of
@@ -368,12 +378,7 @@ impl Entry {
         // To the millisecond only when one side knows no more than that (a
         // copy read back from Valkey): two fills made here in one
         // millisecond stay two.
-        let whole_ms = |t: SystemTime| {
-            t.duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default()
-                .subsec_nanos()
-                .is_multiple_of(1_000_000)
-        };
+        let whole_ms = |t: SystemTime| since_epoch(t).subsec_nanos().is_multiple_of(1_000_000);
         let same_time =
             a == b || (self.created_ms() == other.created_ms() && (whole_ms(a) || whole_ms(b)));
         same_time && self.key() == other.key() && self.variant() == other.variant()
@@ -382,11 +387,7 @@ impl Entry {
     /// When it was created, to the millisecond: as precise as a copy read
     /// back from a shared tier (Valkey's envelope) knows it.
     pub(crate) fn created_ms(&self) -> u128 {
-        self.times()
-            .created_at
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_millis()
+        millis(self.times().created_at)
     }
 
     /// Whether two handles share one allocation.

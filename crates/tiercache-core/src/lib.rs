@@ -79,6 +79,8 @@ mod tests_detached;
 #[cfg(test)]
 mod tests_freshness;
 #[cfg(test)]
+mod tests_refresh;
+#[cfg(test)]
 mod tests_renew;
 #[cfg(test)]
 mod tests_tags;

@@ -8,9 +8,9 @@ use crate::engine::read::Lookup;
 use crate::*;
 
 /// Accepts every entry.
-struct Any;
+pub(crate) struct Any;
 impl Select for Any {}
-const ANY: &Any = &Any;
+pub(crate) const ANY: &Any = &Any;
 
 /// Refuses every entry.
 struct Refuse;
@@ -22,7 +22,8 @@ impl Select for Refuse {
 #[allow(dead_code)]
 const REFUSE: &Refuse = &Refuse;
 
-fn engine(clock: &MockClock, seed: u64) -> TieredCache {
+/// An engine on `clock` without a sweeper, its randomness seeded.
+pub(crate) fn engine(clock: &MockClock, seed: u64) -> TieredCache {
     TieredCache::builder()
         .clock(clock.clone())
         .sweep_interval(None)
@@ -276,171 +277,6 @@ async fn huge_origin_lifetimes_are_clamped_not_a_panic() {
     assert_eq!(state(&cache, &key, &policy), "fresh");
 }
 
-#[tokio::test]
-async fn background_refreshes_are_paced_by_max_refreshes() {
-    let clock = MockClock::new();
-    let cache = TieredCache::builder()
-        .clock(clock.clone())
-        .sweep_interval(None)
-        .max_refreshes(2)
-        .build()
-        .unwrap();
-    let policy = Policy::ttl(Duration::from_secs(1))
-        .jitter(0.0)
-        .xfetch_beta(0.0)
-        .stale_while_revalidate(Duration::from_secs(60))
-        .build()
-        .unwrap();
-    let keys: Vec<CacheKey> = (0..3).map(|i| CacheKey::new(format!("k{i}"))).collect();
-    for key in &keys {
-        cache
-            .get_or_load(key, &policy, || async {
-                Ok::<_, std::convert::Infallible>(Value::from_body("v1"))
-            })
-            .await
-            .unwrap();
-    }
-    clock.advance(Duration::from_secs(2));
-    // Every refresh's origin call waits here until released.
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let started = Arc::new(AtomicUsize::new(0));
-    let read = |key: CacheKey| {
-        let (cache, policy, gate, started) =
-            (cache.clone(), policy.clone(), gate.clone(), started.clone());
-        async move {
-            cache
-                .get_or_load(&key, &policy, move || async move {
-                    started.fetch_add(1, Ordering::SeqCst);
-                    let _ = gate.acquire().await.unwrap();
-                    Ok::<_, std::convert::Infallible>(Value::from_body("v2"))
-                })
-                .await
-                .unwrap()
-        }
-    };
-    for key in &keys {
-        assert_eq!(read(key.clone()).await.body, "v1", "stale answers at once");
-    }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while started.load(Ordering::SeqCst) < 2 {
-        assert!(tokio::time::Instant::now() < deadline);
-        tokio::task::yield_now().await;
-    }
-    assert_eq!(
-        cache.in_flight(),
-        2,
-        "two refreshes run, the third waits its turn"
-    );
-    assert_eq!(cache.stats().refreshes_deferred, 1);
-    // A hit on a key whose own refresh runs defers nothing: that refresh
-    // is the one it would start.
-    assert_eq!(read(keys[0].clone()).await.body, "v1");
-    assert_eq!(
-        cache.stats().refreshes_deferred,
-        1,
-        "a running refresh was counted as deferred"
-    );
-
-    gate.add_permits(10);
-    while cache.in_flight() > 0 {
-        assert!(tokio::time::Instant::now() < deadline);
-        tokio::task::yield_now().await;
-    }
-    assert_eq!(read(keys[0].clone()).await.body, "v2");
-    // The deferred key's next hit starts its refresh, now that a slot is free.
-    assert_eq!(read(keys[2].clone()).await.body, "v1");
-    while started.load(Ordering::SeqCst) < 3 || cache.in_flight() > 0 {
-        assert!(tokio::time::Instant::now() < deadline);
-        tokio::task::yield_now().await;
-    }
-    assert_eq!(read(keys[2].clone()).await.body, "v2");
-    assert_eq!(started.load(Ordering::SeqCst), 3);
-}
-
-#[test]
-fn max_refreshes_of_zero_is_refused_naming_the_field() {
-    let err = TieredCache::builder()
-        .sweep_interval(None)
-        .max_refreshes(0)
-        .build()
-        .unwrap_err();
-    assert!(err.to_string().contains("max_refreshes"), "{err}");
-}
-
-/// A refresh nobody waits on is not taken over at its deadline: a slow one
-/// past its flight's deadline used to be replaced by a second at the next
-/// stale hit (and a third at the next deadline...), each an origin call and
-/// each holding one of `max_refreshes`. Only a hung one is, four waits
-/// later.
-#[tokio::test]
-async fn a_slow_refresh_is_not_taken_over_at_its_deadline() {
-    let clock = MockClock::new();
-    let cache = engine(&clock, 1);
-    let key = CacheKey::new("k");
-    let policy = Policy::ttl(Duration::from_secs(1))
-        .jitter(0.0)
-        .xfetch_beta(0.0)
-        .stale_while_revalidate(Duration::from_secs(60))
-        .lock_timeout(Duration::from_millis(100))
-        .build()
-        .unwrap();
-    cache.store_now(&key, Fill::new(Value::from_body("v1")), &policy);
-    clock.advance(Duration::from_secs(2));
-    let Begin::Hit(first) = cache.begin(&key, &policy, ANY) else {
-        panic!("a stale entry answers")
-    };
-    // Held, not run: the refresh's load is as slow as can be.
-    let slow = first.refresh.expect("the first stale hit refreshes");
-    // A flight's deadline is on the machine's clock (it bounds real waits).
-    std::thread::sleep(Duration::from_millis(150));
-    let Begin::Hit(second) = cache.begin(&key, &policy, ANY) else {
-        panic!("a stale entry answers")
-    };
-    assert!(
-        second.refresh.is_none(),
-        "a second refresh took the slow one over"
-    );
-    // A hung one is replaced, four waits past its deadline: the entry does
-    // not stay frozen for the rest of a long window.
-    std::thread::sleep(Duration::from_millis(400));
-    let Begin::Hit(third) = cache.begin(&key, &policy, ANY) else {
-        panic!("a stale entry answers")
-    };
-    assert!(third.refresh.is_some(), "a hung refresh is never replaced");
-    drop(slow);
-}
-
-/// `get_or_load_as` answers a stale hit at once: its loader, moved into
-/// the background refresh, is not waited for.
-#[tokio::test(start_paused = true)]
-async fn a_stale_hit_of_get_or_load_as_does_not_wait_for_its_refresh() {
-    let clock = MockClock::new();
-    let cache = engine(&clock, 1);
-    let key = CacheKey::new("price");
-    let policy = Policy::ttl(Duration::from_secs(1))
-        .jitter(0.0)
-        .xfetch_beta(0.0)
-        .stale_while_revalidate(Duration::from_secs(60))
-        .build()
-        .unwrap();
-    let loaded: u64 = cache
-        .get_or_load_as(&key, &policy, || async {
-            Ok::<_, std::convert::Infallible>(1)
-        })
-        .await
-        .unwrap();
-    assert_eq!(loaded, 1);
-    clock.advance(Duration::from_secs(2));
-    let hung = || std::future::pending::<Result<u64, std::convert::Infallible>>();
-    let answered = tokio::time::timeout(
-        Duration::from_secs(5),
-        cache.get_or_load_as(&key, &policy, hung),
-    )
-    .await
-    .expect("a stale hit waited for its refresh's loader");
-    assert_eq!(answered.unwrap(), 1);
-}
-
 /// An in-memory L2 whose reads wait until the gate opens.
 #[derive(Debug)]
 struct GatedReads {
@@ -538,38 +374,4 @@ async fn the_followers_of_a_stale_l2_copy_are_answered_stale() {
         (3, 0),
         "the followers were counted as fresh hits: {stats:?}"
     );
-}
-
-/// `early_refreshes` counts the refreshes XFetch started: hits on a key
-/// whose early refresh already runs start none, and are not counted.
-#[tokio::test]
-async fn early_refreshes_count_the_refreshes_started() {
-    let clock = MockClock::new();
-    let cache = engine(&clock, 3);
-    let policy = Policy::ttl(Duration::from_secs(10))
-        .jitter(0.0)
-        .xfetch_beta(Policy::MAX_XFETCH_BETA)
-        .build()
-        .unwrap();
-    let key = CacheKey::new("k");
-    let fill = Fill::new(Value::from_body("v1")).origin_latency(Duration::from_secs(5));
-    cache.put(&key, fill, &policy);
-    clock.advance(Duration::from_secs(9));
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let started = Arc::new(AtomicUsize::new(0));
-    for _ in 0..5 {
-        let (gate, started) = (gate.clone(), started.clone());
-        let value = cache
-            .get_or_load(&key, &policy, move || async move {
-                started.fetch_add(1, Ordering::SeqCst);
-                let _ = gate.acquire().await.unwrap();
-                Ok::<_, std::convert::Infallible>(Value::from_body("v2"))
-            })
-            .await
-            .unwrap();
-        assert_eq!(value.body, "v1");
-    }
-    assert_eq!(cache.in_flight(), 1, "one early refresh runs");
-    assert_eq!(cache.stats().early_refreshes, 1, "{:?}", cache.stats());
-    gate.add_permits(1);
 }

@@ -156,11 +156,8 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
                         failed_fills += 1;
                         // A renewal that may have been refused without a
                         // word: its copy here goes (a miss at worst).
-                        if over.is_some()
-                            && let (Some(sink), Some(created)) =
-                                (inner.bus.sink(), codec::created_at_of(&value))
-                        {
-                            sink.drop_fill(hash, &[created]);
+                        if over.is_some() {
+                            drop_renewal_here(&inner, hash, &value);
                         }
                     }
                     let stamp = Stamp::of(&value);
@@ -202,6 +199,14 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
         if !again.is_empty() && !delete_once(&inner, &again).await {
             tokio::spawn(delete_until_done(Arc::downgrade(&inner), again));
         }
+    }
+}
+
+/// Drops this instance's L1 copy of a renewal (`envelope`) that Valkey
+/// refused, or may have: no other instance has it.
+fn drop_renewal_here(inner: &Inner, hash: KeyHash, envelope: &[u8]) {
+    if let (Some(sink), Some(created)) = (inner.bus.sink(), codec::created_at_of(envelope)) {
+        sink.drop_fill(hash, &[created]);
     }
 }
 
@@ -364,12 +369,7 @@ async fn apply_batch(
             }
             // Refused: this instance's renewed copy is the only one (the
             // script's message names the fill read, for every instance).
-            Ok(Value::Integer(0)) => {
-                if let (Some(sink), Some(created)) = (inner.bus.sink(), codec::created_at_of(value))
-                {
-                    sink.drop_fill(*hash, &[created]);
-                }
-            }
+            Ok(Value::Integer(0)) => drop_renewal_here(inner, *hash, value),
             _ => {}
         }
     }

@@ -182,14 +182,9 @@ impl InvalidationSink for Inner {
     }
 
     fn drop_fill(&self, hash: KeyHash, created: &[std::time::SystemTime]) {
-        let millis = |t: &std::time::SystemTime| {
-            t.duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_millis()
-        };
         self.l1.remove_if(&hash, |live| {
-            let at = millis(&live.times().created_at);
-            created.iter().any(|c| millis(c) == at)
+            let at = live.created_ms();
+            created.iter().any(|&c| crate::entry::millis(c) == at)
         });
     }
 

@@ -300,16 +300,15 @@ impl TieredCache {
         if let Some(l2) = &self.inner.l2 {
             l2.put(key, &entry, l2_ttl, tags);
         }
-        // In L1 before its tags record it: a prune that finds a record's
-        // key gone from L1 then knows its entry is.
         // The entry it replaces, for its tags (none recorded: none to drop).
-        let old = (self
+        let any_tags = self
             .inner
             .tag_keys
             .load(std::sync::atomic::Ordering::Relaxed)
-            > 0)
-        .then(|| self.inner.l1.held(&key.hash()))
-        .flatten();
+            > 0;
+        let old = any_tags.then(|| self.inner.l1.held(&key.hash())).flatten();
+        // In L1 before its tags record it: a prune that finds a record's
+        // key gone from L1 then knows its entry is.
         self.inner.l1.insert(key.hash(), entry);
         self.inner.retag(key.hash(), old.as_ref(), tags);
     }
@@ -334,8 +333,9 @@ impl TieredCache {
         let mut other_fill = false;
         let unchanged = |live: Option<&Entry>| {
             old = live.cloned();
-            other_fill = live.is_some_and(|live| !live.same_fill(read));
-            live.is_some_and(|live| live.same_fill(read))
+            let same = live.map(|live| live.same_fill(read));
+            other_fill = same == Some(false);
+            same == Some(true)
         };
         let in_l1 = self.inner.l1.replace(hash, entry.clone(), unchanged);
         if other_fill {
