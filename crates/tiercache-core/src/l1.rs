@@ -19,6 +19,7 @@ use moka::notification::RemovalCause;
 use moka::ops::compute::{CompResult, Op};
 use moka::sync::Cache;
 
+use crate::entry::HeldEntry;
 use crate::stats::{Counters, bump};
 use crate::{Clock, Entry, Freshness, KeyHash};
 use front::Epochs;
@@ -49,8 +50,35 @@ impl Index {
 /// needs only a fast seeded mix, not SipHash (~200 fewer instructions a hit).
 type KeyHasher = foldhash::fast::RandomState;
 
+/// What moka holds under a key: the entry, which its removal listener lets
+/// go of at once (see [`HeldEntry`]), and what moka asks of it.
+#[derive(Clone)]
+struct Held(Arc<HeldParts>);
+
+struct HeldParts {
+    entry: HeldEntry,
+    weight: u32,
+    hard_until: SystemTime,
+}
+
+impl Held {
+    fn new(entry: Entry) -> Self {
+        Self(Arc::new(HeldParts {
+            weight: entry.weight(),
+            hard_until: entry.times().hard_until,
+            entry: HeldEntry::new(entry),
+        }))
+    }
+
+    /// The entry, unless it left L1 while this was being read.
+    #[inline]
+    fn entry(&self) -> Option<Entry> {
+        self.0.entry.entry()
+    }
+}
+
 pub(crate) struct L1 {
-    cache: Cache<KeyHash, Entry, KeyHasher>,
+    cache: Cache<KeyHash, Held, KeyHasher>,
     /// Hard expiry → keys stored with it, for a clock that runs apart from
     /// moka's (`None` otherwise: moka's own expiry is on time). Records go
     /// stale when an entry is replaced or evicted; the sweep checks the
@@ -76,26 +104,28 @@ impl std::fmt::Debug for L1 {
 struct HardExpiry(Arc<dyn Clock>);
 
 impl HardExpiry {
-    fn bound(&self, entry: &Entry) -> Option<Duration> {
+    fn bound(&self, held: &Held) -> Option<Duration> {
         // Never zero: moka treats it as "expire now", which is what a dead entry
         // deserves anyway, but a 1 ms floor keeps the arithmetic obvious.
         Some(
-            entry
-                .remaining_hard(self.0.now())
+            held.0
+                .hard_until
+                .duration_since(self.0.now())
+                .unwrap_or_default()
                 .max(Duration::from_millis(1)),
         )
     }
 }
 
-impl Expiry<KeyHash, Entry> for HardExpiry {
-    fn expire_after_create(&self, _: &KeyHash, value: &Entry, _: Instant) -> Option<Duration> {
+impl Expiry<KeyHash, Held> for HardExpiry {
+    fn expire_after_create(&self, _: &KeyHash, value: &Held, _: Instant) -> Option<Duration> {
         self.bound(value)
     }
 
     fn expire_after_update(
         &self,
         _: &KeyHash,
-        value: &Entry,
+        value: &Held,
         _: Instant,
         _: Option<Duration>,
     ) -> Option<Duration> {
@@ -110,9 +140,11 @@ impl L1 {
         let listener_epochs = epochs.clone();
         let cache = Cache::builder()
             .max_capacity(capacity_bytes)
-            .weigher(|_: &KeyHash, e: &Entry| e.weight())
+            .weigher(|_: &KeyHash, held: &Held| held.0.weight)
             .expire_after(HardExpiry(clock.clone()))
-            .eviction_listener(move |hash: Arc<KeyHash>, _, cause| {
+            .eviction_listener(move |hash: Arc<KeyHash>, held: Held, cause| {
+                // Not when moka's deferred reclamation gets to it: now.
+                held.0.entry.release();
                 listener_epochs.moved(&hash);
                 match cause {
                     RemovalCause::Size => bump(&listener_counters.evicted),
@@ -138,7 +170,7 @@ impl L1 {
         let entry = match self.epochs.lookup(hash) {
             Ok(entry) => entry,
             Err(stamp) => {
-                let entry = self.cache.get(hash)?;
+                let entry = self.cache.get(hash)?.entry()?;
                 self.epochs.keep(hash, stamp, &entry);
                 entry
             }
@@ -155,13 +187,13 @@ impl L1 {
     pub(crate) fn insert(&self, hash: KeyHash, entry: Entry) {
         let hard = entry.times().hard_until;
         let weight = u64::from(entry.weight());
-        self.cache.insert(hash, entry);
+        self.cache.insert(hash, Held::new(entry));
         self.inserted(hash, hard, weight);
     }
 
     /// The entry held under `hash`, live or not, as moka has it.
     pub(crate) fn held(&self, hash: &KeyHash) -> Option<Entry> {
-        self.cache.get(hash)
+        self.cache.get(hash)?.entry()
     }
 
     /// Inserts `entry` only if `unchanged` says so of what L1 holds under
@@ -179,8 +211,8 @@ impl L1 {
         let hard = entry.times().hard_until;
         let weight = u64::from(entry.weight());
         let result = self.cache.entry(hash).and_compute_with(|live| {
-            if unchanged(live.as_ref().map(|live| live.value())) {
-                Op::Put(entry)
+            if unchanged(live.and_then(|live| live.value().entry()).as_ref()) {
+                Op::Put(Held::new(entry))
             } else {
                 Op::Nop
             }
@@ -229,7 +261,7 @@ impl L1 {
             // Dropped first: the old and the new index never coexist.
             index.records.clear();
             for (key, live) in self.cache.iter() {
-                index.record(live.times().hard_until, *key);
+                index.record(live.0.hard_until, *key);
             }
         }
     }
@@ -243,7 +275,10 @@ impl L1 {
 
     /// Drops every entry `doomed` picks (a scan of the whole cache).
     pub(crate) fn remove_where(&self, doomed: impl Fn(&Entry) -> bool) {
-        for (hash, entry) in self.cache.iter() {
+        for (hash, held) in self.cache.iter() {
+            let Some(entry) = held.entry() else {
+                continue;
+            };
             if doomed(&entry) {
                 // Only the entry seen: a newer fill under the key stays.
                 self.remove_if(&hash, |live| live.ptr_eq(&entry));
@@ -276,18 +311,17 @@ impl L1 {
     /// the tag recorded the key), which stays.
     pub(crate) fn invalidate_tagged(&self, hash: &KeyHash, tag: &[u8]) -> bool {
         let mut spared = false;
-        let result = self.cache.entry(*hash).and_compute_with(|live| match live {
-            // An entry with no tags at all (a copy of an envelope that
-            // could not carry them) is not told apart: it goes.
-            Some(live)
-                if !live.value().tags().is_empty()
-                    && !live.value().tags().iter().any(|t| t == tag) =>
-            {
-                spared = true;
-                Op::Nop
+        let result = self.cache.entry(*hash).and_compute_with(|live| {
+            match live.and_then(|live| live.value().entry()) {
+                // An entry with no tags at all (a copy of an envelope that
+                // could not carry them) is not told apart: it goes.
+                Some(live) if !live.tags().is_empty() && !live.tags().iter().any(|t| t == tag) => {
+                    spared = true;
+                    Op::Nop
+                }
+                Some(_) => Op::Remove,
+                None => Op::Nop,
             }
-            Some(_) => Op::Remove,
-            None => Op::Nop,
         });
         if matches!(result, CompResult::Removed(_)) {
             self.epochs.moved(hash);
@@ -337,9 +371,11 @@ impl L1 {
     /// Removes the live entry under `hash` if `doomed` picks it, atomically
     /// (a fill that replaced it meanwhile stays); the caller counts why.
     pub(crate) fn remove_if(&self, hash: &KeyHash, doomed: impl FnOnce(&Entry) -> bool) -> bool {
-        let result = self.cache.entry(*hash).and_compute_with(|live| match live {
-            Some(live) if doomed(live.value()) => Op::Remove,
-            _ => Op::Nop,
+        let result = self.cache.entry(*hash).and_compute_with(|live| {
+            match live.and_then(|live| live.value().entry()) {
+                Some(live) if doomed(&live) => Op::Remove,
+                _ => Op::Nop,
+            }
         });
         let removed = matches!(result, CompResult::Removed(_));
         if removed {
@@ -359,7 +395,12 @@ impl L1 {
     pub(crate) fn horizon(&self, now: SystemTime, seconds: usize, limit: usize) -> crate::Horizon {
         let mut buckets = vec![0u64; seconds];
         let (mut examined, mut stale) = (0u64, 0u64);
-        for (_, entry) in self.cache.iter().take(limit) {
+        for entry in self
+            .cache
+            .iter()
+            .filter_map(|(_, held)| held.entry())
+            .take(limit)
+        {
             examined += 1;
             match entry.times().fresh_until.duration_since(now) {
                 Ok(left) => {
