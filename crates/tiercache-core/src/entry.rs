@@ -428,6 +428,11 @@ impl HeldEntry {
     pub(crate) fn release(&self) {
         self.0.store(None);
     }
+
+    /// Whether L1 let go of it.
+    pub(crate) fn released(&self) -> bool {
+        self.0.load().is_none()
+    }
 }
 
 /// An [`Entry`] that may have been dropped everywhere else: it keeps only

@@ -11,7 +11,7 @@
 use std::collections::BTreeSet;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
 use moka::Expiry;
@@ -74,6 +74,19 @@ impl Held {
     #[inline]
     fn entry(&self) -> Option<Entry> {
         self.0.entry.entry()
+    }
+}
+
+/// One fill of a key as L1 took it, without keeping it: whether L1 still
+/// holds that fill (the tag index's records, so a key filled again after
+/// its entry left L1 is not taken for the fill its tags recorded).
+#[derive(Debug, Clone)]
+pub(crate) struct Holding(Weak<HeldParts>);
+
+impl Holding {
+    /// Whether L1 still holds this fill (live or not yet reclaimed).
+    pub(crate) fn held(&self) -> bool {
+        self.0.upgrade().is_some_and(|held| !held.entry.released())
     }
 }
 
@@ -184,11 +197,15 @@ impl L1 {
         None
     }
 
-    pub(crate) fn insert(&self, hash: KeyHash, entry: Entry) {
+    /// Puts `entry` in under `hash`; this fill's [`Holding`].
+    pub(crate) fn insert(&self, hash: KeyHash, entry: Entry) -> Holding {
         let hard = entry.times().hard_until;
         let weight = u64::from(entry.weight());
-        self.cache.insert(hash, Held::new(entry));
+        let held = Held::new(entry);
+        let holding = Holding(Arc::downgrade(&held.0));
+        self.cache.insert(hash, held);
         self.inserted(hash, hard, weight);
+        holding
     }
 
     /// The entry held under `hash`, live or not, as moka has it.
@@ -201,18 +218,20 @@ impl L1 {
     /// renewal, the fill it read. moka runs it atomically against other
     /// computes and removals by `remove_if`, not against `insert`: the
     /// engine's fills, promotions and renewals all write under the
-    /// journal's lock. Whether `entry` went in.
+    /// journal's lock. The fill's [`Holding`] if `entry` went in.
     pub(crate) fn replace(
         &self,
         hash: KeyHash,
         entry: Entry,
         unchanged: impl FnOnce(Option<&Entry>) -> bool,
-    ) -> bool {
+    ) -> Option<Holding> {
         let hard = entry.times().hard_until;
         let weight = u64::from(entry.weight());
+        let held = Held::new(entry);
+        let holding = Holding(Arc::downgrade(&held.0));
         let result = self.cache.entry(hash).and_compute_with(|live| {
             if unchanged(live.and_then(|live| live.value().entry()).as_ref()) {
-                Op::Put(Held::new(entry))
+                Op::Put(held)
             } else {
                 Op::Nop
             }
@@ -221,10 +240,11 @@ impl L1 {
             result,
             CompResult::Inserted(_) | CompResult::ReplacedWith(_)
         );
-        if put {
-            self.inserted(hash, hard, weight);
+        if !put {
+            return None;
         }
-        put
+        self.inserted(hash, hard, weight);
+        Some(holding)
     }
 
     /// After an entry of `weight` expiring at `hard` went in under `hash`.
@@ -302,6 +322,7 @@ impl L1 {
     }
 
     /// Whether L1 holds an entry under `hash` (live or not yet reclaimed).
+    #[cfg(test)]
     pub(crate) fn contains(&self, hash: &KeyHash) -> bool {
         self.cache.contains_key(hash)
     }

@@ -300,3 +300,31 @@ async fn a_tag_invalidation_spares_a_refill_under_other_tags() {
         "the old tag's invalidation dropped the refill"
     );
 }
+
+/// A key whose entry died before each refill (removed on a read past its
+/// hard expiry), stored each time under a tag of its own (a surrogate key
+/// naming a version): its records under the old tags stayed while the key
+/// lived (a prune kept a record whose key L1 held), one more a cycle.
+#[tokio::test]
+async fn a_key_refilled_after_its_entry_died_leaves_no_records_under_old_tags() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let k = key(1);
+    for version in 0..50 {
+        let policy = Policy::ttl(TTL)
+            .jitter(0.0)
+            .tag(format!("v{version}"))
+            .build()
+            .unwrap();
+        cache.put(&k, Value::from_body("v"), &policy);
+        clock.advance(TTL * 2);
+        assert!(cache.get(&k).await.is_none(), "dead, removed on the read");
+    }
+    cache.put(&k, Value::from_body("v"), &own_tag("now"));
+    cache.sweep();
+    let inner = cache.inner_for_tests();
+    inner.tags.run_pending_tasks();
+    assert_eq!(inner.tags.entry_count(), 1, "records left under old tags");
+    cache.invalidate_tag("now").await.unwrap();
+    assert!(!cache.l1_contains(&k));
+}

@@ -180,8 +180,10 @@ impl TieredCache {
                             && live.created_ms() <= promoted.created_ms()
                     })
                 };
-                if self.inner.l1.replace(key.hash(), promoted.clone(), unfresh) {
-                    self.inner.retag(key.hash(), old.as_ref(), promoted.tags());
+                if let Some(holding) = self.inner.l1.replace(key.hash(), promoted.clone(), unfresh)
+                {
+                    let tags = promoted.tags();
+                    self.inner.retag(key.hash(), &holding, old.as_ref(), tags);
                 }
             })
             .ok()?;

@@ -309,8 +309,8 @@ impl TieredCache {
         let old = any_tags.then(|| self.inner.l1.held(&key.hash())).flatten();
         // In L1 before its tags record it: a prune that finds a record's
         // key gone from L1 then knows its entry is.
-        self.inner.l1.insert(key.hash(), entry);
-        self.inner.retag(key.hash(), old.as_ref(), tags);
+        let holding = self.inner.l1.insert(key.hash(), entry);
+        self.inner.retag(key.hash(), &holding, old.as_ref(), tags);
     }
 
     /// Stores `entry`, a renewal of `read`, under its own tags: in L1 only
@@ -346,10 +346,11 @@ impl TieredCache {
         if let Some(l2) = &self.inner.l2 {
             l2.put_over(key, &entry, l2_ttl, entry.tags(), read);
         }
-        if in_l1 {
-            self.inner.uncacheable.invalidate(&hash);
-            self.inner.retag(hash, old.as_ref(), entry.tags());
-        }
-        in_l1
+        let Some(holding) = in_l1 else {
+            return false;
+        };
+        self.inner.uncacheable.invalidate(&hash);
+        self.inner.retag(hash, &holding, old.as_ref(), entry.tags());
+        true
     }
 }

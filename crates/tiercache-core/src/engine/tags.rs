@@ -13,7 +13,7 @@
 //! tag out, nor a tag with many keys past its set (either would make the
 //! tag's invalidation drop all of L1).
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 
@@ -21,12 +21,14 @@ use bytes::Bytes;
 use moka::ops::compute::Op;
 
 use super::Inner;
+use crate::l1::Holding;
 use crate::{Entry, KeyHash};
 
-/// The keys this instance stored under one tag.
+/// The keys this instance stored under one tag, each with the fill it
+/// stored under it.
 #[derive(Debug, Default)]
 pub(crate) struct TagKeys {
-    keys: HashSet<KeyHash>,
+    keys: HashMap<KeyHash, Holding>,
     /// A key stored under the tag was not recorded (the index had no room
     /// left): the tag's invalidation drops all of L1.
     pub(super) overflowed: bool,
@@ -36,28 +38,34 @@ pub(crate) struct TagKeys {
 }
 
 impl TagKeys {
-    /// Records `key` (alive in L1); with no `room` left in the index the
-    /// tag is marked overflowed instead. `None` when this index left the
-    /// tag index; else whether `key` was added.
-    fn record(&mut self, key: KeyHash, room: bool) -> Option<bool> {
+    /// Records `key` (alive in L1 as `holding`'s fill); with no `room`
+    /// left in the index the tag is marked overflowed instead. `None` when
+    /// this index left the tag index; else whether `key` was added.
+    fn record(&mut self, key: KeyHash, holding: &Holding, room: bool) -> Option<bool> {
         if self.dead {
             return None;
         }
-        if self.overflowed || self.keys.contains(&key) {
+        if self.overflowed {
+            return Some(false);
+        }
+        if let Some(recorded) = self.keys.get_mut(&key) {
+            // Its newest fill under the tag: an older one may be gone.
+            *recorded = holding.clone();
             return Some(false);
         }
         if !room {
             self.overflowed = true;
             return Some(false);
         }
-        Some(self.keys.insert(key))
+        self.keys.insert(key, holding.clone());
+        Some(true)
     }
 
     /// Drains the keys of an index taken out for the tag's invalidation:
     /// a key recorded after it goes in the tag's next index.
     pub(super) fn take(&mut self) -> Vec<KeyHash> {
         self.dead = true;
-        self.keys.drain().collect()
+        self.keys.drain().map(|(key, _)| key).collect()
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -80,8 +88,8 @@ impl Inner {
             .max(Self::MIN_TAG_ROOM)
     }
 
-    /// Records `hash` (just put in L1) under each of `tags`.
-    pub(super) fn record_tags(&self, hash: KeyHash, tags: &[Bytes]) {
+    /// Records `hash` (just put in L1 as `holding`'s fill) under each of `tags`.
+    pub(super) fn record_tags(&self, hash: KeyHash, holding: &Holding, tags: &[Bytes]) {
         for tag in tags {
             loop {
                 let index = self.tags.get_with(tag.clone(), Default::default);
@@ -89,7 +97,7 @@ impl Inner {
                 let recorded = index
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .record(hash, room);
+                    .record(hash, holding, room);
                 let Some(added) = recorded else {
                     // Pruned away meanwhile: the tag's next index.
                     self.forget_tag_index(tag, &index);
@@ -112,7 +120,13 @@ impl Inner {
     /// takes it out of the tags only `old` had: a key stored again under
     /// other tags leaves no record behind that a prune would keep (its key
     /// is live) and no entry weighs.
-    pub(super) fn retag(&self, hash: KeyHash, old: Option<&Entry>, tags: &[Bytes]) {
+    pub(super) fn retag(
+        &self,
+        hash: KeyHash,
+        holding: &Holding,
+        old: Option<&Entry>,
+        tags: &[Bytes],
+    ) {
         for gone in old.map_or(&[][..], Entry::tags) {
             if tags.contains(gone) {
                 continue;
@@ -125,11 +139,12 @@ impl Inner {
                 .unwrap_or_else(|e| e.into_inner())
                 .keys
                 .remove(&hash)
+                .is_some()
             {
                 self.forget_tag_keys(1);
             }
         }
-        self.record_tags(hash, tags);
+        self.record_tags(hash, holding, tags);
     }
 
     /// Prunes the index if a fill found it due (see [`record_tags`](Self::record_tags)).
@@ -159,18 +174,20 @@ impl Inner {
             .fetch_update(Relaxed, Relaxed, |held| Some(held.saturating_sub(n)));
     }
 
-    /// Drops the records of keys L1 no longer holds, and the tags left
-    /// without one; the count is then what is left, and the next prune
-    /// comes once the records have grown by a quarter (amortised O(1) a
-    /// record), before stale records could use up the index's room. Safe
-    /// beside fills: a key is put in L1 before it is recorded, so a record
-    /// pruned here was of an entry already gone.
+    /// Drops the records of fills L1 no longer holds (a key filled again
+    /// since, after its entry left L1, under other tags included), and the
+    /// tags left without one; the count is then what is left, and the next
+    /// prune comes once the records have grown by a quarter (amortised O(1)
+    /// a record), before stale records could use up the index's room. Safe
+    /// beside fills: a fill is put in L1 before it is recorded, under the
+    /// set's lock a prune holds, so a record pruned here was of a fill
+    /// already gone.
     pub(super) fn prune_tags(&self) {
         let mut left = 0;
         for (tag, index) in self.tags.iter() {
             let dead = {
                 let mut keys = index.lock().unwrap_or_else(|e| e.into_inner());
-                keys.keys.retain(|k| self.l1.contains(k));
+                keys.keys.retain(|_, fill| fill.held());
                 // A set that once held many more keys gives their room back.
                 let live = keys.keys.len();
                 if keys.keys.capacity() > 4 * live + 64 {

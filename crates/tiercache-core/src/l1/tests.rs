@@ -59,7 +59,14 @@ fn a_store_on_another_thread_is_read_at_once() {
     let l1 = l1(1 << 20);
     let (old, new) = (entry("old"), entry("new"));
     l1.insert(hash("a"), old.clone());
-    let seen = read_elsewhere(&l1, hash("a"), || l1.insert(hash("a"), new.clone()), 3);
+    let seen = read_elsewhere(
+        &l1,
+        hash("a"),
+        || {
+            l1.insert(hash("a"), new.clone());
+        },
+        3,
+    );
     assert_eq!(seen, (Some(old.id()), Some(new.id())));
 }
 
