@@ -16,6 +16,9 @@
 # Needs nginx and wrk (apt-get install nginx wrk) and
 # `cargo build --release -p tiercache-proxy` first. Ports 18181-18183.
 set -euo pipefail
+for tool in nginx wrk; do
+  command -v "$tool" > /dev/null || { echo "$tool is missing: apt-get install nginx wrk" >&2; exit 2; }
+done
 BUDGET=$1; SECS=$2; VALKEY=${3:-}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 DIR=$(mktemp -d)

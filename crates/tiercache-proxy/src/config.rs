@@ -307,6 +307,48 @@ impl ProxyConfig {
         Ok(Some(config))
     }
 
+    /// The settings of `new` that differ from these and that a reload does
+    /// not apply (read once at start: addresses, the budget, Valkey, the
+    /// admin token, the upstream connections and timeouts), by their
+    /// config-file names. A reload applies the rest (the routes and the
+    /// defaults they are laid over).
+    ///
+    /// ```
+    /// # use tiercache_proxy::ProxyConfig;
+    /// let running = ProxyConfig::new("http://127.0.0.1:3000".parse()?);
+    /// let mut new = running.clone();
+    /// new.l1_capacity /= 2;
+    /// new.jitter = 0.2;
+    /// assert_eq!(running.kept_until_restart(&new), ["l1_capacity"]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn kept_until_restart(&self, new: &ProxyConfig) -> Vec<&'static str> {
+        let token = |c: &ProxyConfig| c.admin_token.as_ref().map(|t| t.0.clone());
+        [
+            ("upstream", self.upstream != new.upstream),
+            ("listen", self.listen != new.listen),
+            ("admin", self.admin != new.admin),
+            ("admin_token", token(self) != token(new)),
+            ("l1_capacity", self.l1_capacity != new.l1_capacity),
+            ("max_refreshes", self.max_refreshes != new.max_refreshes),
+            ("valkey", self.valkey != new.valkey),
+            ("valkey_timeout", self.valkey_timeout != new.valkey_timeout),
+            ("origin_timeout", self.origin_timeout != new.origin_timeout),
+            (
+                "upstream_max_connections",
+                self.upstream_max_connections != new.upstream_max_connections,
+            ),
+            (
+                "upstream_idle_timeout",
+                self.upstream_idle_timeout != new.upstream_idle_timeout,
+            ),
+            ("client_timeout", self.client_timeout != new.client_timeout),
+        ]
+        .into_iter()
+        .filter_map(|(name, changed)| changed.then_some(name))
+        .collect()
+    }
+
     /// These settings with `settings` laid over them (a route's).
     pub fn with(&self, settings: &routes::Settings) -> ProxyConfig {
         let mut c = self.clone();

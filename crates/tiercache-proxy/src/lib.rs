@@ -73,6 +73,8 @@ pub struct Proxy {
     table: Arc<std::sync::RwLock<Arc<routes::Table>>>,
     forward: Forward,
     recorder: SharedRecorder,
+    /// The settings it started with (what a reload cannot change).
+    started: Arc<ProxyConfig>,
 }
 
 impl std::fmt::Debug for Proxy {
@@ -183,13 +185,16 @@ impl Proxy {
             table,
             forward,
             recorder,
+            started: Arc::new(config),
         })
     }
 
     /// Replaces the routes with `config`'s (a reload: L1, L2 and the open
-    /// connections are kept; the listen, admin and Valkey settings are not
-    /// re-read). On an error the routes in force stay.
-    pub fn reload(&self, config: &ProxyConfig) -> Result<(), ProxyError> {
+    /// connections are kept; the settings read once at start are not
+    /// re-read). On an error the routes in force stay. The names of
+    /// `config`'s settings left unapplied until a restart (see
+    /// [`ProxyConfig::kept_until_restart`]).
+    pub fn reload(&self, config: &ProxyConfig) -> Result<Vec<&'static str>, ProxyError> {
         self.reloader().reload(config)
     }
 
@@ -200,6 +205,7 @@ impl Proxy {
             engine: self.engine.clone(),
             forward: self.forward.clone(),
             recorder: self.recorder.clone(),
+            started: self.started.clone(),
         }
     }
 
@@ -288,6 +294,7 @@ pub struct Reloader {
     engine: TieredCache,
     forward: Forward,
     recorder: SharedRecorder,
+    started: Arc<ProxyConfig>,
 }
 
 impl std::fmt::Debug for Reloader {
@@ -297,11 +304,13 @@ impl std::fmt::Debug for Reloader {
 }
 
 impl Reloader {
-    /// Replaces the routes with `config`'s; on an error the routes in force stay.
-    pub fn reload(&self, config: &ProxyConfig) -> Result<(), ProxyError> {
+    /// Replaces the routes with `config`'s; on an error the routes in
+    /// force stay. The names of `config`'s settings left unapplied until a
+    /// restart (see [`ProxyConfig::kept_until_restart`]).
+    pub fn reload(&self, config: &ProxyConfig) -> Result<Vec<&'static str>, ProxyError> {
         let (table, _) = route_table(config, &self.engine, &self.forward, &self.recorder)?;
         *self.table.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
-        Ok(())
+        Ok(self.started.kept_until_restart(config))
     }
 }
 

@@ -395,10 +395,17 @@ fn reload_on_sighup(
     tokio::spawn(async move {
         while hangups.recv().await.is_some() {
             match settings(&args, &matches).and_then(|c| {
-                reloader.reload(&c).map_err(|e| e.to_string())?;
-                Ok(c.routes.len())
+                let kept = reloader.reload(&c).map_err(|e| e.to_string())?;
+                Ok((c.routes.len(), kept))
             }) {
-                Ok(n) => eprintln!("tiercache-proxy: reloaded, {n} routes"),
+                Ok((n, kept)) if kept.is_empty() => {
+                    eprintln!("tiercache-proxy: reloaded, {n} routes")
+                }
+                Ok((n, kept)) => eprintln!(
+                    "tiercache-proxy: reloaded, {n} routes; changed but read only at start, \
+                     in force after a restart: {}",
+                    kept.join(", ")
+                ),
                 Err(e) => {
                     eprintln!("tiercache-proxy: reload refused, the routes in force stay: {e}")
                 }

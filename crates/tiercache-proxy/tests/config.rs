@@ -292,6 +292,35 @@ async fn check_config_validates_and_exits() {
     }
 }
 
+/// A reload replaced the routes and said nothing of the settings it left
+/// as they were (the budget, the admin token, the upstream pool): an
+/// operator who changed the token and reloaded believed the old one
+/// revoked. It names each setting changed and left until a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_names_the_changed_settings_it_leaves_until_a_restart() {
+    let (server, _calls) = upstream().await;
+    let listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    let parse = |extra: &str| {
+        config_file::parse(&format!("{extra}{}", file(&server, listen, "")), "t.toml")
+            .unwrap()
+            .config
+    };
+    let proxy = Proxy::start(parse("admin_token = \"an-old-token-of-16+\"\n"))
+        .await
+        .unwrap();
+    let same = parse("admin_token = \"an-old-token-of-16+\"\n");
+    assert_eq!(proxy.reload(&same).unwrap(), Vec::<&str>::new());
+    let mut changed = parse(
+        "admin_token = \"a-new-token-of-16+\"\nl1_capacity = \"8MiB\"\nupstream_max_connections = 4\n",
+    );
+    changed.jitter = 0.1;
+    assert_eq!(
+        proxy.reload(&changed).unwrap(),
+        ["admin_token", "l1_capacity", "upstream_max_connections"],
+        "the routes' own settings (jitter) are applied, not named"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads_the_routes_and_keeps_l1() {
     let (server, _calls) = upstream().await;
