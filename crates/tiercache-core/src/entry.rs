@@ -154,12 +154,14 @@ pub(crate) fn millis(t: SystemTime) -> u128 {
     since_epoch(t).as_millis()
 }
 
-/// Per-entry memory beyond its bytes (see [`Entry::weight`]).
-const BOOKKEEPING: usize = 1800;
+/// Per-entry memory beyond its bytes (see [`Entry::weight`]), with the
+/// ~64 bytes of L1's slot for it (`l1::Held`).
+const BOOKKEEPING: usize = 1864;
 /// Per tag an entry is recorded under, beyond the tag's bytes: its share of
 /// the engine's tag index, which follows L1 but is not in it (a tag of its
 /// own, as every `Vary`ing URL's two entries share, costs ~500 bytes: the
-/// index's node and set; a key in a shared tag's set, ~32).
+/// index's node and set; a key in a shared tag's set, ~40 with its handle
+/// on the fill, which keeps L1's ~64-byte slot until the record is pruned).
 pub(crate) const TAG_ALLOWANCE: usize = 250;
 /// Per-entry memory of a reader's view beyond its fields (see [`Entry::weight`]).
 const VIEW_ALLOWANCE: usize = 240;

@@ -84,7 +84,8 @@ impl Held {
 pub(crate) struct Holding(Weak<HeldParts>);
 
 impl Holding {
-    /// Whether L1 still holds this fill (live or not yet reclaimed).
+    /// Whether L1 still holds this fill: until moka removes it (past its
+    /// hard expiry or cleared, moka hides it from reads before that).
     pub(crate) fn held(&self) -> bool {
         self.0.upgrade().is_some_and(|held| !held.entry.released())
     }
@@ -203,7 +204,10 @@ impl L1 {
         let weight = u64::from(entry.weight());
         let held = Held::new(entry);
         let holding = Holding(Arc::downgrade(&held.0));
-        self.cache.insert(hash, held);
+        // A compute, not `insert`: moka runs computes under one key one at
+        // a time, and `insert` does not wait for them, so a removal decided
+        // on the fill it read (`remove_if`) took a fill stored meanwhile.
+        self.cache.entry(hash).and_compute_with(|_| Op::Put(held));
         self.inserted(hash, hard, weight);
         holding
     }

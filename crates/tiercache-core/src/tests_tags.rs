@@ -328,3 +328,24 @@ async fn a_key_refilled_after_its_entry_died_leaves_no_records_under_old_tags() 
     cache.invalidate_tag("now").await.unwrap();
     assert!(!cache.l1_contains(&k));
 }
+
+/// A record names the fill it was made for: a key stored again under the
+/// same tag (a refill, a touch) must move its record to the new fill, or
+/// a prune takes the record with the old fill and the tag's invalidation
+/// misses the live entry.
+#[tokio::test]
+async fn a_key_stored_again_under_the_same_tag_stays_reached_by_it() {
+    let clock = MockClock::new();
+    let cache = engine(&clock);
+    let (refilled, touched) = (key(1), key(2));
+    let tagged = own_tag("t");
+    for k in [&refilled, &touched] {
+        cache.put(k, Value::from_body("v1"), &tagged);
+    }
+    cache.put(&refilled, Value::from_body("v2"), &tagged);
+    assert!(cache.touch(&touched, &tagged).await);
+    cache.sweep();
+    cache.invalidate_tag("t").await.unwrap();
+    assert!(!cache.l1_contains(&refilled), "the refill was missed");
+    assert!(!cache.l1_contains(&touched), "the touched entry was missed");
+}

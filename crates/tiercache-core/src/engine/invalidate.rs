@@ -224,10 +224,10 @@ impl Inner {
             // tier's own tag set, by key, may still name it: then it goes
             // there, and from every L1 with it, as an over-invalidation).
             keys.retain(|hash| !self.l1.invalidate_tagged(hash, tag));
-            // The index leaves out keys moka no longer shows (pruned by
-            // `contains`), among them entries past moka's own expiry that
-            // its housekeeping has not removed yet, so no listener has
-            // moved their shard: a thread's table may still answer one.
+            // moka hides an entry past its own expiry (or cleared) before
+            // its housekeeping removes it, so no listener has moved its
+            // shard yet: a thread's table may still answer one whose
+            // record `invalidate_tagged` passed over as absent.
             self.l1.forget_thread_copies();
         }
         keys

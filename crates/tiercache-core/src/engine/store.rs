@@ -308,7 +308,7 @@ impl TieredCache {
             > 0;
         let old = any_tags.then(|| self.inner.l1.held(&key.hash())).flatten();
         // In L1 before its tags record it: a prune that finds a record's
-        // key gone from L1 then knows its entry is.
+        // fill gone from L1 then knows it is not this one.
         let holding = self.inner.l1.insert(key.hash(), entry);
         self.inner.retag(key.hash(), &holding, old.as_ref(), tags);
     }

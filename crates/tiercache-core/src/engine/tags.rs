@@ -118,8 +118,8 @@ impl Inner {
 
     /// Records `hash`, just put in L1 in place of `old`, under `tags`, and
     /// takes it out of the tags only `old` had: a key stored again under
-    /// other tags leaves no record behind that a prune would keep (its key
-    /// is live) and no entry weighs.
+    /// other tags leaves no record behind that no entry weighs (a prune
+    /// would drop it too, its fill gone, but only when one comes).
     pub(super) fn retag(
         &self,
         hash: KeyHash,

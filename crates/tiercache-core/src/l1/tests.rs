@@ -90,6 +90,36 @@ fn a_removal_on_another_thread_is_read_at_once() {
     }
 }
 
+/// A removal decided on the fill it read (a read past the hard expiry, a
+/// sweep) took whatever L1 held when it landed: a fill stored on another
+/// thread meanwhile went with it (a miss more, counted as expired). A
+/// store waits for a removal under its key being decided.
+#[test]
+fn a_removal_decided_on_an_old_fill_spares_a_fill_stored_meanwhile() {
+    let l1 = l1(1 << 20);
+    let (old, new) = (entry("old"), entry("new"));
+    l1.insert(hash("a"), old.clone());
+    std::thread::scope(|s| {
+        let (l1, new) = (&l1, &new);
+        let (stored_tx, stored_rx) = std::sync::mpsc::channel();
+        let removed = l1.remove_if(&hash("a"), |live| {
+            s.spawn(move || {
+                l1.insert(hash("a"), new.clone());
+                let _ = stored_tx.send(());
+            });
+            // The store lands now, unless it waits for this removal.
+            let _ = stored_rx.recv_timeout(Duration::from_millis(200));
+            live.ptr_eq(&old)
+        });
+        assert!(removed, "the old fill went");
+    });
+    assert_eq!(
+        l1.get(&hash("a"), SystemTime::now()).map(|e| e.id()),
+        Some(new.id()),
+        "the fill stored meanwhile went with it"
+    );
+}
+
 #[test]
 fn an_entry_moka_evicts_is_not_answered_from_a_threads_table() {
     // Room for a few entries: filling it evicts the one read first.
