@@ -21,9 +21,12 @@ use hyper_util::rt::TokioExecutor;
 use tiercache_http::headers::strip_hop_by_hop;
 use tiercache_http::request::{is_unkeyed, same_name};
 
+use crate::read_ahead::ReadAhead;
 pub use crate::silences::Silences;
 
-/// The upstream's answer: its body streams through, or the proxy's own error page.
+/// The upstream's answer: its body streams through, or a body of the
+/// proxy's own (its error page, or an answer read ahead of a client, see
+/// [`ReadAhead`](crate::read_ahead::ReadAhead)).
 pub type UpstreamBody = http_body_util::Either<UpstreamStream, Body>;
 
 /// An upstream's body, cut with an error once the upstream has sent nothing
@@ -376,11 +379,18 @@ impl tower::Service<Request<Body>> for Forward {
                     for value in declared {
                         parts.headers.append(TRAILER, value);
                     }
+                    let held = slot.is_some();
                     let body = Silences::new(body, timeout, "the upstream").holding(slot);
-                    Ok(Response::from_parts(
-                        parts,
-                        http_body_util::Either::Left(body),
-                    ))
+                    let body = if held {
+                        // A slow client would hold the slot until it read
+                        // the last byte: an answer that fits the room
+                        // gives it back when the upstream is done.
+                        let ahead = ReadAhead::start(body, ReadAhead::ROOM);
+                        http_body_util::Either::Right(Body::new(ahead))
+                    } else {
+                        http_body_util::Either::Left(body)
+                    };
+                    Ok(Response::from_parts(parts, body))
                 }
                 Err(e) => {
                     let text = format!("tiercache-proxy: upstream unreachable: {e}\n");

@@ -42,6 +42,7 @@ mod config;
 pub mod config_file;
 pub mod forward;
 mod prometheus;
+pub mod read_ahead;
 pub mod routes;
 mod serve;
 mod silences;

@@ -35,6 +35,13 @@ async fn upstream() -> (Server, Upstream) {
             }),
         )
         .route(
+            "/large",
+            get(|State(u): State<Upstream>| async move {
+                u.calls.bump();
+                ([("cache-control", "no-store")], vec![b'x'; LARGE])
+            }),
+        )
+        .route(
             "/echo",
             any(
                 |State(u): State<Upstream>,
@@ -247,6 +254,42 @@ async fn at_most_the_capped_requests_reach_the_upstream_at_once() {
         assert_eq!(status, StatusCode::OK);
     }
     assert_eq!(state.calls.get(), 5);
+}
+
+/// An answer's length from `/large`: past an HTTP/2 client's first window,
+/// within what the proxy reads ahead.
+const LARGE: usize = 200 * 1024;
+
+/// With `upstream_max_connections`, a client that took its answer slowly
+/// held the upstream slot until it had read the last byte: a client that
+/// reads nothing (its HTTP/2 window shut after 64 KiB) kept every other
+/// request waiting, then answered 503. An answer that fits what the proxy
+/// reads ahead gives the slot back when the upstream is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_client_does_not_hold_the_upstream_slot_of_an_answer_read_ahead() {
+    let (server, _) = upstream().await;
+    let config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .ttl(Duration::from_secs(60))
+        .origin_timeout(Duration::from_secs(2))
+        .upstream_max_connections(1);
+    let proxy = Proxy::start(config).await.unwrap();
+    let (mut sender, _conn) = h2c(proxy.addr(), Some(65_535)).await;
+    let req = Request::get(format!("http://{}/large", proxy.addr()))
+        .version(http::Version::HTTP_2)
+        .body(Body::empty())
+        .unwrap();
+    let unread = bounded("the large answer's head", sender.send_request(req))
+        .await
+        .unwrap();
+    assert_eq!(unread.status(), StatusCode::OK);
+    let (status, _, _) = bounded("another request", fetch(get_req(proxy.addr(), "/echo"))).await;
+    assert_eq!(status, StatusCode::OK, "the unread answer held the slot");
+    let body = bounded("the large answer read", unread.into_body().collect())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert_eq!(body.len(), LARGE, "read ahead whole");
 }
 
 /// Over h2c the client's address reaches the upstream too (HTTP/2
