@@ -198,7 +198,9 @@ impl L1 {
         None
     }
 
-    /// Puts `entry` in under `hash`; this fill's [`Holding`].
+    /// Puts `entry` in under `hash`; this fill's [`Holding`]. Never from
+    /// inside a compute's closure under the same key (moka's computes
+    /// under one key wait for each other: it would wait for itself).
     pub(crate) fn insert(&self, hash: KeyHash, entry: Entry) -> Holding {
         let hard = entry.times().hard_until;
         let weight = u64::from(entry.weight());
@@ -220,9 +222,10 @@ impl L1 {
     /// Inserts `entry` only if `unchanged` says so of what L1 holds under
     /// `hash` now: a promotion checks that L1 holds nothing fresh; a
     /// renewal, the fill it read. moka runs it atomically against other
-    /// computes and removals by `remove_if`, not against `insert`: the
-    /// engine's fills, promotions and renewals all write under the
-    /// journal's lock. The fill's [`Holding`] if `entry` went in.
+    /// computes under `hash` (stores and removals by `remove_if` are
+    /// computes too), not against `invalidate`; the engine's fills,
+    /// promotions and renewals all write under the journal's lock. The
+    /// fill's [`Holding`] if `entry` went in.
     pub(crate) fn replace(
         &self,
         hash: KeyHash,

@@ -208,11 +208,10 @@ impl Drop for CountedBody {
     }
 }
 
-#[tokio::test]
-async fn large_bodies_never_pile_up_past_the_budget_between_evictions() {
-    // moka evicts only when it runs its housekeeping, after 64 or more
-    // writes on its own: with 64 KiB bodies that held up to twice this
-    // budget at once, and the allocator keeps such a peak as RSS.
+/// Stores 400 bodies of 64 KiB, one by one, in an L1 of a 4 MiB budget;
+/// asserts the bodies alive at once never weighed past the budget (and a
+/// sixteenth).
+fn store_bodies_within_the_budget() {
     const BUDGET: u64 = 4 * 1024 * 1024;
     const BODY: usize = 64 * 1024;
     let cache = TieredCache::builder()
@@ -244,18 +243,19 @@ async fn large_bodies_never_pile_up_past_the_budget_between_evictions() {
 }
 
 #[tokio::test]
+async fn large_bodies_never_pile_up_past_the_budget_between_evictions() {
+    // moka evicts only when it runs its housekeeping, after 64 or more
+    // writes on its own: with 64 KiB bodies that held up to twice this
+    // budget at once, and the allocator keeps such a peak as RSS.
+    store_bodies_within_the_budget();
+}
+
+#[tokio::test]
 async fn evicted_bodies_are_freed_while_another_thread_is_inside_the_cache() {
     // moka frees a removed record only once every thread has left the
     // epoch it was removed in: a thread descheduled inside any moka call
     // (here: pinned for the whole run) held back every body evicted
     // meanwhile, 400 bodies of 64 KiB for a budget of 64.
-    const BUDGET: u64 = 4 * 1024 * 1024;
-    const BODY: usize = 64 * 1024;
-    let cache = TieredCache::builder()
-        .l1_capacity(BUDGET)
-        .sweep_interval(None)
-        .build()
-        .unwrap();
     let (pinned_tx, pinned_rx) = std::sync::mpsc::channel();
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
     let parked = std::thread::spawn(move || {
@@ -264,29 +264,13 @@ async fn evicted_bodies_are_freed_while_another_thread_is_inside_the_cache() {
         let _ = done_rx.recv();
     });
     pinned_rx.recv().unwrap();
-    let live = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let policy = Policy::ttl(TTL).build().unwrap();
-    let mut most = 0;
-    for i in 0..400u32 {
-        live.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let body = bytes::Bytes::from_owner(CountedBody {
-            bytes: vec![b'x'; BODY],
-            live: live.clone(),
-        });
-        cache.store_now(
-            &CacheKey::new(i.to_le_bytes()),
-            Fill::new(Value::from_body(body)),
-            &policy,
-        );
-        most = most.max(live.load(std::sync::atomic::Ordering::SeqCst));
-    }
+    // Let go of the pinned thread even when the assertion fails.
+    let stored = std::panic::catch_unwind(store_bodies_within_the_budget);
     done_tx.send(()).unwrap();
     parked.join().unwrap();
-    let held = (most * BODY) as u64;
-    assert!(
-        held <= BUDGET + BUDGET / 16,
-        "up to {most} bodies of {BODY} B were held at once for a {BUDGET} B budget"
-    );
+    if let Err(failed) = stored {
+        std::panic::resume_unwind(failed);
+    }
 }
 
 #[tokio::test]

@@ -22,6 +22,9 @@ use tiercache_http::headers::strip_hop_by_hop;
 use tiercache_http::request::{is_unkeyed, same_name};
 
 use crate::read_ahead::ReadAhead;
+
+/// One answer's room read ahead, in the semaphore's permits.
+const ROOM: u32 = ReadAhead::ROOM as u32;
 pub use crate::silences::Silences;
 
 /// The upstream's answer: its body streams through, or a body of the
@@ -119,6 +122,9 @@ pub struct Forward {
     /// Requests at the upstream at once, when capped (see
     /// [`max_connections`](Self::max_connections)).
     slots: Option<Arc<tokio::sync::Semaphore>>,
+    /// Bytes all answers may hold read ahead of their clients at once
+    /// (each reserves a [`ReadAhead::ROOM`]): with a cap only.
+    ahead: Option<Arc<tokio::sync::Semaphore>>,
     /// How long an idle pooled connection is kept.
     idle: Duration,
 }
@@ -169,6 +175,7 @@ impl Forward {
             via,
             timeout: crate::ProxyConfig::DEFAULT_ORIGIN_TIMEOUT,
             slots: None,
+            ahead: None,
             idle,
         })
     }
@@ -177,11 +184,16 @@ impl Forward {
     /// refreshes included, and keeps at most `n` idle connections; a
     /// request finds its slot within the origin timeout or is answered 503
     /// (a failure: stale-if-error applies). A slot is held until the
-    /// answer's body ends, so a client that reads a large uncached body
-    /// slowly holds one that long (as nginx's `max_conns` with buffering
-    /// off). Unlimited by default.
+    /// answer's body ends; an answer is read ahead of its client (see
+    /// [`ReadAhead`]), `n` answers' room at once, so a slow client holds
+    /// one only for an answer past the room, or past what all answers
+    /// hold. Unlimited by default.
     pub fn max_connections(mut self, n: usize) -> Self {
         self.slots = Some(Arc::new(tokio::sync::Semaphore::new(n)));
+        let room = n
+            .saturating_mul(ReadAhead::ROOM)
+            .min(tokio::sync::Semaphore::MAX_PERMITS);
+        self.ahead = Some(Arc::new(tokio::sync::Semaphore::new(room)));
         self.client = pool(self.idle, n);
         self
     }
@@ -331,6 +343,7 @@ impl tower::Service<Request<Body>> for Forward {
         let (upstream, uploaded) = Silences::upload(upstream, timeout);
         let client = self.client.clone();
         let slots = self.slots.clone();
+        let ahead = self.ahead.clone();
         Box::pin(async move {
             let slot = match slots {
                 Some(slots) => match tokio::time::timeout(timeout, slots.acquire_owned()).await {
@@ -379,16 +392,20 @@ impl tower::Service<Request<Body>> for Forward {
                     for value in declared {
                         parts.headers.append(TRAILER, value);
                     }
-                    let held = slot.is_some();
+                    // A slow client would hold the slot until it read the
+                    // last byte: an answer that fits the room gives it
+                    // back when the upstream is done. Not an empty one
+                    // (hyper sends no body for what ends at once), nor
+                    // past every answer's room (then it streams).
+                    let reserved = ahead
+                        .filter(|_| !hyper::body::Body::is_end_stream(&body))
+                        .and_then(|room| room.try_acquire_many_owned(ROOM).ok());
                     let body = Silences::new(body, timeout, "the upstream").holding(slot);
-                    let body = if held {
-                        // A slow client would hold the slot until it read
-                        // the last byte: an answer that fits the room
-                        // gives it back when the upstream is done.
-                        let ahead = ReadAhead::start(body, ReadAhead::ROOM);
-                        http_body_util::Either::Right(Body::new(ahead))
-                    } else {
-                        http_body_util::Either::Left(body)
+                    let body = match reserved {
+                        Some(reserved) => http_body_util::Either::Right(Body::new(
+                            ReadAhead::start(body, ReadAhead::ROOM, Some(reserved)),
+                        )),
+                        None => http_body_util::Either::Left(body),
                     };
                     Ok(Response::from_parts(parts, body))
                 }

@@ -309,6 +309,7 @@ impl Reloader {
     /// force stay. The names of `config`'s settings left unapplied until a
     /// restart (see [`ProxyConfig::kept_until_restart`]).
     pub fn reload(&self, config: &ProxyConfig) -> Result<Vec<&'static str>, ProxyError> {
+        config.check()?;
         let (table, _) = route_table(config, &self.engine, &self.forward, &self.recorder)?;
         *self.table.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
         Ok(self.started.kept_until_restart(config))

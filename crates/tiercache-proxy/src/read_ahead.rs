@@ -17,16 +17,34 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// A frame read ahead, and its share of the buffer's room.
-type Ahead = (Result<Frame<Bytes>, BoxError>, Option<OwnedSemaphorePermit>);
+/// What the reading task passes on.
+enum Pulled {
+    /// A frame (or the upstream's error), holding its share of the room.
+    Frame(Result<Frame<Bytes>, BoxError>, Option<OwnedSemaphorePermit>),
+    /// The upstream's body ended: without it, the task's end is a cut.
+    End,
+}
+
+/// A frame's cost beyond its bytes (the channel's slot, the frame): a
+/// body of one-byte chunks is bounded too.
+const FRAME_COST: usize = 128;
 
 /// The client's side of an answer read ahead (see the module's docs).
-#[derive(Debug)]
 pub struct ReadAhead {
-    frames: mpsc::UnboundedReceiver<Ahead>,
+    frames: mpsc::UnboundedReceiver<Pulled>,
     /// The upstream's hint, less what was passed on.
     hint: SizeHint,
     ended: bool,
+    /// This answer's share of every answer's room, until it is read.
+    _reserved: Option<OwnedSemaphorePermit>,
+}
+
+impl std::fmt::Debug for ReadAhead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadAhead")
+            .field("ended", &self.ended)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ReadAhead {
@@ -34,29 +52,32 @@ impl ReadAhead {
     /// frame past them, the one waiting for room).
     pub const ROOM: usize = 256 * 1024;
 
-    /// Starts reading `body` ahead, at most `room` bytes past what the
-    /// client took; the upstream's body is dropped (its connection back in
-    /// the pool) once read whole, or once the client has gone.
-    pub fn start<B>(body: B, room: usize) -> Self
+    /// Starts reading `body` ahead, at most `room` bytes (at least one)
+    /// past what the client took, holding `reserved` (its share of a
+    /// bound over all answers) until the client has it all or has gone;
+    /// the upstream's body is dropped (its connection back in the pool)
+    /// once read whole, or once the client has gone.
+    pub fn start<B>(body: B, room: usize, reserved: Option<OwnedSemaphorePermit>) -> Self
     where
         B: Body<Data = Bytes> + Send + Unpin + 'static,
         B::Error: Into<BoxError> + Send,
     {
         let hint = body.size_hint();
         let (sender, frames) = mpsc::unbounded_channel();
-        tokio::spawn(pull(body, room, sender));
+        tokio::spawn(pull(body, room.max(1), sender));
         Self {
             frames,
             hint,
             ended: false,
+            _reserved: reserved,
         }
     }
 }
 
-async fn pull<B>(mut body: B, room: usize, sender: mpsc::UnboundedSender<Ahead>)
+async fn pull<B>(mut body: B, room: usize, sender: mpsc::UnboundedSender<Pulled>)
 where
     B: Body<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
+    B::Error: Into<BoxError> + Send,
 {
     let room_left = Arc::new(Semaphore::new(room));
     loop {
@@ -67,6 +88,7 @@ where
             () = sender.closed() => return,
         };
         let Some(frame) = frame else {
+            let _ = sender.send(Pulled::End);
             return;
         };
         let frame: Result<Frame<Bytes>, BoxError> = frame.map_err(Into::into);
@@ -75,12 +97,12 @@ where
             Ok(frame) => frame.data_ref().map_or(0, Bytes::len),
             Err(_) => 0,
         };
-        let share = u32::try_from(bytes.min(room)).unwrap_or(u32::MAX);
+        let share = u32::try_from((bytes + FRAME_COST).min(room)).unwrap_or(u32::MAX);
         let permit = tokio::select! {
             permit = room_left.clone().acquire_many_owned(share) => permit.ok(),
             () = sender.closed() => return,
         };
-        if sender.send((frame, permit)).is_err() || failed {
+        if sender.send(Pulled::Frame(frame, permit)).is_err() || failed {
             return;
         }
     }
@@ -95,29 +117,41 @@ impl Body for ReadAhead {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
+        if this.ended {
+            return Poll::Ready(None);
+        }
         match this.frames.poll_recv(cx) {
-            Poll::Ready(Some((frame, _room))) => {
-                if let Ok(data) = frame.as_ref().map(|f| f.data_ref()) {
-                    let sent = data.map_or(0, |d| d.len() as u64);
-                    let mut hint = SizeHint::new();
-                    hint.set_lower(this.hint.lower().saturating_sub(sent));
-                    if let Some(upper) = this.hint.upper() {
-                        hint.set_upper(upper.saturating_sub(sent));
+            Poll::Ready(Some(Pulled::Frame(frame, _room))) => {
+                match &frame {
+                    Ok(frame) => {
+                        let sent = frame.data_ref().map_or(0, |d| d.len() as u64);
+                        let mut hint = SizeHint::new();
+                        hint.set_lower(this.hint.lower().saturating_sub(sent));
+                        if let Some(upper) = this.hint.upper() {
+                            hint.set_upper(upper.saturating_sub(sent));
+                        }
+                        this.hint = hint;
                     }
-                    this.hint = hint;
+                    Err(_) => this.ended = true,
                 }
                 Poll::Ready(Some(frame))
             }
-            Poll::Ready(None) => {
+            Poll::Ready(Some(Pulled::End)) => {
                 this.ended = true;
                 Poll::Ready(None)
+            }
+            // The task ended before the body did (it panicked, or its
+            // runtime went): a cut, never a clean end the cache would store.
+            Poll::Ready(None) => {
+                this.ended = true;
+                Poll::Ready(Some(Err("the upstream's answer stopped being read".into())))
             }
             Poll::Pending => Poll::Pending,
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended
+        self.ended || self.hint.exact() == Some(0)
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -191,10 +225,11 @@ mod tests {
     #[tokio::test]
     async fn an_answer_past_the_room_arrives_whole_never_more_than_the_room_ahead() {
         let (upstream, pulled, dropped) = Upstream::new(Some(64));
-        let mut ahead = ReadAhead::start(upstream, 4 * FRAME);
+        let mut ahead = ReadAhead::start(upstream, 4 * FRAME, None);
         let_it_run().await;
-        // The room, and the frame waiting for room.
-        assert_eq!(pulled.load(SeqCst), 5);
+        // What the room holds (three frames and their cost), and the
+        // frame waiting for room.
+        assert_eq!(pulled.load(SeqCst), 4);
         let mut got = 0;
         while let Some(frame) = ahead.frame().await {
             got += frame.unwrap().into_data().unwrap().len();
@@ -207,17 +242,39 @@ mod tests {
     #[tokio::test]
     async fn an_answer_that_fits_lets_the_upstream_go_before_the_client_reads() {
         let (upstream, _, dropped) = Upstream::new(Some(4));
-        let ahead = ReadAhead::start(upstream, 4 * FRAME);
+        let ahead = ReadAhead::start(upstream, 5 * FRAME, None);
         let_it_run().await;
         assert!(dropped.load(SeqCst), "read whole ahead of the client");
         let body = ahead.collect().await.unwrap().to_bytes();
         assert_eq!(body.len(), 4 * FRAME);
     }
 
+    /// An upstream's body whose reading panics.
+    struct Panics;
+
+    impl Body for Panics {
+        type Data = Bytes;
+        type Error = std::io::Error;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+            panic!("the reading task fails");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reading_that_stops_short_is_a_cut_not_an_end() {
+        // A clean end here, the cache would store what came before it.
+        let ahead = ReadAhead::start(Panics, FRAME, None);
+        assert!(ahead.collect().await.is_err());
+    }
+
     #[tokio::test]
     async fn a_client_that_leaves_lets_a_silent_upstream_go_at_once() {
         let (upstream, _, dropped) = Upstream::new(None);
-        let ahead = ReadAhead::start(upstream, 4 * FRAME);
+        let ahead = ReadAhead::start(upstream, 4 * FRAME, None);
         let_it_run().await;
         assert!(!dropped.load(SeqCst));
         drop(ahead);
