@@ -331,6 +331,48 @@ async fn a_slow_client_does_not_hold_the_upstream_slot_of_an_answer_read_ahead()
     assert_eq!(body.len(), LARGE, "read ahead whole");
 }
 
+/// The bytes read ahead had no bound over all answers: each answer that
+/// fit freed its slot for the next, so clients that read nothing could
+/// have the proxy hold any number of answers. All answers share the cap's
+/// room (one answer's for a cap of one): past it an answer streams,
+/// holding its slot, and the next request waits for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_read_ahead_hold_no_more_than_the_caps_room() {
+    let (server, state) = upstream().await;
+    let config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .origin_timeout(Duration::from_secs(1))
+        .upstream_max_connections(1);
+    let proxy = Proxy::start(config).await.unwrap();
+    let (mut sender, _conn) = h2c(proxy.addr(), Some(65_535)).await;
+    let mut unread = Vec::new();
+    for _ in 0..2 {
+        let req = Request::get(format!("http://{}/large", proxy.addr()))
+            .version(http::Version::HTTP_2)
+            .body(Body::empty())
+            .unwrap();
+        let res = bounded("a large answer's head", sender.send_request(req))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        unread.push(res);
+    }
+    assert_eq!(state.calls.get(), 2, "the first answer gave its slot back");
+    let (status, _, _) = bounded("a third request", fetch(get_req(proxy.addr(), "/echo"))).await;
+    assert_eq!(
+        status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the second answer was read ahead past the room"
+    );
+    for res in unread {
+        let body = bounded("an answer read", res.into_body().collect())
+            .await
+            .unwrap()
+            .to_bytes();
+        assert_eq!(body.len(), LARGE);
+    }
+}
+
 /// An empty answer through a capped upstream (read ahead, which did not
 /// tell hyper at once that it was empty): over HTTP/2 hyper gave a 204 a
 /// `content-length: 0` it may not carry (RFC 9110 §8.6).
