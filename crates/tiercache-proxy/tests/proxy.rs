@@ -299,6 +299,40 @@ async fn at_most_the_capped_requests_reach_the_upstream_at_once() {
 /// within what the proxy reads ahead.
 const LARGE: usize = 200 * 1024;
 
+/// A proxy in front of `server` with one upstream slot, which a request
+/// waits for `origin_timeout` at most.
+async fn capped_to_one(server: &Server, origin_timeout: Duration) -> Proxy {
+    let config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .origin_timeout(origin_timeout)
+        .upstream_max_connections(1);
+    Proxy::start(config).await.unwrap()
+}
+
+/// `GET path` over the HTTP/2 connection `sender`: the answer, its body
+/// left unread.
+async fn h2_get(
+    sender: &mut hyper::client::conn::http2::SendRequest<Body>,
+    proxy: &Proxy,
+    path: &str,
+) -> http::Response<hyper::body::Incoming> {
+    let req = Request::get(format!("http://{}{path}", proxy.addr()))
+        .version(http::Version::HTTP_2)
+        .body(Body::empty())
+        .unwrap();
+    bounded("an answer's head", sender.send_request(req))
+        .await
+        .unwrap()
+}
+
+/// An answer's body, read whole.
+async fn read_whole(res: http::Response<hyper::body::Incoming>) -> axum::body::Bytes {
+    bounded("an answer read", res.into_body().collect())
+        .await
+        .unwrap()
+        .to_bytes()
+}
+
 /// With `upstream_max_connections`, a client that took its answer slowly
 /// held the upstream slot until it had read the last byte: a client that
 /// reads nothing (its HTTP/2 window shut after 64 KiB) kept every other
@@ -307,28 +341,13 @@ const LARGE: usize = 200 * 1024;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_client_does_not_hold_the_upstream_slot_of_an_answer_read_ahead() {
     let (server, _) = upstream().await;
-    let config = ProxyConfig::new(server.url().parse().unwrap())
-        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
-        .ttl(Duration::from_secs(60))
-        .origin_timeout(Duration::from_secs(2))
-        .upstream_max_connections(1);
-    let proxy = Proxy::start(config).await.unwrap();
+    let proxy = capped_to_one(&server, Duration::from_secs(2)).await;
     let (mut sender, _conn) = h2c(proxy.addr(), Some(65_535)).await;
-    let req = Request::get(format!("http://{}/large", proxy.addr()))
-        .version(http::Version::HTTP_2)
-        .body(Body::empty())
-        .unwrap();
-    let unread = bounded("the large answer's head", sender.send_request(req))
-        .await
-        .unwrap();
+    let unread = h2_get(&mut sender, &proxy, "/large").await;
     assert_eq!(unread.status(), StatusCode::OK);
     let (status, _, _) = bounded("another request", fetch(get_req(proxy.addr(), "/echo"))).await;
     assert_eq!(status, StatusCode::OK, "the unread answer held the slot");
-    let body = bounded("the large answer read", unread.into_body().collect())
-        .await
-        .unwrap()
-        .to_bytes();
-    assert_eq!(body.len(), LARGE, "read ahead whole");
+    assert_eq!(read_whole(unread).await.len(), LARGE, "read ahead whole");
 }
 
 /// The bytes read ahead had no bound over all answers: each answer that
@@ -339,21 +358,11 @@ async fn a_slow_client_does_not_hold_the_upstream_slot_of_an_answer_read_ahead()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_read_ahead_hold_no_more_than_the_caps_room() {
     let (server, state) = upstream().await;
-    let config = ProxyConfig::new(server.url().parse().unwrap())
-        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
-        .origin_timeout(Duration::from_secs(1))
-        .upstream_max_connections(1);
-    let proxy = Proxy::start(config).await.unwrap();
+    let proxy = capped_to_one(&server, Duration::from_secs(1)).await;
     let (mut sender, _conn) = h2c(proxy.addr(), Some(65_535)).await;
     let mut unread = Vec::new();
     for _ in 0..2 {
-        let req = Request::get(format!("http://{}/large", proxy.addr()))
-            .version(http::Version::HTTP_2)
-            .body(Body::empty())
-            .unwrap();
-        let res = bounded("a large answer's head", sender.send_request(req))
-            .await
-            .unwrap();
+        let res = h2_get(&mut sender, &proxy, "/large").await;
         assert_eq!(res.status(), StatusCode::OK);
         unread.push(res);
     }
@@ -365,11 +374,7 @@ async fn answers_read_ahead_hold_no_more_than_the_caps_room() {
         "the second answer was read ahead past the room"
     );
     for res in unread {
-        let body = bounded("an answer read", res.into_body().collect())
-            .await
-            .unwrap()
-            .to_bytes();
-        assert_eq!(body.len(), LARGE);
+        assert_eq!(read_whole(res).await.len(), LARGE);
     }
 }
 
@@ -379,18 +384,9 @@ async fn answers_read_ahead_hold_no_more_than_the_caps_room() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_empty_answer_under_an_upstream_cap_stays_without_a_length() {
     let (server, _) = upstream().await;
-    let config = ProxyConfig::new(server.url().parse().unwrap())
-        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
-        .upstream_max_connections(1);
-    let proxy = Proxy::start(config).await.unwrap();
+    let proxy = capped_to_one(&server, Duration::from_secs(2)).await;
     let (mut sender, _conn) = h2c(proxy.addr(), None).await;
-    let req = Request::get(format!("http://{}/none", proxy.addr()))
-        .version(http::Version::HTTP_2)
-        .body(Body::empty())
-        .unwrap();
-    let res = bounded("the empty answer", sender.send_request(req))
-        .await
-        .unwrap();
+    let res = h2_get(&mut sender, &proxy, "/none").await;
     assert_eq!(res.status(), StatusCode::NO_CONTENT);
     assert!(
         !res.headers().contains_key("content-length"),
