@@ -75,6 +75,11 @@ impl Held {
     fn entry(&self) -> Option<Entry> {
         self.0.entry.entry()
     }
+
+    /// A handle on this fill that does not keep it.
+    fn holding(&self) -> Holding {
+        Holding(Arc::downgrade(&self.0))
+    }
 }
 
 /// One fill of a key as L1 took it, without keeping it: whether L1 still
@@ -202,15 +207,12 @@ impl L1 {
     /// inside a compute's closure under the same key (moka's computes
     /// under one key wait for each other: it would wait for itself).
     pub(crate) fn insert(&self, hash: KeyHash, entry: Entry) -> Holding {
-        let hard = entry.times().hard_until;
-        let weight = u64::from(entry.weight());
         let held = Held::new(entry);
-        let holding = Holding(Arc::downgrade(&held.0));
+        let holding = held.holding();
         // A compute, not `insert`: moka runs computes under one key one at
         // a time, and `insert` does not wait for them, so a removal decided
         // on the fill it read (`remove_if`) took a fill stored meanwhile.
-        self.cache.entry(hash).and_compute_with(|_| Op::Put(held));
-        self.inserted(hash, hard, weight);
+        self.put_if(hash, held, |_| true);
         holding
     }
 
@@ -232,10 +234,20 @@ impl L1 {
         entry: Entry,
         unchanged: impl FnOnce(Option<&Entry>) -> bool,
     ) -> Option<Holding> {
-        let hard = entry.times().hard_until;
-        let weight = u64::from(entry.weight());
         let held = Held::new(entry);
-        let holding = Holding(Arc::downgrade(&held.0));
+        let holding = held.holding();
+        self.put_if(hash, held, unchanged).then_some(holding)
+    }
+
+    /// Puts `held` in under `hash` if `unchanged` says so of what L1
+    /// holds there, in one compute; whether it went in.
+    fn put_if(
+        &self,
+        hash: KeyHash,
+        held: Held,
+        unchanged: impl FnOnce(Option<&Entry>) -> bool,
+    ) -> bool {
+        let (hard, weight) = (held.0.hard_until, u64::from(held.0.weight));
         let result = self.cache.entry(hash).and_compute_with(|live| {
             if unchanged(live.and_then(|live| live.value().entry()).as_ref()) {
                 Op::Put(held)
@@ -247,11 +259,10 @@ impl L1 {
             result,
             CompResult::Inserted(_) | CompResult::ReplacedWith(_)
         );
-        if !put {
-            return None;
+        if put {
+            self.inserted(hash, hard, weight);
         }
-        self.inserted(hash, hard, weight);
-        Some(holding)
+        put
     }
 
     /// After an entry of `weight` expiring at `hard` went in under `hash`.

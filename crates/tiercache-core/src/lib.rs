@@ -75,6 +75,8 @@ pub use tier::{BoxFuture, Tier, TierError, TierHit, TierReport};
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_budget;
+#[cfg(test)]
 mod tests_detached;
 #[cfg(test)]
 mod tests_freshness;

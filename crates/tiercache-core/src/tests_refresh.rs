@@ -8,6 +8,15 @@ use std::time::Duration;
 use crate::tests_freshness::{ANY, engine};
 use crate::*;
 
+/// Fresh for a second (no jitter, no early refresh), then served stale
+/// for a minute while a refresh runs.
+fn stale_for_a_minute() -> PolicyBuilder {
+    Policy::ttl(Duration::from_secs(1))
+        .jitter(0.0)
+        .xfetch_beta(0.0)
+        .stale_while_revalidate(Duration::from_secs(60))
+}
+
 #[tokio::test]
 async fn background_refreshes_are_paced_by_max_refreshes() {
     let clock = MockClock::new();
@@ -17,12 +26,7 @@ async fn background_refreshes_are_paced_by_max_refreshes() {
         .max_refreshes(2)
         .build()
         .unwrap();
-    let policy = Policy::ttl(Duration::from_secs(1))
-        .jitter(0.0)
-        .xfetch_beta(0.0)
-        .stale_while_revalidate(Duration::from_secs(60))
-        .build()
-        .unwrap();
+    let policy = stale_for_a_minute().build().unwrap();
     let keys: Vec<CacheKey> = (0..3).map(|i| CacheKey::new(format!("k{i}"))).collect();
     for key in &keys {
         cache
@@ -109,10 +113,7 @@ async fn a_slow_refresh_is_not_taken_over_at_its_deadline() {
     let clock = MockClock::new();
     let cache = engine(&clock, 1);
     let key = CacheKey::new("k");
-    let policy = Policy::ttl(Duration::from_secs(1))
-        .jitter(0.0)
-        .xfetch_beta(0.0)
-        .stale_while_revalidate(Duration::from_secs(60))
+    let policy = stale_for_a_minute()
         .lock_timeout(Duration::from_millis(100))
         .build()
         .unwrap();
@@ -149,12 +150,7 @@ async fn a_stale_hit_of_get_or_load_as_does_not_wait_for_its_refresh() {
     let clock = MockClock::new();
     let cache = engine(&clock, 1);
     let key = CacheKey::new("price");
-    let policy = Policy::ttl(Duration::from_secs(1))
-        .jitter(0.0)
-        .xfetch_beta(0.0)
-        .stale_while_revalidate(Duration::from_secs(60))
-        .build()
-        .unwrap();
+    let policy = stale_for_a_minute().build().unwrap();
     let loaded: u64 = cache
         .get_or_load_as(&key, &policy, || async {
             Ok::<_, std::convert::Infallible>(1)
