@@ -21,10 +21,7 @@ use hyper_util::rt::TokioExecutor;
 use tiercache_http::headers::strip_hop_by_hop;
 use tiercache_http::request::{is_unkeyed, same_name};
 
-use crate::read_ahead::ReadAhead;
-
-/// One answer's room read ahead, in the semaphore's permits.
-const ROOM: u32 = ReadAhead::ROOM as u32;
+use crate::read_ahead::Rooms;
 pub use crate::silences::Silences;
 
 /// The upstream's answer: its body streams through, or a body of the
@@ -122,9 +119,9 @@ pub struct Forward {
     /// Requests at the upstream at once, when capped (see
     /// [`max_connections`](Self::max_connections)).
     slots: Option<Arc<tokio::sync::Semaphore>>,
-    /// Bytes all answers may hold read ahead of their clients at once
-    /// (each reserves a [`ReadAhead::ROOM`]): with a cap only.
-    ahead: Option<Arc<tokio::sync::Semaphore>>,
+    /// The room all answers read ahead of their clients share: with a
+    /// cap only.
+    ahead: Option<Rooms>,
     /// How long an idle pooled connection is kept.
     idle: Duration,
 }
@@ -185,15 +182,12 @@ impl Forward {
     /// request finds its slot within the origin timeout or is answered 503
     /// (a failure: stale-if-error applies). A slot is held until the
     /// answer's body ends; an answer is read ahead of its client (see
-    /// [`ReadAhead`]), `n` answers' room at once, so a slow client holds
+    /// [`ReadAhead`](crate::read_ahead::ReadAhead)), `n` answers' room at once, so a slow client holds
     /// one only for an answer past the room, or past what all answers
     /// hold. Unlimited by default.
     pub fn max_connections(mut self, n: usize) -> Self {
         self.slots = Some(Arc::new(tokio::sync::Semaphore::new(n)));
-        let room = n
-            .saturating_mul(ReadAhead::ROOM)
-            .min(tokio::sync::Semaphore::MAX_PERMITS);
-        self.ahead = Some(Arc::new(tokio::sync::Semaphore::new(room)));
+        self.ahead = Some(Rooms::new(n));
         self.client = pool(self.idle, n);
         self
     }
@@ -392,20 +386,17 @@ impl tower::Service<Request<Body>> for Forward {
                     for value in declared {
                         parts.headers.append(TRAILER, value);
                     }
+                    let body = Silences::new(body, timeout, "the upstream").holding(slot);
                     // A slow client would hold the slot until it read the
                     // last byte: an answer that fits the room gives it
-                    // back when the upstream is done. Not an empty one
-                    // (hyper sends no body for what ends at once), nor
-                    // past every answer's room (then it streams).
-                    let reserved = ahead
-                        .filter(|_| !hyper::body::Body::is_end_stream(&body))
-                        .and_then(|room| room.try_acquire_many_owned(ROOM).ok());
-                    let body = Silences::new(body, timeout, "the upstream").holding(slot);
-                    let body = match reserved {
-                        Some(reserved) => http_body_util::Either::Right(Body::new(
-                            ReadAhead::start(body, ReadAhead::ROOM, Some(reserved)),
-                        )),
-                        None => http_body_util::Either::Left(body),
+                    // back when the upstream is done.
+                    let body = match ahead {
+                        Some(rooms) => rooms.read_ahead(body),
+                        None => Err(body),
+                    };
+                    let body = match body {
+                        Ok(ahead) => http_body_util::Either::Right(Body::new(ahead)),
+                        Err(body) => http_body_util::Either::Left(body),
                     };
                     Ok(Response::from_parts(parts, body))
                 }

@@ -57,7 +57,7 @@ impl ReadAhead {
     /// bound over all answers) until the client has it all or has gone;
     /// the upstream's body is dropped (its connection back in the pool)
     /// once read whole, or once the client has gone.
-    pub fn start<B>(body: B, room: usize, reserved: Option<OwnedSemaphorePermit>) -> Self
+    fn start<B>(body: B, room: usize, reserved: Option<OwnedSemaphorePermit>) -> Self
     where
         B: Body<Data = Bytes> + Send + Unpin + 'static,
         B::Error: Into<BoxError> + Send,
@@ -70,6 +70,39 @@ impl ReadAhead {
             hint,
             ended: false,
             _reserved: reserved,
+        }
+    }
+}
+
+/// The room all answers read ahead share: [`ReadAhead::ROOM`] for each of
+/// a number of answers.
+#[derive(Debug, Clone)]
+pub struct Rooms(Arc<Semaphore>);
+
+impl Rooms {
+    /// Room for `answers` answers read ahead at once.
+    pub fn new(answers: usize) -> Self {
+        let bytes = answers
+            .saturating_mul(ReadAhead::ROOM)
+            .min(Semaphore::MAX_PERMITS);
+        Self(Arc::new(Semaphore::new(bytes)))
+    }
+
+    /// `body` read ahead of its client, or `body` as it was: an empty one
+    /// (hyper sends no body for what ends at once, and over HTTP/2 gives
+    /// an answer that does not a length) or one past the room left.
+    pub fn read_ahead<B>(&self, body: B) -> Result<ReadAhead, B>
+    where
+        B: Body<Data = Bytes> + Send + Unpin + 'static,
+        B::Error: Into<BoxError> + Send,
+    {
+        if body.is_end_stream() {
+            return Err(body);
+        }
+        let share = u32::try_from(ReadAhead::ROOM).unwrap_or(u32::MAX);
+        match self.0.clone().try_acquire_many_owned(share) {
+            Ok(reserved) => Ok(ReadAhead::start(body, ReadAhead::ROOM, Some(reserved))),
+            Err(_) => Err(body),
         }
     }
 }
