@@ -55,6 +55,14 @@ struct Proxy {
 
 impl Drop for Proxy {
     fn drop(&mut self) {
+        // A proxy that ended before its test did (once seen in CI, with
+        // nothing on its stderr) says how: its exit status or signal.
+        if let Ok(Some(status)) = self.child.try_wait() {
+            eprintln!(
+                "tiercache-proxy on {} had ended before its test: {status}",
+                self.addr
+            );
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
