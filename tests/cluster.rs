@@ -1,6 +1,7 @@
 //! The L2 on a real Valkey Cluster (3 primaries, 3 replicas) that the test
-//! forms itself: keys spread over the slots, fleets on the cluster, and a
-//! killed or paused primary under load costing no failed request.
+//! forms itself: keys spread over the slots, fleets on the cluster, a
+//! subscription gone silent on its node, and a killed or paused primary
+//! under load costing no failed request.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,7 +15,7 @@ use tiercache::valkey::{ValkeyConfig, ValkeyTier};
 use tiercache::{Policy, ResponseCacheLayer, TieredCache};
 use tiercache_testkit::cluster::SLOTS;
 use tiercache_testkit::http::{Load, header, send, until_shared_through_l2};
-use tiercache_testkit::{Counter, Gate, ValkeyCluster, bounded, eventually};
+use tiercache_testkit::{Counter, FaultProxy, Gate, ValkeyCluster, bounded, eventually};
 use tokio::sync::Barrier;
 
 struct Instance {
@@ -223,6 +224,81 @@ async fn a_fleet_on_the_cluster_loads_once_shares_l2_and_invalidates_everywhere(
     })
     .await;
     let (_, headers, _) = send(&b.app, "GET", "/p/50").await;
+    assert_eq!(header(&headers, "x-cache-tier"), "origin");
+}
+
+/// Every subscribed connection on the cluster (`sub=` above 0 in `CLIENT
+/// LIST`): the node's index and the peer address the node sees.
+fn subscriptions(cluster: &ValkeyCluster) -> Vec<(usize, std::net::SocketAddr)> {
+    let mut found = Vec::new();
+    for i in 0..cluster.primaries() * 2 {
+        for client in cluster.node(i).cmd(&["CLIENT", "LIST"]).lines() {
+            let field = |name: &str| {
+                client
+                    .split(' ')
+                    .find_map(|f| f.strip_prefix(name)?.strip_prefix('='))
+            };
+            if field("sub").is_some_and(|n| n != "0") {
+                let addr = field("addr").expect("addr= in CLIENT LIST");
+                found.push((i, addr.parse().expect("a socket address")));
+            }
+        }
+    }
+    found
+}
+
+/// The invalidation subscription lives on one node's connection; one that
+/// goes silent there (open, no reset, nothing through: a connection a NAT
+/// forgot) hears nothing more, with every other connection fine. The
+/// heartbeat must find it (ping the node that holds it, not any node),
+/// open it again and drop L1 for what it missed, or a write elsewhere
+/// stays unseen here for the entry's whole life.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_gone_silent_on_its_node_is_found_and_l1_dropped() {
+    let cluster = ValkeyCluster::start(3);
+    let mut proxies = Vec::new();
+    for i in 0..cluster.primaries() * 2 {
+        let node = std::net::SocketAddr::from(([127, 0, 0, 1], cluster.node(i).port()));
+        proxies.push(FaultProxy::start(node).await);
+    }
+    let ports: Vec<u16> = proxies.iter().map(|p| p.addr().port()).collect();
+    cluster.announce_ports(&ports);
+    let origin = Origin::default();
+    origin.gate.open();
+    let a = bounded("A's connection", instance(&cluster, &origin)).await;
+    let before = subscriptions(&cluster);
+    let b = bounded("B's connection", instance(&cluster, &origin)).await;
+    // `connect` may return before the subscription lands.
+    let mut b_subscription = Vec::new();
+    eventually("B's subscription", || {
+        b_subscription = subscriptions(&cluster);
+        b_subscription.retain(|s| !before.contains(s));
+        !b_subscription.is_empty()
+    })
+    .await;
+    let [(node, peer)] = b_subscription[..] else {
+        panic!("B's subscription not found alone: {b_subscription:?} (A's: {before:?})");
+    };
+
+    let key = url_key("/p/1");
+    bounded("B's first GET", send(&b.app, "GET", "/p/1")).await;
+    assert!(b.engine.l1_contains(&key));
+    let resyncs = b.engine.stats().l2.resyncs;
+    proxies[node].swallow(peer);
+    bounded("A's invalidation", a.engine.invalidate(&key))
+        .await
+        .unwrap();
+    eventually(
+        "B's L1 dropped once its silent subscription is found",
+        || !b.engine.l1_contains(&key),
+    )
+    .await;
+    // Counted once L1 is dropped.
+    eventually("B's resync counted", || {
+        b.engine.stats().l2.resyncs > resyncs
+    })
+    .await;
+    let (_, headers, _) = send(&b.app, "GET", "/p/1").await;
     assert_eq!(header(&headers, "x-cache-tier"), "origin");
 }
 

@@ -131,6 +131,24 @@ impl ValkeyCluster {
         format!("redis-cluster://{first}?{}", rest.join("&"))
     }
 
+    /// Has node `i` announce `ports[i]` to clients (`CONFIG SET
+    /// cluster-announce-port`: `CLUSTER SLOTS` and redirects name it, so a
+    /// cluster client connects there, a [`FaultProxy`](crate::FaultProxy)
+    /// in front of the node, say), and waits until every running node
+    /// names every node by its announced port. The cluster bus stays
+    /// direct.
+    pub fn announce_ports(&self, ports: &[u16]) {
+        assert_eq!(ports.len(), self.nodes.len(), "a port for each node");
+        for (node, port) in self.nodes.iter().zip(ports) {
+            node.cmd(&["CONFIG", "SET", "cluster-announce-port", &port.to_string()]);
+        }
+        let named: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}@")).collect();
+        self.wait("every node named by its announced port", |n| {
+            let nodes = n.cmd(&["CLUSTER", "NODES"]);
+            named.iter().all(|name| nodes.contains(name.as_str()))
+        });
+    }
+
     /// Node `i` (the first `primaries` are the primaries at start).
     pub fn node(&self, i: usize) -> &ValkeyServer {
         &self.nodes[i]

@@ -1,9 +1,13 @@
 //! A small TCP fault proxy (Toxiproxy is not to be had here): sits between a
 //! client and a server on loopback and can add latency, swallow traffic
-//! (blackhole) or reset every connection.
+//! (blackhole) or reset every connection, or swallow one connection's
+//! traffic (one the server names by its peer address, as `CLIENT LIST`
+//! shows it: a connection a NAT dropped silently).
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -28,6 +32,7 @@ pub enum Fault {
 pub struct FaultProxy {
     addr: SocketAddr,
     fault: Arc<watch::Sender<Fault>>,
+    swallowed: Swallowed,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -40,12 +45,20 @@ impl FaultProxy {
         let addr = listener.local_addr().expect("local addr");
         let fault = Arc::new(watch::channel(Fault::Pass).0);
         let rx = fault.subscribe();
+        let swallowed = Swallowed::default();
+        let to_swallow = swallowed.clone();
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                tokio::spawn(connection(client, upstream, rx.clone()));
+                let (rx, to_swallow) = (rx.clone(), to_swallow.clone());
+                tokio::spawn(connection(client, upstream, rx, to_swallow));
             }
         });
-        Self { addr, fault, task }
+        Self {
+            addr,
+            fault,
+            swallowed,
+            task,
+        }
     }
 
     /// The address clients should use.
@@ -62,6 +75,60 @@ impl FaultProxy {
     pub fn set(&self, fault: Fault) {
         self.fault.send_replace(fault);
     }
+
+    /// From now on swallows, both ways, the traffic of the open connection
+    /// the server sees coming from `peer` (the `addr=` of its `CLIENT
+    /// LIST`): it stays open and silent, no reset, as a connection a NAT
+    /// or firewall forgot. Other connections pass, and so do new ones,
+    /// even one that reuses the port once this one has closed. Panics if
+    /// no open connection comes from `peer`.
+    pub fn swallow(&self, peer: SocketAddr) {
+        let open = self.swallowed.0.lock().unwrap();
+        let silent = open
+            .get(&peer)
+            .unwrap_or_else(|| panic!("no open connection from {peer} through the fault proxy"));
+        silent.store(true, Relaxed);
+    }
+}
+
+/// The open connections by their server-side peer address (the proxy's
+/// own end towards the server), each with whether it is swallowed.
+#[derive(Debug, Clone, Default)]
+struct Swallowed(Arc<Mutex<HashMap<SocketAddr, Arc<AtomicBool>>>>);
+
+impl Swallowed {
+    /// Registers the connection from `peer` while the guard lives.
+    fn open(&self, peer: Option<SocketAddr>) -> OpenConnection {
+        let silent = Arc::new(AtomicBool::new(false));
+        if let Some(peer) = peer {
+            self.0.lock().unwrap().insert(peer, silent.clone());
+        }
+        OpenConnection {
+            open: self.clone(),
+            peer,
+            silent,
+        }
+    }
+}
+
+struct OpenConnection {
+    open: Swallowed,
+    peer: Option<SocketAddr>,
+    silent: Arc<AtomicBool>,
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        let Some(peer) = self.peer else { return };
+        let mut open = self.open.0.lock().unwrap();
+        // Only this connection's record: a new one may hold the port now.
+        if open
+            .get(&peer)
+            .is_some_and(|s| Arc::ptr_eq(s, &self.silent))
+        {
+            open.remove(&peer);
+        }
+    }
 }
 
 impl Drop for FaultProxy {
@@ -70,7 +137,12 @@ impl Drop for FaultProxy {
     }
 }
 
-async fn connection(client: TcpStream, upstream: SocketAddr, mut fault: watch::Receiver<Fault>) {
+async fn connection(
+    client: TcpStream,
+    upstream: SocketAddr,
+    mut fault: watch::Receiver<Fault>,
+    swallowed: Swallowed,
+) {
     if *fault.borrow() == Fault::Reset {
         return reset(client);
     }
@@ -79,10 +151,13 @@ async fn connection(client: TcpStream, upstream: SocketAddr, mut fault: watch::R
     };
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
+    let open = swallowed.open(server.local_addr().ok());
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
-    let up = pump(&mut cr, &mut sw, fault.clone());
-    let down = pump(&mut sr, &mut cw, fault.clone());
+    let silent = open.silent.clone();
+    let swallowing = move || silent.load(Relaxed);
+    let up = pump(&mut cr, &mut sw, fault.clone(), swallowing.clone());
+    let down = pump(&mut sr, &mut cw, fault.clone(), swallowing);
     tokio::select! {
         _ = up => {}
         _ = down => {}
@@ -104,6 +179,7 @@ async fn pump(
     from: &mut tokio::net::tcp::OwnedReadHalf,
     to: &mut tokio::net::tcp::OwnedWriteHalf,
     fault: watch::Receiver<Fault>,
+    swallowing: impl Fn() -> bool,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -111,6 +187,9 @@ async fn pump(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
+        if swallowing() {
+            continue;
+        }
         let now = *fault.borrow();
         match now {
             Fault::Pass => {}

@@ -114,6 +114,11 @@ pub(crate) async fn on_reconnect<F, Fut>(
 
 /// Pings the subscriber every `every`: a connection that swallows traffic
 /// (no reset, no answer) is closed and reopened, which counts as a resync.
+/// On a cluster every node it is connected to is pinged: fred sends a
+/// plain `PING` to one node of its choosing, and the invalidation
+/// channel's subscription lives on another (the node of the slot fred
+/// derives from the client's name), so a silent connection there would
+/// never be found.
 pub(crate) async fn heartbeat(bus: Weak<Bus>, every: Duration, timeout: Duration) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -125,9 +130,39 @@ pub(crate) async fn heartbeat(bus: Weak<Bus>, every: Duration, timeout: Duration
         if !bus.subscriber.is_connected() {
             continue;
         }
-        let ping = bus.subscriber.ping::<fred::prelude::Value>(None);
-        if !matches!(tokio::time::timeout(timeout, ping).await, Ok(Ok(_))) {
+        let nodes = if bus.subscriber.is_clustered() {
+            bus.subscriber.active_connections()
+        } else {
+            Vec::new()
+        };
+        let mut answered = true;
+        if nodes.is_empty() {
+            answered = answers(&bus.subscriber, None, timeout).await;
+        }
+        for node in nodes {
+            if !answers(&bus.subscriber, Some(node), timeout).await {
+                answered = false;
+                break;
+            }
+        }
+        if !answered {
             let _ = tokio::time::timeout(timeout, bus.subscriber.force_reconnection()).await;
         }
     }
+}
+
+/// Whether `node` (or the client's own pick, for `None`) answers a `PING`
+/// on the subscriber's connection within `timeout`.
+async fn answers(
+    subscriber: &fred::clients::SubscriberClient,
+    node: Option<fred::prelude::Server>,
+    timeout: Duration,
+) -> bool {
+    let options = fred::prelude::Options {
+        cluster_node: node,
+        ..Default::default()
+    };
+    let subscriber = subscriber.with_options(&options);
+    let ping = subscriber.ping::<fred::prelude::Value>(None);
+    matches!(tokio::time::timeout(timeout, ping).await, Ok(Ok(_)))
 }
