@@ -267,7 +267,13 @@ async fn a_subscription_gone_silent_on_its_node_is_found_and_l1_dropped() {
     origin.gate.open();
     let a = bounded("A's connection", instance(&cluster, &origin)).await;
     let before = subscriptions(&cluster);
-    let b = bounded("B's connection", instance(&cluster, &origin)).await;
+    // A command timeout of a second: the heartbeat's pings must then
+    // leave the silent connection alone long enough for fred's check.
+    let b = bounded(
+        "B's connection",
+        instance_with(&cluster, &origin, Duration::from_secs(1)),
+    )
+    .await;
     // `connect` may return before the subscription lands.
     let mut b_subscription = Vec::new();
     eventually("B's subscription", || {

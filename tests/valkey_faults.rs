@@ -573,3 +573,61 @@ async fn a_lock_attempt_dropped_before_its_answer_is_released_when_valkey_answer
     .await
     .unwrap_or_else(|_| panic!("the lock was left to its PX: {:?}", server.keys("tc:*")));
 }
+
+/// The tier's own client: a connection that goes silent (open, no reset,
+/// nothing through: one a NAT or firewall forgot) is closed once a command
+/// on it has gone unanswered for the unresponsive bound, and opened again,
+/// so L2 serves again within seconds. It stayed out before (every command
+/// timed out, the breaker's probes too) until the kernel gave up on the
+/// connection, ~15 minutes on Linux.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_gone_silent_is_replaced_and_l2_serves_again() {
+    let server = ValkeyServer::start();
+    let link = FaultProxy::start(server.addr()).await;
+    let origin = Origin::default();
+    let b = instance_at(&link.redis_url(), &origin).await;
+    // B's own connections: every client but the subscriber and the asker.
+    let own: Vec<std::net::SocketAddr> = server
+        .cmd(&["CLIENT", "LIST"])
+        .lines()
+        .filter(|c| c.contains(" sub=0 ") && !c.contains("cmd=client|list"))
+        .filter_map(|c| c.split(' ').find_map(|f| f.strip_prefix("addr=")))
+        .map(|addr| addr.parse().expect("a socket address"))
+        .collect();
+    assert!(!own.is_empty(), "B's connection not found");
+    for peer in own {
+        link.swallow(peer);
+    }
+    let a = instance(&server, &origin).await;
+    send(&a.app, "GET", "/v/1").await;
+    bounded("A's fill", a.tier.flush()).await;
+    let key = tiercache::http::key::request_key(
+        &axum::http::Request::get("/v/1")
+            .header("host", tiercache_testkit::http::HOST)
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0,
+    );
+    let served = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            b.engine.forget_local(&key);
+            let (status, headers, _) = send(&b.app, "GET", "/v/1").await;
+            assert_eq!(
+                status,
+                StatusCode::OK,
+                "Valkey silent never fails a request"
+            );
+            if header(&headers, "x-cache-tier") == "l2" {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert!(
+        served.is_ok(),
+        "B's L2 stayed out for 20 s: {:?}",
+        b.engine.stats().l2
+    );
+}

@@ -12,6 +12,9 @@ pub(crate) struct Breaker {
     threshold: u32,
     interval: Duration,
     state: Mutex<State>,
+    /// When it last opened after being closed (kept through probes that
+    /// fail, cleared by one that succeeds).
+    open_since: Mutex<Option<Instant>>,
     pub(crate) trips: AtomicU64,
 }
 
@@ -38,6 +41,7 @@ impl Breaker {
             threshold: threshold.max(1),
             interval,
             state: Mutex::new(State::Closed { failures: 0 }),
+            open_since: Mutex::new(None),
             trips: AtomicU64::new(0),
         }
     }
@@ -59,7 +63,9 @@ impl Breaker {
     }
 
     pub(crate) fn success(&self) {
-        *self.state.lock().unwrap() = State::Closed { failures: 0 };
+        let mut state = self.state.lock().unwrap();
+        *state = State::Closed { failures: 0 };
+        *self.open_since.lock().unwrap() = None;
     }
 
     pub(crate) fn failure(&self) {
@@ -75,11 +81,21 @@ impl Breaker {
             _ => true,
         };
         if trip {
+            let now = Instant::now();
             *state = State::Open {
-                until: Instant::now() + self.interval,
+                until: now + self.interval,
             };
+            self.open_since.lock().unwrap().get_or_insert(now);
             self.trips.fetch_add(1, Relaxed);
         }
+    }
+
+    /// How long it has stayed open (no probe succeeding since it opened),
+    /// or `None` while closed.
+    pub(crate) fn open_for(&self) -> Option<Duration> {
+        let _state = self.state.lock().unwrap();
+        let since = *self.open_since.lock().unwrap();
+        since.map(|since| since.elapsed())
     }
 
     pub(crate) fn is_open(&self) -> bool {
@@ -111,6 +127,22 @@ mod tests {
         b.success();
         assert!(b.allow() && b.allow(), "a good probe closes it");
         assert!(!b.is_open());
+    }
+
+    /// Open since the first trip, through failed probes; a good probe ends it.
+    #[tokio::test(start_paused = true)]
+    async fn counts_how_long_it_stays_open() {
+        let b = Breaker::new(1, Duration::from_secs(1));
+        assert_eq!(b.open_for(), None);
+        b.failure();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(b.allow());
+        b.failure();
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert_eq!(b.open_for(), Some(Duration::from_secs(3)));
+        assert!(b.allow());
+        b.success();
+        assert_eq!(b.open_for(), None);
     }
 
     /// A probe whose caller went away (its future dropped by a timeout)

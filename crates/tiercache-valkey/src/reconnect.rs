@@ -1,6 +1,8 @@
 //! The subscriber's connection: what each (re)connection does (subscribe
 //! again, read the prefix bans, drop L1 when messages may have been
-//! missed), and the heartbeat that finds a connection swallowing traffic.
+//! missed), the heartbeat that finds a connection swallowing traffic, and
+//! the watchdog that reopens the tier's own client when Valkey has stayed
+//! out for long.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Weak};
@@ -10,6 +12,11 @@ use fred::prelude::{ClientLike, PubsubInterface};
 use tokio::sync::broadcast;
 
 use crate::bus::{Ban, Bus};
+use crate::tier::Inner;
+
+/// How long the breaker stays open, every probe failing, before the
+/// tier's own client is made to reconnect.
+pub(crate) const REOPEN_AFTER: Duration = Duration::from_secs(5);
 
 /// On every (re)connection of the subscriber: subscribe again, reload the
 /// bans, and (after the first) drop L1, since messages sent while it was
@@ -112,6 +119,37 @@ pub(crate) async fn on_reconnect<F, Fut>(
     }
 }
 
+/// Makes the tier's own client reconnect when the breaker has stayed open
+/// [`REOPEN_AFTER`] (and again each `REOPEN_AFTER` while it stays open): a
+/// connection gone silent (open, no reset, nothing through: one a NAT or
+/// firewall forgot) times every command out, and fred keeps it until the
+/// kernel gives up on it, ~15 minutes on Linux. Its own unresponsive check
+/// would not find it: every probe sent on it counts as fresh traffic. On a
+/// server that is down this is one more attempt in fred's reconnection
+/// loop. (On a cluster fred keeps the connections it thinks open: there it
+/// does not help; see `docs/NOTES.md`.)
+pub(crate) async fn watchdog(tier: Weak<Inner>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut forced: Option<tokio::time::Instant> = None;
+    loop {
+        tick.tick().await;
+        let Some(inner) = tier.upgrade() else {
+            return;
+        };
+        let open = inner.breaker.open_for();
+        if open.is_none_or(|open| open < REOPEN_AFTER)
+            || forced.is_some_and(|at| at.elapsed() < REOPEN_AFTER)
+        {
+            continue;
+        }
+        forced = Some(tokio::time::Instant::now());
+        let client = inner.client.clone();
+        drop(inner);
+        let _ = tokio::time::timeout(REOPEN_AFTER, client.force_reconnection()).await;
+    }
+}
+
 /// Pings the subscriber every `every`: a connection that swallows traffic
 /// (no reset, no answer) is closed and reopened, which counts as a resync.
 /// On a cluster every node it is connected to is pinged: fred sends a
@@ -120,7 +158,9 @@ pub(crate) async fn on_reconnect<F, Fut>(
 /// derives from the client's name), so a silent connection there would
 /// never be found.
 pub(crate) async fn heartbeat(bus: Weak<Bus>, every: Duration, timeout: Duration) {
-    let mut tick = tokio::time::interval(every);
+    // fred's unresponsive check counts from a connection's last write: a
+    // ping sent again before `timeout` has passed would hide the silence.
+    let mut tick = tokio::time::interval(every.max(2 * timeout));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;

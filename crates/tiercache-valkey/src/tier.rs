@@ -203,6 +203,7 @@ impl ValkeyTier {
             fills_overtaken: AtomicU64::new(0),
         });
         runtime.spawn(writer(Arc::downgrade(&inner), rx));
+        runtime.spawn(crate::reconnect::watchdog(Arc::downgrade(&inner)));
         let weak = Arc::downgrade(&inner);
         runtime.spawn(crate::reconnect::on_reconnect(
             Arc::downgrade(&bus),
