@@ -9,6 +9,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use fred::prelude::{ClientLike, PubsubInterface};
+use fred::types::ClusterHash;
 use tokio::sync::broadcast;
 
 use crate::bus::{Ban, Bus};
@@ -17,6 +18,14 @@ use crate::tier::Inner;
 /// How long the breaker stays open, every probe failing, before the
 /// tier's own client is made to reconnect.
 pub(crate) const REOPEN_AFTER: Duration = Duration::from_secs(5);
+
+/// How often the heartbeat pings a subscriber whose ping may take
+/// `timeout`: every second, but never sooner than two timeouts apart, for
+/// fred's unresponsive check counts from a connection's last write (a ping
+/// sent again sooner would hide the silence).
+pub(crate) fn heartbeat_every(timeout: Duration) -> Duration {
+    Duration::from_secs(1).max(2 * timeout)
+}
 
 /// On every (re)connection of the subscriber: subscribe again, reload the
 /// bans, and (after the first) drop L1, since messages sent while it was
@@ -119,16 +128,19 @@ pub(crate) async fn on_reconnect<F, Fut>(
     }
 }
 
-/// Makes the tier's own client reconnect when the breaker has stayed open
-/// [`REOPEN_AFTER`] (and again each `REOPEN_AFTER` while it stays open): a
-/// connection gone silent (open, no reset, nothing through: one a NAT or
-/// firewall forgot) times every command out, and fred keeps it until the
-/// kernel gives up on it, ~15 minutes on Linux. Its own unresponsive check
-/// would not find it: every probe sent on it counts as fresh traffic. On a
-/// server that is down this is one more attempt in fred's reconnection
-/// loop. (On a cluster fred keeps the connections it thinks open: there it
-/// does not help; see `docs/NOTES.md`.)
-pub(crate) async fn watchdog(tier: Weak<Inner>) {
+/// Once the breaker has stayed open [`REOPEN_AFTER`] (and each
+/// `REOPEN_AFTER` after while it stays open), pings Valkey on the tier's
+/// own client: an answer closes the breaker (an idle instance sends no
+/// probe of its own); none makes the client reconnect, if fred thinks it
+/// connected. A connection gone silent (open, no reset, nothing through:
+/// one a NAT or firewall forgot) times every command out, and fred keeps
+/// it until the kernel gives up on it, ~15 minutes on Linux; its own
+/// unresponsive check would not find it, since every probe sent on it
+/// counts as fresh traffic. While fred is reconnecting already nothing is
+/// asked of it (a request would wait in its queue, and pile up). On a
+/// cluster fred keeps the connections it thinks open: there it does not
+/// help; see `docs/NOTES.md`.
+pub(crate) async fn watchdog(tier: Weak<Inner>, timeout: Duration) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut forced: Option<tokio::time::Instant> = None;
@@ -144,23 +156,31 @@ pub(crate) async fn watchdog(tier: Weak<Inner>) {
             continue;
         }
         forced = Some(tokio::time::Instant::now());
+        if !inner.client.is_connected() {
+            continue;
+        }
         let client = inner.client.clone();
         drop(inner);
+        let ping = client.ping::<fred::prelude::Value>(None);
+        if matches!(tokio::time::timeout(timeout, ping).await, Ok(Ok(_))) {
+            if let Some(inner) = tier.upgrade() {
+                inner.breaker.success();
+            }
+            continue;
+        }
         let _ = tokio::time::timeout(REOPEN_AFTER, client.force_reconnection()).await;
     }
 }
 
-/// Pings the subscriber every `every`: a connection that swallows traffic
-/// (no reset, no answer) is closed and reopened, which counts as a resync.
-/// On a cluster every node it is connected to is pinged: fred sends a
-/// plain `PING` to one node of its choosing, and the invalidation
-/// channel's subscription lives on another (the node of the slot fred
-/// derives from the client's name), so a silent connection there would
-/// never be found.
-pub(crate) async fn heartbeat(bus: Weak<Bus>, every: Duration, timeout: Duration) {
-    // fred's unresponsive check counts from a connection's last write: a
-    // ping sent again before `timeout` has passed would hide the silence.
-    let mut tick = tokio::time::interval(every.max(2 * timeout));
+/// Pings the subscriber every [`heartbeat_every`]: a connection that
+/// swallows traffic (no reset, no answer) is closed and reopened, which
+/// counts as a resync. On a cluster the ping goes where the invalidation
+/// channel's subscription lives, the node of the slot fred derives from
+/// the client's name and routes its plain `SUBSCRIBE` by (a plain `PING`
+/// goes to a node of fred's choosing, so a silent connection there was
+/// never found); no other node's stall is taken for it.
+pub(crate) async fn heartbeat(bus: Weak<Bus>, timeout: Duration) {
+    let mut tick = tokio::time::interval(heartbeat_every(timeout));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
@@ -170,36 +190,24 @@ pub(crate) async fn heartbeat(bus: Weak<Bus>, every: Duration, timeout: Duration
         if !bus.subscriber.is_connected() {
             continue;
         }
-        let nodes = if bus.subscriber.is_clustered() {
-            bus.subscriber.active_connections()
-        } else {
-            Vec::new()
-        };
-        let mut answered = true;
-        if nodes.is_empty() {
-            answered = answers(&bus.subscriber, None, timeout).await;
-        }
-        for node in nodes {
-            if !answers(&bus.subscriber, Some(node), timeout).await {
-                answered = false;
-                break;
-            }
-        }
-        if !answered {
+        let subscription = bus.subscriber.is_clustered().then(|| {
+            ClusterHash::Custom(fred::util::redis_keyslot(bus.subscriber.id().as_bytes()))
+        });
+        if !answers(&bus.subscriber, subscription, timeout).await {
             let _ = tokio::time::timeout(timeout, bus.subscriber.force_reconnection()).await;
         }
     }
 }
 
-/// Whether `node` (or the client's own pick, for `None`) answers a `PING`
-/// on the subscriber's connection within `timeout`.
+/// Whether the subscriber answers a `PING` within `timeout`, on a cluster
+/// from the node `route` picks.
 async fn answers(
     subscriber: &fred::clients::SubscriberClient,
-    node: Option<fred::prelude::Server>,
+    route: Option<ClusterHash>,
     timeout: Duration,
 ) -> bool {
     let options = fred::prelude::Options {
-        cluster_node: node,
+        cluster_hash: route,
         ..Default::default()
     };
     let subscriber = subscriber.with_options(&options);

@@ -169,9 +169,12 @@ impl ValkeyTier {
             .map_err(|e| ValkeyError::Client(e.to_string()))?;
         let instance = bus::hex(&rand::rng().random::<[u8; 16]>());
         let (tx, rx) = mpsc::channel(config.write_queue);
-        // The heartbeat finds a lagging subscription within a second and
-        // its timeout: a message later than that is a resync anyway.
-        let grace = Duration::from_secs(2).max(Duration::from_secs(1) + 2 * config.command_timeout);
+        // The heartbeat finds a silent subscription within its spacing,
+        // its timeout, fred's check and a reconnection: a message later
+        // than that is a resync anyway.
+        let grace = crate::reconnect::heartbeat_every(heartbeat_timeout)
+            + 2 * heartbeat_timeout
+            + Duration::from_secs(1);
         let overtaken = Arc::new(Overtaken::new(tx.clone(), grace));
         let bus = Arc::new(Bus::new(
             subscriber.clone(),
@@ -203,7 +206,10 @@ impl ValkeyTier {
             fills_overtaken: AtomicU64::new(0),
         });
         runtime.spawn(writer(Arc::downgrade(&inner), rx));
-        runtime.spawn(crate::reconnect::watchdog(Arc::downgrade(&inner)));
+        runtime.spawn(crate::reconnect::watchdog(
+            Arc::downgrade(&inner),
+            heartbeat_timeout,
+        ));
         let weak = Arc::downgrade(&inner);
         runtime.spawn(crate::reconnect::on_reconnect(
             Arc::downgrade(&bus),
@@ -212,7 +218,6 @@ impl ValkeyTier {
         ));
         runtime.spawn(crate::reconnect::heartbeat(
             Arc::downgrade(&bus),
-            Duration::from_secs(1),
             heartbeat_timeout,
         ));
         let _connection = subscriber.connect();
