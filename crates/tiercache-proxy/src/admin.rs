@@ -5,6 +5,7 @@ use axum::Router;
 use axum::extract::State;
 use axum::routing::get;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, RwLock};
 
 use http::header::{AUTHORIZATION, ORIGIN, WWW_AUTHENTICATE};
 use http::{HeaderValue, Uri};
@@ -15,26 +16,40 @@ use crate::AdminToken;
 /// What the admin endpoints work on.
 #[derive(Clone)]
 pub(crate) struct Admin {
-    pub(crate) layer: ResponseCacheLayer,
     pub(crate) prometheus: metrics_exporter_prometheus::PrometheusHandle,
+    /// What the last start or reload set.
+    pub(crate) live: Arc<RwLock<AdminLive>>,
+}
+
+/// What a reload changes under the admin endpoints.
+#[derive(Clone)]
+pub(crate) struct AdminLive {
+    /// The defaults' layer (`POST /invalidate` keys as it does).
+    pub(crate) layer: ResponseCacheLayer,
     /// What `POST /invalidate` asks for (none: loopback clients only).
     pub(crate) token: Option<AdminToken>,
 }
 
+impl Admin {
+    fn live(&self) -> AdminLive {
+        self.live.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
 /// The admin endpoints over `admin`'s layer, and the dashboard.
 pub(crate) fn router(admin: Admin) -> Router {
-    let dashboard = tiercache_dashboard::router(admin.layer.engine());
+    let dashboard = tiercache_dashboard::router(admin.live().layer.engine());
     Router::new()
         .route(
             "/stats",
             get(|State(admin): State<Admin>| async move {
-                axum::Json(admin.layer.engine().stats())
+                axum::Json(admin.live().layer.engine().stats())
             }),
         )
         .route(
             "/metrics",
             get(|State(admin): State<Admin>| async move {
-                admin.layer.publish_metrics();
+                admin.live().layer.publish_metrics();
                 (
                     [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
                     admin.prometheus.render(),
@@ -64,12 +79,13 @@ struct InvalidateQuery {
 /// is clean, the invalidation is queued and retried until it lands, and the
 /// answer is `202 queued`. Only for a client [`allowed`] to.
 async fn invalidate(
-    State(Admin { layer, token, .. }): State<Admin>,
+    State(admin): State<Admin>,
     axum::extract::ConnectInfo(peer): axum::extract::ConnectInfo<SocketAddr>,
     headers: http::HeaderMap,
     axum::extract::Query(q): axum::extract::Query<InvalidateQuery>,
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
+    let AdminLive { layer, token } = admin.live();
     // A browser page on this machine can send a simple cross-site POST to
     // a loopback address: a request from a page is never "this machine".
     let from_a_page = headers.contains_key(ORIGIN);

@@ -309,9 +309,9 @@ impl ProxyConfig {
 
     /// The settings of `new` that differ from these and that a reload does
     /// not apply (read once at start: addresses, the budget, Valkey, the
-    /// admin token, the upstream connections and timeouts), by their
-    /// config-file names. A reload applies the rest (the routes and the
-    /// defaults they are laid over).
+    /// upstream connections and timeouts), by their config-file names. A
+    /// reload applies the rest (the routes and the defaults they are laid
+    /// over, the admin token).
     ///
     /// ```
     /// # use tiercache_proxy::ProxyConfig;
@@ -323,12 +323,10 @@ impl ProxyConfig {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn kept_until_restart(&self, new: &ProxyConfig) -> Vec<&'static str> {
-        let token = |c: &ProxyConfig| c.admin_token.as_ref().map(|t| t.0.clone());
         [
             ("upstream", self.upstream != new.upstream),
             ("listen", self.listen != new.listen),
             ("admin", self.admin != new.admin),
-            ("admin_token", token(self) != token(new)),
             ("l1_capacity", self.l1_capacity != new.l1_capacity),
             ("max_refreshes", self.max_refreshes != new.max_refreshes),
             ("valkey", self.valkey != new.valkey),

@@ -72,6 +72,8 @@ pub struct Proxy {
     /// L2, for the writes still queued when the proxy stops.
     l2: Option<ValkeyTier>,
     table: Arc<std::sync::RwLock<Arc<routes::Table>>>,
+    /// The admin endpoints' layer and token (a reload sets them).
+    admin_live: Arc<std::sync::RwLock<admin::AdminLive>>,
     forward: Forward,
     recorder: SharedRecorder,
     /// The settings it started with (what a reload cannot change).
@@ -159,14 +161,17 @@ impl Proxy {
         ))];
         let tasks = vec![prometheus::upkeep(prometheus.clone())];
 
+        let admin_live = Arc::new(std::sync::RwLock::new(admin::AdminLive {
+            layer,
+            token: config.admin_token.clone(),
+        }));
         let mut admin = None;
         if let Some(admin_addr) = config.admin {
             let (listener, bound) = bind(admin_addr).await?;
             admin = Some(bound);
             let router = admin::router(admin::Admin {
-                layer: layer.clone(),
                 prometheus,
-                token: config.admin_token.clone(),
+                live: admin_live.clone(),
             });
             serving.push(tokio::spawn(serve::serve(
                 listener,
@@ -184,6 +189,7 @@ impl Proxy {
             stop,
             l2: l2_tier,
             table,
+            admin_live,
             forward,
             recorder,
             started: Arc::new(config),
@@ -203,6 +209,7 @@ impl Proxy {
     pub fn reloader(&self) -> Reloader {
         Reloader {
             table: self.table.clone(),
+            admin_live: self.admin_live.clone(),
             engine: self.engine.clone(),
             forward: self.forward.clone(),
             recorder: self.recorder.clone(),
@@ -292,6 +299,7 @@ impl Drop for Proxy {
 #[derive(Clone)]
 pub struct Reloader {
     table: Arc<std::sync::RwLock<Arc<routes::Table>>>,
+    admin_live: Arc<std::sync::RwLock<admin::AdminLive>>,
     engine: TieredCache,
     forward: Forward,
     recorder: SharedRecorder,
@@ -310,8 +318,12 @@ impl Reloader {
     /// restart (see [`ProxyConfig::kept_until_restart`]).
     pub fn reload(&self, config: &ProxyConfig) -> Result<Vec<&'static str>, ProxyError> {
         config.check()?;
-        let (table, _) = route_table(config, &self.engine, &self.forward, &self.recorder)?;
+        let (table, layer) = route_table(config, &self.engine, &self.forward, &self.recorder)?;
         *self.table.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
+        *self.admin_live.write().unwrap_or_else(|e| e.into_inner()) = admin::AdminLive {
+            layer,
+            token: config.admin_token.clone(),
+        };
         Ok(self.started.kept_until_restart(config))
     }
 }

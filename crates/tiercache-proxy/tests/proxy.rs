@@ -919,3 +919,34 @@ async fn an_h2c_client_is_proxied_to_an_http1_upstream() {
         assert_eq!(res.headers()["x-cache"], expected);
     }
 }
+
+/// A reload (`SIGHUP`) applies the admin token: a token rotated in the
+/// config file is in force at once, the old one refused from then on (it
+/// stayed in force until a restart).
+#[tokio::test]
+async fn a_reload_rotates_the_admin_token() {
+    let (server, _) = upstream().await;
+    let config = |token: &str| {
+        ProxyConfig::new(server.url().parse().unwrap())
+            .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .admin(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .admin_token(tiercache_proxy::AdminToken::new(token).unwrap())
+            .ttl(Duration::from_secs(60))
+    };
+    let (old, new) = (
+        "an-old-admin-token-0123456789",
+        "a-new-admin-token-0123456789",
+    );
+    let proxy = Proxy::start(config(old)).await.unwrap();
+    let admin = proxy.admin_addr().unwrap();
+    let invalidate = |token: &str| {
+        Request::post(format!("http://{admin}/invalidate?key=/echo"))
+            .header("authorization", format!("Bearer {token}"))
+            .body(Body::empty())
+            .unwrap()
+    };
+    assert_eq!(fetch(invalidate(old)).await.0, StatusCode::OK);
+    assert_eq!(proxy.reload(&config(new)).unwrap(), Vec::<&str>::new());
+    assert_eq!(fetch(invalidate(old)).await.0, StatusCode::UNAUTHORIZED);
+    assert_eq!(fetch(invalidate(new)).await.0, StatusCode::OK);
+}
