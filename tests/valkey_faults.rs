@@ -629,6 +629,7 @@ async fn a_connection_gone_silent_is_replaced_and_l2_serves_again() {
         "B's L2 stayed out for 20 s: {:?}",
         b.engine.stats().l2
     );
+    assert!(b.engine.stats().l2.reconnects_forced >= 1);
 }
 
 /// An idle instance's breaker closes on its own once Valkey answers again:
@@ -654,4 +655,9 @@ async fn an_idle_instances_breaker_closes_once_valkey_answers() {
         !a.engine.stats().l2.breaker_open
     })
     .await;
+    assert_eq!(
+        a.engine.stats().l2.reconnects_forced,
+        0,
+        "a healthy client reconnected"
+    );
 }

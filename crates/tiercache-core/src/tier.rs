@@ -136,6 +136,10 @@ pub struct TierReport {
     /// Fills kept out of L2, or deleted from it again, because another
     /// instance's invalidation overtook them on their way to Valkey.
     pub fills_overtaken: u64,
+    /// Times the tier's own client was made to reconnect because Valkey
+    /// stayed out (the breaker open for seconds, a ping unanswered): a
+    /// connection gone silent, or a server down.
+    pub reconnects_forced: u64,
 }
 
 /// A shared tier failed (unreachable, timed out, refused).

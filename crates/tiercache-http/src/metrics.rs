@@ -23,7 +23,7 @@
 //! `tiercache_stale_served_total`, `tiercache_l2_errors_total`,
 //! `tiercache_l2_timeouts_total`, `tiercache_l2_write_drops_total`,
 //! `tiercache_l2_corrupt_total`, `tiercache_l2_breaker_trips_total`,
-//! `tiercache_l2_breaker_open` (gauge), `tiercache_expired_total`,
+//! `tiercache_l2_reconnects_forced_total`, `tiercache_l2_breaker_open` (gauge), `tiercache_expired_total`,
 //! `tiercache_evicted_total`, `tiercache_sweeps_total`,
 //! `tiercache_invalidations_received_total`, `tiercache_resyncs_total`,
 //! `tiercache_fleet_locks_acquired_total`, `tiercache_fleet_lock_waits_total`,
@@ -273,6 +273,9 @@ const TOTALS: &[(&str, Read)] = &[
     ("tiercache_l2_write_drops_total", |s| s.l2.write_drops),
     ("tiercache_l2_corrupt_total", |s| s.l2.corrupt),
     ("tiercache_l2_breaker_trips_total", |s| s.l2.breaker_trips),
+    ("tiercache_l2_reconnects_forced_total", |s| {
+        s.l2.reconnects_forced
+    }),
     ("tiercache_expired_total", |s| s.expired),
     ("tiercache_evicted_total", |s| s.evicted),
     ("tiercache_sweeps_total", |s| s.sweeps),

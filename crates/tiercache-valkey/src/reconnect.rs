@@ -162,12 +162,16 @@ pub(crate) async fn watchdog(tier: Weak<Inner>, timeout: Duration) {
         let client = inner.client.clone();
         drop(inner);
         let ping = client.ping::<fred::prelude::Value>(None);
-        if matches!(tokio::time::timeout(timeout, ping).await, Ok(Ok(_))) {
-            if let Some(inner) = tier.upgrade() {
-                inner.breaker.success();
-            }
+        let answered = matches!(tokio::time::timeout(timeout, ping).await, Ok(Ok(_)));
+        let Some(inner) = tier.upgrade() else {
+            return;
+        };
+        if answered {
+            inner.breaker.success();
             continue;
         }
+        inner.reconnects_forced.fetch_add(1, Relaxed);
+        drop(inner);
         let _ = tokio::time::timeout(REOPEN_AFTER, client.force_reconnection()).await;
     }
 }

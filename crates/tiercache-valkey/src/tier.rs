@@ -64,6 +64,8 @@ pub(crate) struct Inner {
     /// Other instances' invalidations and this one's fills, lately.
     pub(crate) overtaken: Arc<Overtaken>,
     pub(crate) fills_overtaken: AtomicU64,
+    /// The watchdog's forced reconnections (`reconnect::watchdog`).
+    pub(crate) reconnects_forced: AtomicU64,
 }
 
 impl Inner {
@@ -204,6 +206,7 @@ impl ValkeyTier {
             release_retries: AtomicU64::new(0),
             overtaken,
             fills_overtaken: AtomicU64::new(0),
+            reconnects_forced: AtomicU64::new(0),
         });
         runtime.spawn(writer(Arc::downgrade(&inner), rx));
         runtime.spawn(crate::reconnect::watchdog(
@@ -421,6 +424,7 @@ impl Tier for ValkeyTier {
         report.lock_waits = i.bus.lock_waits.load(Relaxed);
         report.release_retries = i.release_retries.load(Relaxed);
         report.fills_overtaken = i.fills_overtaken.load(Relaxed);
+        report.reconnects_forced = i.reconnects_forced.load(Relaxed);
         report
     }
 }
