@@ -90,6 +90,30 @@ async fn instance_with(url: &str, origin: &Origin, policy: tiercache::PolicyBuil
     Instance { engine, tier, app }
 }
 
+/// Requests `/v/{k}`, `/v/{k + 1}`… through `a` (its L2 failing) until
+/// its breaker opens.
+async fn until_the_breaker_opens(a: &Instance, mut k: usize) {
+    bounded("the breaker opens", async {
+        while !a.engine.stats().l2.breaker_open {
+            send(&a.app, "GET", &format!("/v/{}", k % 8)).await;
+            k += 1;
+        }
+    })
+    .await;
+}
+
+/// The cache key of a GET of `path` (the test kit's host).
+fn key_of(path: &str) -> tiercache::core::CacheKey {
+    tiercache::http::key::request_key(
+        &axum::http::Request::get(path)
+            .header("host", tiercache_testkit::http::HOST)
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0,
+    )
+}
+
 /// Finding 1: the write's invalidation is lost on its way to Valkey (the
 /// connection is reset under it). It is said to be queued, and retried until
 /// it lands: after the fault, neither instance answers the old version.
@@ -420,22 +444,8 @@ async fn cache_status_says_when_l2_is_down() {
         "tiercache; fwd=miss; stored"
     );
     server.kill();
-    bounded("the breaker opens", async {
-        let mut k = 4;
-        while !a.engine.stats().l2.breaker_open {
-            send(&a.app, "GET", &format!("/v/{}", k % 8)).await;
-            k += 1;
-        }
-    })
-    .await;
-    a.engine.forget_local(&tiercache::http::key::request_key(
-        &axum::http::Request::get("/v/3")
-            .header("host", tiercache_testkit::http::HOST)
-            .body(())
-            .unwrap()
-            .into_parts()
-            .0,
-    ));
+    until_the_breaker_opens(&a, 4).await;
+    a.engine.forget_local(&key_of("/v/3"));
     let (status, headers, _) = send(&a.app, "GET", "/v/3").await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(
@@ -600,14 +610,7 @@ async fn a_connection_gone_silent_is_replaced_and_l2_serves_again() {
     let a = instance(&server, &origin).await;
     send(&a.app, "GET", "/v/1").await;
     bounded("A's fill", a.tier.flush()).await;
-    let key = tiercache::http::key::request_key(
-        &axum::http::Request::get("/v/1")
-            .header("host", tiercache_testkit::http::HOST)
-            .body(())
-            .unwrap()
-            .into_parts()
-            .0,
-    );
+    let key = key_of("/v/1");
     let served = tokio::time::timeout(Duration::from_secs(20), async {
         loop {
             b.engine.forget_local(&key);
@@ -642,14 +645,7 @@ async fn an_idle_instances_breaker_closes_once_valkey_answers() {
     let origin = Origin::default();
     let a = instance(&server, &origin).await;
     server.freeze();
-    bounded("the breaker opens", async {
-        let mut k = 0;
-        while !a.engine.stats().l2.breaker_open {
-            send(&a.app, "GET", &format!("/v/{}", k % 8)).await;
-            k += 1;
-        }
-    })
-    .await;
+    until_the_breaker_opens(&a, 0).await;
     server.thaw();
     eventually("the breaker closed with no request", || {
         !a.engine.stats().l2.breaker_open

@@ -136,9 +136,10 @@ pub struct TierReport {
     /// Fills kept out of L2, or deleted from it again, because another
     /// instance's invalidation overtook them on their way to Valkey.
     pub fills_overtaken: u64,
-    /// Times the tier's own client was made to reconnect because Valkey
+    /// Times the tier's own client was asked to reconnect because Valkey
     /// stayed out (the breaker open for seconds, a ping unanswered): a
-    /// connection gone silent, or a server down.
+    /// connection gone silent, or a server down. Requests, counted when
+    /// made (one that times out included).
     pub reconnects_forced: u64,
 }
 

@@ -23,7 +23,8 @@
 //! `tiercache_stale_served_total`, `tiercache_l2_errors_total`,
 //! `tiercache_l2_timeouts_total`, `tiercache_l2_write_drops_total`,
 //! `tiercache_l2_corrupt_total`, `tiercache_l2_breaker_trips_total`,
-//! `tiercache_l2_reconnects_forced_total`, `tiercache_l2_breaker_open` (gauge), `tiercache_expired_total`,
+//! `tiercache_l2_reconnects_forced_total`,
+//! `tiercache_l2_breaker_open` (gauge), `tiercache_expired_total`,
 //! `tiercache_evicted_total`, `tiercache_sweeps_total`,
 //! `tiercache_invalidations_received_total`, `tiercache_resyncs_total`,
 //! `tiercache_fleet_locks_acquired_total`, `tiercache_fleet_lock_waits_total`,
@@ -371,6 +372,7 @@ mod tests {
         let mut stats = Stats::default();
         stats.refreshes_deferred = 2;
         stats.fills_cancelled = 3;
+        stats.l2.reconnects_forced = 4;
         metrics::with_local_recorder(&recorder, || metrics.publish(&stats, 0, 0));
         let text = handle.render();
         assert!(
@@ -378,6 +380,10 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("tiercache_fills_cancelled_total 3"), "{text}");
+        assert!(
+            text.contains("tiercache_l2_reconnects_forced_total 4"),
+            "{text}"
+        );
     }
 
     /// Large bodies' page mappings are a process resource: their count and

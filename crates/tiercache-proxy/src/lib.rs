@@ -74,6 +74,8 @@ pub struct Proxy {
     table: Arc<std::sync::RwLock<Arc<routes::Table>>>,
     /// The admin endpoints' layer and token (a reload sets them).
     admin_live: Arc<std::sync::RwLock<admin::AdminLive>>,
+    /// Held by a reload (see [`Reloader`]).
+    reloading: Arc<std::sync::Mutex<()>>,
     forward: Forward,
     recorder: SharedRecorder,
     /// The settings it started with (what a reload cannot change).
@@ -190,24 +192,27 @@ impl Proxy {
             l2: l2_tier,
             table,
             admin_live,
+            reloading: Default::default(),
             forward,
             recorder,
             started: Arc::new(config),
         })
     }
 
-    /// Replaces the routes with `config`'s (a reload: L1, L2 and the open
-    /// connections are kept; the settings read once at start are not
-    /// re-read). On an error the routes in force stay. The names of
+    /// Replaces the routes and the admin token with `config`'s (a reload:
+    /// L1, L2 and the open connections are kept; the settings read once at
+    /// start are not re-read). On an error what is in force stays. The names of
     /// `config`'s settings left unapplied until a restart (see
     /// [`ProxyConfig::kept_until_restart`]).
     pub fn reload(&self, config: &ProxyConfig) -> Result<Vec<&'static str>, ProxyError> {
         self.reloader().reload(config)
     }
 
-    /// A handle that reloads the routes from another task (on `SIGHUP`).
+    /// A handle that reloads the routes and the admin token from another
+    /// task (on `SIGHUP`).
     pub fn reloader(&self) -> Reloader {
         Reloader {
+            reloading: self.reloading.clone(),
             table: self.table.clone(),
             admin_live: self.admin_live.clone(),
             engine: self.engine.clone(),
@@ -295,9 +300,12 @@ impl Drop for Proxy {
     }
 }
 
-/// Reloads a running proxy's routes; see [`Proxy::reloader`].
+/// Reloads a running proxy's routes and admin token; see [`Proxy::reloader`].
 #[derive(Clone)]
 pub struct Reloader {
+    /// One reload at a time: two at once could leave one's routes with
+    /// the other's token.
+    reloading: Arc<std::sync::Mutex<()>>,
     table: Arc<std::sync::RwLock<Arc<routes::Table>>>,
     admin_live: Arc<std::sync::RwLock<admin::AdminLive>>,
     engine: TieredCache,
@@ -313,10 +321,11 @@ impl std::fmt::Debug for Reloader {
 }
 
 impl Reloader {
-    /// Replaces the routes with `config`'s; on an error the routes in
-    /// force stay. The names of `config`'s settings left unapplied until a
-    /// restart (see [`ProxyConfig::kept_until_restart`]).
+    /// Replaces the routes and the admin token with `config`'s; on an
+    /// error what is in force stays. The names of `config`'s settings left
+    /// unapplied until a restart (see [`ProxyConfig::kept_until_restart`]).
     pub fn reload(&self, config: &ProxyConfig) -> Result<Vec<&'static str>, ProxyError> {
+        let _one_at_a_time = self.reloading.lock().unwrap_or_else(|e| e.into_inner());
         config.check()?;
         let (table, layer) = route_table(config, &self.engine, &self.forward, &self.recorder)?;
         *self.table.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);

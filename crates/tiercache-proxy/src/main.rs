@@ -37,7 +37,7 @@ struct Args {
     upstream: Option<http::Uri>,
     /// A TOML config file: the same settings, `[defaults]` and per-path
     /// `[[route]]` rules; flags given on the command line override it.
-    /// `SIGHUP` reloads its routes.
+    /// `SIGHUP` reloads its routes and the admin token.
     #[arg(long)]
     config: Option<std::path::PathBuf>,
     /// Validate the config file (and flags) and exit.
@@ -260,6 +260,10 @@ fn settings(args: &Args, matches: &ArgMatches) -> Result<ProxyConfig, String> {
     Ok(config)
 }
 
+/// Said at start, and on a reload, when the admin address is not a
+/// loopback one and no token is set.
+const LOOPBACK_ONLY: &str = "tiercache-proxy: POST /invalidate on the admin address answers loopback clients only; set TIERCACHE_ADMIN_TOKEN to let others invalidate with it";
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let matches = Args::command().get_matches();
@@ -297,9 +301,7 @@ async fn main() -> ExitCode {
                     .unwrap_or_default()
             );
             if proxy.admin_addr().is_some_and(|a| !a.ip().is_loopback()) && config_has_no_token {
-                eprintln!(
-                    "tiercache-proxy: POST /invalidate on the admin address answers loopback clients only; set TIERCACHE_ADMIN_TOKEN to let others invalidate with it"
-                );
+                eprintln!("{LOOPBACK_ONLY}");
             }
             let Signals {
                 terminate,
@@ -381,8 +383,9 @@ fn nothing_to_reload_on_sighup(hangups: Option<Signal>) {
     });
 }
 
-/// On `SIGHUP`, reads the config file again and replaces the routes (L1,
-/// L2 and the connections stay); a bad file keeps the routes in force.
+/// On `SIGHUP`, reads the config file again and replaces the routes and
+/// the admin token (L1, L2 and the connections stay); a bad file keeps
+/// what is in force.
 fn reload_on_sighup(
     hangups: Option<Signal>,
     args: Args,
@@ -396,6 +399,9 @@ fn reload_on_sighup(
         while hangups.recv().await.is_some() {
             match settings(&args, &matches).and_then(|c| {
                 let kept = reloader.reload(&c).map_err(|e| e.to_string())?;
+                if c.admin.is_some_and(|a| !a.ip().is_loopback()) && c.admin_token.is_none() {
+                    eprintln!("{LOOPBACK_ONLY}");
+                }
                 Ok((c.routes.len(), kept))
             }) {
                 Ok((n, kept)) if kept.is_empty() => {
@@ -406,9 +412,9 @@ fn reload_on_sighup(
                      in force after a restart: {}",
                     kept.join(", ")
                 ),
-                Err(e) => {
-                    eprintln!("tiercache-proxy: reload refused, the routes in force stay: {e}")
-                }
+                Err(e) => eprintln!(
+                    "tiercache-proxy: reload refused, the routes and admin token in force stay: {e}"
+                ),
             }
         }
     });

@@ -8,8 +8,10 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use fred::prelude::{ClientLike, PubsubInterface};
+use fred::clients::SubscriberClient;
+use fred::prelude::{Builder, Client, ClientLike, PubsubInterface, ReconnectPolicy};
 use fred::types::ClusterHash;
+use fred::types::config::UnresponsiveConfig;
 use tokio::sync::broadcast;
 
 use crate::bus::{Ban, Bus};
@@ -128,6 +130,38 @@ pub(crate) async fn on_reconnect<F, Fut>(
     }
 }
 
+/// The subscriber beside `client`: its servers, connection and
+/// reconnection settings; a message stream that a burst of invalidations
+/// does not overrun (a lag is read as missed messages: the whole L1 would
+/// be dropped); and fred's unresponsive check at the heartbeat's `timeout`,
+/// unless the caller's client chose its own: on a cluster fred's forced
+/// reconnection keeps a connection it still thinks open, so the check is
+/// what closes the one whose ping went unanswered (a reconnection follows,
+/// which counts as a resync).
+pub(crate) fn subscriber(
+    client: &Client,
+    timeout: Duration,
+) -> Result<SubscriberClient, fred::error::Error> {
+    let mut perf = client.perf_config();
+    perf.broadcast_channel_capacity = perf.broadcast_channel_capacity.max(4096);
+    let mut connection = client.connection_config().clone();
+    if connection.unresponsive.max_timeout.is_none() {
+        connection.unresponsive = UnresponsiveConfig {
+            max_timeout: Some(timeout),
+            interval: (timeout / 4).max(Duration::from_millis(50)),
+        };
+    }
+    Builder::from_config(client.client_config())
+        .set_connection_config(connection)
+        .set_performance_config(perf)
+        .set_policy(
+            client
+                .client_reconnect_policy()
+                .unwrap_or(ReconnectPolicy::new_exponential(0, 50, 250, 2)),
+        )
+        .build_subscriber_client()
+}
+
 /// Once the breaker has stayed open [`REOPEN_AFTER`] (and each
 /// `REOPEN_AFTER` after while it stays open), pings Valkey on the tier's
 /// own client: an answer closes the breaker (an idle instance sends no
@@ -170,6 +204,11 @@ pub(crate) async fn watchdog(tier: Weak<Inner>, timeout: Duration) {
             inner.breaker.success();
             continue;
         }
+        // Not if the ping's failure was a connection fred is reconnecting
+        // already, or a request's probe closed the breaker meanwhile.
+        if !client.is_connected() || inner.breaker.open_for().is_none() {
+            continue;
+        }
         inner.reconnects_forced.fetch_add(1, Relaxed);
         drop(inner);
         let _ = tokio::time::timeout(REOPEN_AFTER, client.force_reconnection()).await;
@@ -206,7 +245,7 @@ pub(crate) async fn heartbeat(bus: Weak<Bus>, timeout: Duration) {
 /// Whether the subscriber answers a `PING` within `timeout`, on a cluster
 /// from the node `route` picks.
 async fn answers(
-    subscriber: &fred::clients::SubscriberClient,
+    subscriber: &SubscriberClient,
     route: Option<ClusterHash>,
     timeout: Duration,
 ) -> bool {

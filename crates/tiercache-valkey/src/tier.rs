@@ -10,7 +10,6 @@ use fred::prelude::{
     Builder, Client, ClientLike, EventInterface, HashesInterface, KeysInterface, ReconnectPolicy,
     Value,
 };
-use fred::types::config::UnresponsiveConfig;
 use rand::Rng;
 use tiercache_core::{
     BoxFuture, CacheKey, Entry, Invalidation, InvalidationSink, KeyHash, LockAttempt, LockToken,
@@ -140,34 +139,10 @@ impl ValkeyTier {
         if !client.is_connected() {
             let _connection = client.connect();
         }
-        let mut perf = client.perf_config();
-        // A burst of invalidations must not overrun the message stream (a
-        // lag is read as missed messages: the whole L1 would be dropped).
-        perf.broadcast_channel_capacity = perf.broadcast_channel_capacity.max(4096);
         // A heartbeat's ping unanswered for this long finds a connection
         // gone silent (see `reconnect::heartbeat`).
         let heartbeat_timeout = config.command_timeout.max(Duration::from_millis(500));
-        let mut connection = client.connection_config().clone();
-        // On a cluster the heartbeat pings every node, but fred's forced
-        // reconnection keeps a connection it still thinks open: its own
-        // unresponsive check closes the one whose ping went unanswered
-        // (and a reconnection follows, which counts as a resync). Unless
-        // the caller's client chose its own.
-        if connection.unresponsive.max_timeout.is_none() {
-            connection.unresponsive = UnresponsiveConfig {
-                max_timeout: Some(heartbeat_timeout),
-                interval: (heartbeat_timeout / 4).max(Duration::from_millis(50)),
-            };
-        }
-        let subscriber = Builder::from_config(client.client_config())
-            .set_connection_config(connection)
-            .set_performance_config(perf)
-            .set_policy(
-                client
-                    .client_reconnect_policy()
-                    .unwrap_or(ReconnectPolicy::new_exponential(0, 50, 250, 2)),
-            )
-            .build_subscriber_client()
+        let subscriber = crate::reconnect::subscriber(&client, heartbeat_timeout)
             .map_err(|e| ValkeyError::Client(e.to_string()))?;
         let instance = bus::hex(&rand::rng().random::<[u8; 16]>());
         let (tx, rx) = mpsc::channel(config.write_queue);
