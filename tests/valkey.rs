@@ -1206,3 +1206,31 @@ async fn a_renewal_never_brings_back_a_fill_valkey_no_longer_holds() {
         );
     }
 }
+
+/// The tier's connections (its own and its subscriber's) ask the kernel to
+/// find a peer gone without a word: TCP keepalive on an idle connection
+/// (`TCP_USER_TIMEOUT` too, for data left unacknowledged). A NAT or
+/// firewall that forgets an idle connection and drops what follows left
+/// it open, silent, until the kernel's retransmissions gave up (~15
+/// minutes). Read from `/proc/net/tcp`: an established socket with its
+/// keepalive timer armed shows timer kind 2.
+#[tokio::test]
+async fn the_tiers_connections_keep_alive_at_the_tcp_level() {
+    let server = ValkeyServer::start();
+    let _tier = connect(ValkeyConfig::from_url(&server.url()).unwrap()).await;
+    let to_server = format!("0100007F:{:04X}", server.port());
+    let table = std::fs::read_to_string("/proc/self/net/tcp").expect("/proc/self/net/tcp");
+    // sl local rem st tx:rx tr:when …
+    let timers: Vec<&str> = table
+        .lines()
+        .skip(1)
+        .map(|row| row.split_whitespace().collect::<Vec<_>>())
+        .filter(|f| f.len() > 5 && f[2] == to_server && f[3] == "01")
+        .map(|f| f[5].split(':').next().unwrap_or(""))
+        .collect();
+    assert!(timers.len() >= 2, "the tier's connections: {timers:?}");
+    assert!(
+        timers.iter().all(|&timer| timer == "02"),
+        "a connection without its keepalive timer: {timers:?}"
+    );
+}

@@ -100,6 +100,19 @@ impl ValkeyTier {
                 c.connection_timeout = config.connect_timeout;
                 c.internal_command_timeout = config.command_timeout.max(Duration::from_millis(500));
                 c.max_command_attempts = 1;
+                // A peer gone without a word (a NAT or firewall that forgot
+                // the connection and drops what follows) is found by the
+                // kernel: keepalive probes on an idle connection, and
+                // data unacknowledged this long, close it (fred then
+                // reconnects), where retransmissions took ~15 minutes. The
+                // subscriber takes the same settings.
+                c.tcp.keepalive = Some(
+                    socket2::TcpKeepalive::new()
+                        .with_time(Duration::from_secs(30))
+                        .with_interval(Duration::from_secs(10))
+                        .with_retries(3),
+                );
+                c.tcp.user_timeout = Some(Duration::from_secs(30));
             })
             .with_performance_config(|p| {
                 p.default_command_timeout = config.command_timeout;
