@@ -43,6 +43,7 @@ pub mod config_file;
 pub mod forward;
 mod prometheus;
 pub mod read_ahead;
+mod reload;
 pub mod routes;
 mod serve;
 mod silences;
@@ -52,18 +53,18 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tiercache_core::{Policy, TieredCache};
-use tiercache_http::ResponseCacheLayer;
+use tiercache_core::TieredCache;
 use tiercache_valkey::{ValkeyError, ValkeyTier};
 
 pub use crate::config::{AdminToken, ProxyConfig};
 use crate::forward::Forward;
+pub use crate::reload::Reloader;
+use crate::reload::route_table;
 
 /// A running proxy; stops when dropped.
 pub struct Proxy {
     addr: SocketAddr,
     admin: Option<SocketAddr>,
-    engine: TieredCache,
     /// The accept loops (main and admin): they end after `stop`.
     serving: Vec<tokio::task::JoinHandle<()>>,
     /// The rest (the metrics' upkeep).
@@ -71,15 +72,9 @@ pub struct Proxy {
     stop: tokio::sync::watch::Sender<serve::Stop>,
     /// L2, for the writes still queued when the proxy stops.
     l2: Option<ValkeyTier>,
-    table: Arc<std::sync::RwLock<Arc<routes::Table>>>,
-    /// The admin endpoints' layer and token (a reload sets them).
-    admin_live: Arc<std::sync::RwLock<admin::AdminLive>>,
-    /// Held by a reload (see [`Reloader`]).
-    reloading: Arc<std::sync::Mutex<()>>,
-    forward: Forward,
-    recorder: SharedRecorder,
-    /// The settings it started with (what a reload cannot change).
-    started: Arc<ProxyConfig>,
+    /// What a reload swaps (the routes, the admin's layer and token), and
+    /// what it builds them from.
+    reloader: Reloader,
 }
 
 impl std::fmt::Debug for Proxy {
@@ -87,8 +82,8 @@ impl std::fmt::Debug for Proxy {
         f.debug_struct("Proxy")
             .field("addr", &self.addr)
             .field("admin", &self.admin)
-            .field("engine", &self.engine)
-            .field("table", &self.table)
+            .field("engine", &self.reloader.engine)
+            .field("table", &self.reloader.table)
             .finish_non_exhaustive()
     }
 }
@@ -185,17 +180,19 @@ impl Proxy {
         Ok(Self {
             addr,
             admin,
-            engine,
             serving,
             tasks,
             stop,
             l2: l2_tier,
-            table,
-            admin_live,
-            reloading: Default::default(),
-            forward,
-            recorder,
-            started: Arc::new(config),
+            reloader: Reloader {
+                reloading: Default::default(),
+                table,
+                admin_live,
+                engine,
+                forward,
+                recorder,
+                started: Arc::new(config),
+            },
         })
     }
 
@@ -211,15 +208,7 @@ impl Proxy {
     /// A handle that reloads the routes and the admin token from another
     /// task (on `SIGHUP`).
     pub fn reloader(&self) -> Reloader {
-        Reloader {
-            reloading: self.reloading.clone(),
-            table: self.table.clone(),
-            admin_live: self.admin_live.clone(),
-            engine: self.engine.clone(),
-            forward: self.forward.clone(),
-            recorder: self.recorder.clone(),
-            started: self.started.clone(),
-        }
+        self.reloader.clone()
     }
 
     /// The proxy's bound address.
@@ -234,7 +223,7 @@ impl Proxy {
 
     /// The engine behind the proxy.
     pub fn engine(&self) -> &TieredCache {
-        &self.engine
+        &self.reloader.engine
     }
 
     /// Serves until the process is stopped.
@@ -279,7 +268,7 @@ impl Proxy {
             let stats = engine.stats();
             stats.l2.write_queue > 0 || stats.invalidations.pending > 0
         };
-        while unheard(&self.engine) && tokio::time::Instant::now() < deadline {
+        while unheard(&self.reloader.engine) && tokio::time::Instant::now() < deadline {
             // A full queue refuses the flush's marker: tried again.
             if let Some(l2) = &self.l2 {
                 let _ = tokio::time::timeout_at(deadline, l2.flush()).await;
@@ -298,151 +287,6 @@ impl Drop for Proxy {
             task.abort();
         }
     }
-}
-
-/// Reloads a running proxy's routes and admin token; see [`Proxy::reloader`].
-#[derive(Clone)]
-pub struct Reloader {
-    /// One reload at a time: two at once could leave one's routes with
-    /// the other's token.
-    reloading: Arc<std::sync::Mutex<()>>,
-    table: Arc<std::sync::RwLock<Arc<routes::Table>>>,
-    admin_live: Arc<std::sync::RwLock<admin::AdminLive>>,
-    engine: TieredCache,
-    forward: Forward,
-    recorder: SharedRecorder,
-    started: Arc<ProxyConfig>,
-}
-
-impl std::fmt::Debug for Reloader {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Reloader")
-    }
-}
-
-impl Reloader {
-    /// Replaces the routes and the admin token with `config`'s; on an
-    /// error what is in force stays. The names of `config`'s settings left
-    /// unapplied until a restart (see [`ProxyConfig::kept_until_restart`]).
-    pub fn reload(&self, config: &ProxyConfig) -> Result<Vec<&'static str>, ProxyError> {
-        let _one_at_a_time = self.reloading.lock().unwrap_or_else(|e| e.into_inner());
-        config.check()?;
-        let (table, layer) = route_table(config, &self.engine, &self.forward, &self.recorder)?;
-        *self.table.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
-        *self.admin_live.write().unwrap_or_else(|e| e.into_inner()) = admin::AdminLive {
-            layer,
-            token: config.admin_token.clone(),
-        };
-        Ok(self.started.kept_until_restart(config))
-    }
-}
-
-/// The routes `config` describes, each a service over `forward`, and the
-/// defaults' layer (the admin endpoints invalidate through it).
-fn route_table(
-    config: &ProxyConfig,
-    engine: &TieredCache,
-    forward: &Forward,
-    recorder: &SharedRecorder,
-) -> Result<(routes::Table, ResponseCacheLayer), ProxyError> {
-    // The fields a route keys on (or names, passing through) reach the
-    // upstream as sent; names the layer refuses never get here.
-    let keyed_forward = |config: &ProxyConfig| {
-        let keyed = config
-            .key_headers
-            .iter()
-            .filter_map(|n| http::HeaderName::from_bytes(n.as_bytes()).ok())
-            .collect();
-        forward.clone().keyed(keyed)
-    };
-    let cached = |name: &str,
-                  config: &ProxyConfig|
-     -> Result<(routes::RouteService, ResponseCacheLayer), ProxyError> {
-        let policy = config
-            .policy()
-            .map_err(|e| ProxyError::Config(format!("{name}: {e}")))?;
-        let layer = http_layer(config, engine.clone(), policy, name, recorder)?;
-        let service = tower::Layer::layer(&layer, keyed_forward(config));
-        Ok((routes::RouteService::new(service), layer))
-    };
-    // Untouched: the upstream's answer as is, no cache fields.
-    let pass = |config: &ProxyConfig| {
-        routes::RouteService::new(tower::ServiceExt::map_response(
-            keyed_forward(config),
-            |res: http::Response<forward::UpstreamBody>| res.map(tiercache_http::CacheBody::stream),
-        ))
-    };
-    let (default, layer) = cached("proxy", config)?;
-    let mut table = routes::Table {
-        routes: Vec::new(),
-        default,
-        looped: pass(config),
-        forward: forward.clone(),
-    };
-    for route in &config.routes {
-        let service = if route.cache {
-            cached(route.path.as_str(), &config.with(&route.settings))?.0
-        } else {
-            pass(&config.with(&route.settings))
-        };
-        table.routes.push((route.path.clone(), service));
-    }
-    Ok((table, layer))
-}
-
-/// The cache layer the settings describe; a bad header name is named in the error.
-fn http_layer(
-    config: &ProxyConfig,
-    engine: TieredCache,
-    policy: Policy,
-    name: &str,
-    recorder: &SharedRecorder,
-) -> Result<ResponseCacheLayer, ProxyError> {
-    let header = |flag: &str, name: &str| {
-        http::HeaderName::from_bytes(name.as_bytes())
-            .map_err(|_| ProxyError::Config(format!("{flag} `{name}`: not a header name")))
-    };
-    let mut base = ResponseCacheLayer::new(engine);
-    if let Some(authority) = &config.canonical_authority {
-        authority.parse::<http::uri::Authority>().map_err(|e| {
-            ProxyError::Config(format!(
-                "canonical authority `{authority}`: not a host[:port] ({e})"
-            ))
-        })?;
-        base = base.canonical_authority(authority);
-    }
-    let mut layer = base
-        .metrics_recorder(recorder.clone())
-        .max_body(usize::try_from(config.max_body).unwrap_or(usize::MAX))
-        .max_error_ttl(config.max_error_ttl)
-        .honor_client_no_cache(config.honor_client_no_cache)
-        .route_named(name, policy)
-        .map_err(|e| ProxyError::Config(e.to_string()))?;
-    if config.ttl.is_none() {
-        layer = layer.explicit_freshness_only();
-    }
-    if let Some(n) = config.max_variants {
-        layer = layer.max_variants(n);
-    }
-    match (config.ignore_cookies, config.key_cookies.is_empty()) {
-        (true, false) => {
-            return Err(ProxyError::Config(
-                "--ignore-cookies and --key-cookie exclude each other".into(),
-            ));
-        }
-        (true, true) => layer = layer.ignore_cookies(),
-        (false, false) => layer = layer.key_cookies(config.key_cookies.iter().cloned()),
-        (false, true) => {}
-    }
-    for name in &config.key_headers {
-        layer = layer.key_header(header("--key-header", name)?);
-    }
-    let targets = config
-        .targets
-        .iter()
-        .map(|t| header("--target", t))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(layer.targeted_fields(targets))
 }
 
 /// A Valkey setting's error, named as the user wrote it.

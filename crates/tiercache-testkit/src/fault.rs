@@ -32,7 +32,7 @@ pub enum Fault {
 pub struct FaultProxy {
     addr: SocketAddr,
     fault: Arc<watch::Sender<Fault>>,
-    swallowed: Swallowed,
+    connections: Connections,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -45,8 +45,8 @@ impl FaultProxy {
         let addr = listener.local_addr().expect("local addr");
         let fault = Arc::new(watch::channel(Fault::Pass).0);
         let rx = fault.subscribe();
-        let swallowed = Swallowed::default();
-        let to_swallow = swallowed.clone();
+        let connections = Connections::default();
+        let to_swallow = connections.clone();
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let (rx, to_swallow) = (rx.clone(), to_swallow.clone());
@@ -56,7 +56,7 @@ impl FaultProxy {
         Self {
             addr,
             fault,
-            swallowed,
+            connections,
             task,
         }
     }
@@ -83,7 +83,7 @@ impl FaultProxy {
     /// even one that reuses the port once this one has closed. Whether an
     /// open connection through this proxy comes from `peer`.
     pub fn swallow(&self, peer: SocketAddr) -> bool {
-        let open = self.swallowed.0.lock().unwrap();
+        let open = self.connections.0.lock().unwrap();
         let silent = open.get(&peer);
         if let Some(silent) = silent {
             silent.store(true, Relaxed);
@@ -95,9 +95,9 @@ impl FaultProxy {
 /// The open connections by their server-side peer address (the proxy's
 /// own end towards the server), each with whether it is swallowed.
 #[derive(Debug, Clone, Default)]
-struct Swallowed(Arc<Mutex<HashMap<SocketAddr, Arc<AtomicBool>>>>);
+struct Connections(Arc<Mutex<HashMap<SocketAddr, Arc<AtomicBool>>>>);
 
-impl Swallowed {
+impl Connections {
     /// Registers the connection from `peer` while the guard lives.
     fn open(&self, peer: Option<SocketAddr>) -> OpenConnection {
         let silent = Arc::new(AtomicBool::new(false));
@@ -113,7 +113,7 @@ impl Swallowed {
 }
 
 struct OpenConnection {
-    open: Swallowed,
+    open: Connections,
     peer: Option<SocketAddr>,
     silent: Arc<AtomicBool>,
 }
@@ -142,7 +142,7 @@ async fn connection(
     client: TcpStream,
     upstream: SocketAddr,
     mut fault: watch::Receiver<Fault>,
-    swallowed: Swallowed,
+    connections: Connections,
 ) {
     if *fault.borrow() == Fault::Reset {
         return reset(client);
@@ -152,7 +152,7 @@ async fn connection(
     };
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
-    let open = swallowed.open(server.local_addr().ok());
+    let open = connections.open(server.local_addr().ok());
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
     let silent = open.silent.clone();

@@ -12,9 +12,6 @@ pub(crate) struct Breaker {
     threshold: u32,
     interval: Duration,
     state: Mutex<State>,
-    /// When it last opened after being closed (kept through probes that
-    /// fail, cleared by one that succeeds).
-    open_since: Mutex<Option<Instant>>,
     pub(crate) trips: AtomicU64,
 }
 
@@ -23,8 +20,11 @@ enum State {
     Closed {
         failures: u32,
     },
+    /// `since`, in both open states: when it opened after being closed
+    /// (kept through probes that fail).
     Open {
         until: Instant,
+        since: Instant,
     },
     /// One probe is out; everyone else is refused until it answers, or
     /// until `until`: a probe whose caller gave up on it (its future was
@@ -32,6 +32,7 @@ enum State {
     /// open for good.
     Probing {
         until: Instant,
+        since: Instant,
     },
 }
 
@@ -41,7 +42,6 @@ impl Breaker {
             threshold: threshold.max(1),
             interval,
             state: Mutex::new(State::Closed { failures: 0 }),
-            open_since: Mutex::new(None),
             trips: AtomicU64::new(0),
         }
     }
@@ -52,9 +52,10 @@ impl Breaker {
         let now = Instant::now();
         match *state {
             State::Closed { .. } => true,
-            State::Open { until } | State::Probing { until } if now >= until => {
+            State::Open { until, since } | State::Probing { until, since } if now >= until => {
                 *state = State::Probing {
                     until: now + self.interval,
+                    since,
                 };
                 true
             }
@@ -63,39 +64,37 @@ impl Breaker {
     }
 
     pub(crate) fn success(&self) {
-        let mut state = self.state.lock().unwrap();
-        *state = State::Closed { failures: 0 };
-        *self.open_since.lock().unwrap() = None;
+        *self.state.lock().unwrap() = State::Closed { failures: 0 };
     }
 
     pub(crate) fn failure(&self) {
         let mut state = self.state.lock().unwrap();
-        let trip = match *state {
+        let now = Instant::now();
+        let since = match *state {
             State::Closed { failures } if failures + 1 < self.threshold => {
                 *state = State::Closed {
                     failures: failures + 1,
                 };
-                false
+                return;
             }
-            State::Open { .. } => false,
-            _ => true,
+            State::Open { .. } => return,
+            State::Closed { .. } => now,
+            State::Probing { since, .. } => since,
         };
-        if trip {
-            let now = Instant::now();
-            *state = State::Open {
-                until: now + self.interval,
-            };
-            self.open_since.lock().unwrap().get_or_insert(now);
-            self.trips.fetch_add(1, Relaxed);
-        }
+        *state = State::Open {
+            until: now + self.interval,
+            since,
+        };
+        self.trips.fetch_add(1, Relaxed);
     }
 
     /// How long it has stayed open (no probe succeeding since it opened),
     /// or `None` while closed.
     pub(crate) fn open_for(&self) -> Option<Duration> {
-        let _state = self.state.lock().unwrap();
-        let since = *self.open_since.lock().unwrap();
-        since.map(|since| since.elapsed())
+        match *self.state.lock().unwrap() {
+            State::Closed { .. } => None,
+            State::Open { since, .. } | State::Probing { since, .. } => Some(since.elapsed()),
+        }
     }
 
     pub(crate) fn is_open(&self) -> bool {

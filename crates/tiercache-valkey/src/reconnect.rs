@@ -177,26 +177,27 @@ pub(crate) fn subscriber(
 pub(crate) async fn watchdog(tier: Weak<Inner>, timeout: Duration) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut forced: Option<tokio::time::Instant> = None;
+    let mut checked: Option<tokio::time::Instant> = None;
     loop {
         tick.tick().await;
         let Some(inner) = tier.upgrade() else {
             return;
         };
-        let open = inner.breaker.open_for();
-        if open.is_none_or(|open| open < REOPEN_AFTER)
-            || forced.is_some_and(|at| at.elapsed() < REOPEN_AFTER)
+        if inner
+            .breaker
+            .open_for()
+            .is_none_or(|open| open < REOPEN_AFTER)
+            || checked.is_some_and(|at| at.elapsed() < REOPEN_AFTER)
         {
             continue;
         }
-        forced = Some(tokio::time::Instant::now());
+        checked = Some(tokio::time::Instant::now());
         if !inner.client.is_connected() {
             continue;
         }
         let client = inner.client.clone();
         drop(inner);
-        let ping = client.ping::<fred::prelude::Value>(None);
-        let answered = matches!(tokio::time::timeout(timeout, ping).await, Ok(Ok(_)));
+        let answered = answers(&client, None, timeout).await;
         let Some(inner) = tier.upgrade() else {
             return;
         };
@@ -242,18 +243,14 @@ pub(crate) async fn heartbeat(bus: Weak<Bus>, timeout: Duration) {
     }
 }
 
-/// Whether the subscriber answers a `PING` within `timeout`, on a cluster
-/// from the node `route` picks.
-async fn answers(
-    subscriber: &SubscriberClient,
-    route: Option<ClusterHash>,
-    timeout: Duration,
-) -> bool {
+/// Whether `client` answers a `PING` within `timeout`, on a cluster from
+/// the node `route` picks (fred's own pick for `None`).
+async fn answers(client: &impl ClientLike, route: Option<ClusterHash>, timeout: Duration) -> bool {
     let options = fred::prelude::Options {
         cluster_hash: route,
         ..Default::default()
     };
-    let subscriber = subscriber.with_options(&options);
-    let ping = subscriber.ping::<fred::prelude::Value>(None);
+    let client = client.with_options(&options);
+    let ping = client.ping::<fred::prelude::Value>(None);
     matches!(tokio::time::timeout(timeout, ping).await, Ok(Ok(_)))
 }
