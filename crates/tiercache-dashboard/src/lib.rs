@@ -314,6 +314,14 @@ pub struct L2State {
     pub invalidations_received: u64,
     /// Waits on another instance's fill lock.
     pub lock_waits: u64,
+    /// Times the breaker opened.
+    pub breaker_trips: u64,
+    /// Times the tier's client was made to reconnect because Valkey stayed
+    /// out (a connection gone silent, or a server down).
+    pub reconnects_forced: u64,
+    /// Times L1 was dropped because invalidations from other instances may
+    /// have been missed (the message stream was lost or went silent).
+    pub resyncs: u64,
 }
 
 /// The per-second history.
@@ -369,6 +377,9 @@ impl Dashboard {
                 timeouts: stats.l2_timeouts,
                 invalidations_received: stats.l2.invalidations_received,
                 lock_waits: stats.l2.lock_waits,
+                breaker_trips: stats.l2.breaker_trips,
+                reconnects_forced: stats.l2.reconnects_forced,
+                resyncs: stats.l2.resyncs,
             },
             invalidations: stats.invalidations,
             history: HistoryView {

@@ -6,9 +6,13 @@ use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::routing::get;
+use bytes::Bytes;
 use http_body_util::BodyExt;
 use serde_json::Value;
-use tiercache_core::{CacheKey, MockClock, Policy, TieredCache, Value as Stored};
+use tiercache_core::{
+    BoxFuture, CacheKey, Entry, Invalidation, MockClock, Policy, Tier, TierError, TierHit,
+    TierReport, TieredCache, Value as Stored,
+};
 use tiercache_http::ResponseCacheLayer;
 use tower::ServiceExt;
 
@@ -93,6 +97,67 @@ async fn stats_show_the_traffic_by_outcome_with_a_per_second_history() {
         (Some(4), Some(8))
     );
     assert!(last["at_ms"].as_u64().unwrap() > 0);
+}
+
+/// A shared tier that stores nothing and reports fixed counters: what the
+/// L2 panel shows comes from the tier's own report.
+#[derive(Debug)]
+struct Reporting(TierReport);
+
+impl Tier for Reporting {
+    fn get<'a>(&'a self, _: &'a CacheKey) -> BoxFuture<'a, Result<Option<TierHit>, TierError>> {
+        Box::pin(async { Ok(None) })
+    }
+
+    fn put(&self, _: &CacheKey, _: &Entry, _: Duration, _: &[Bytes]) {}
+
+    fn invalidate<'a>(&'a self, _: Invalidation) -> BoxFuture<'a, Result<(), TierError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn report(&self) -> TierReport {
+        self.0
+    }
+}
+
+#[tokio::test]
+async fn the_l2_panel_shows_the_breaker_reconnections_and_resyncs() {
+    let mut report = TierReport::default();
+    report.breaker_trips = 3;
+    report.reconnects_forced = 2;
+    report.resyncs = 5;
+    report.lock_waits = 7;
+    let engine = TieredCache::builder()
+        .sweep_interval(None)
+        .l2(Reporting(report))
+        .build()
+        .unwrap();
+    let app = app(&engine);
+
+    let l2 = &json(&app, "/admin/cache/api/stats").await["l2"];
+    assert_eq!(l2["configured"], true);
+    assert_eq!(
+        (
+            &l2["breaker_trips"],
+            &l2["reconnects_forced"],
+            &l2["resyncs"],
+            &l2["lock_waits"]
+        ),
+        (
+            &Value::from(3),
+            &Value::from(2),
+            &Value::from(5),
+            &Value::from(7)
+        ),
+        "{l2}"
+    );
+    let (_, _, page) = fetch(&app, "/admin/cache").await;
+    for id in ["l2-trips", "l2-resyncs"] {
+        assert!(
+            page.contains(&format!(r#"id="{id}""#)),
+            "the page shows {id}"
+        );
+    }
 }
 
 #[tokio::test]
