@@ -657,3 +657,97 @@ async fn an_idle_instances_breaker_closes_once_valkey_answers() {
         "a healthy client reconnected"
     );
 }
+
+/// Valkey down for long never grows the client's queue: fred holds a
+/// command sent while it reconnects until Valkey is back, long after its
+/// caller gave up on it, so an outage of hours kept every invalidation,
+/// write probe and retry of those hours (fills' bytes included). Now a
+/// command is not sent while the client is not connected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_valkey_is_down_nothing_piles_up_in_the_clients_queue() {
+    use fred::interfaces::{ClientLike, MetricsInterface};
+
+    let mut server = ValkeyServer::start();
+    let origin = Origin::default();
+    let a = instance(&server, &origin).await;
+    server.kill();
+    eventually("the client sees Valkey gone", || {
+        !a.tier.client().is_connected()
+    })
+    .await;
+    // Writes (each invalidates its URL) and the misses after them (fills
+    // queued for Valkey), many at once.
+    let mut requests = tokio::task::JoinSet::new();
+    for i in 0..400 {
+        let app = a.app.clone();
+        let method = if i % 2 == 0 { "POST" } else { "GET" };
+        requests.spawn(async move { send(&app, method, &format!("/v/{}", i % 8)).await.0 });
+    }
+    while let Some(status) = requests.join_next().await {
+        assert_eq!(status.unwrap(), StatusCode::OK, "Valkey down fails nothing");
+    }
+    let queued = a.tier.client().command_queue_len();
+    assert!(
+        queued <= 4,
+        "{queued} commands wait in the client's queue for a Valkey that is down"
+    );
+
+    // And all is well once Valkey is back: the pending invalidations land.
+    server.restart();
+    bounded("the invalidations land", async {
+        eventually("nothing pending", || {
+            a.engine.stats().invalidations.pending == 0
+        })
+        .await;
+    })
+    .await;
+}
+
+/// A wait given up while Valkey was down leaves no subscription behind:
+/// its unsubscribe could not go out, and fred subscribed the channel again
+/// on every reconnection, for good (each later release on it sent to this
+/// instance too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_given_up_while_valkey_was_down_leaves_no_subscription_behind() {
+    let mut server = ValkeyServer::start();
+    let origin = Origin::default();
+    let a = instance(&server, &origin).await;
+    let b = instance(&server, &origin).await;
+    let holder = tokio::spawn({
+        let app = a.app.clone();
+        async move { send(&app, "GET", "/slow").await }
+    });
+    origin.calls.reached(1).await;
+    let waiter = tokio::spawn({
+        let app = b.app.clone();
+        async move { send(&app, "GET", "/slow").await }
+    });
+    let subscribed = |server: &ValkeyServer| server.cmd(&["PUBSUB", "SHARDCHANNELS"]);
+    bounded("B subscribes to the lock's channel", async {
+        while subscribed(&server).trim().is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    server.kill();
+    // B gives up on Valkey and loads the origin itself; its unsubscribe
+    // cannot go out.
+    assert_eq!(bounded("B's answer", waiter).await.unwrap().2, "slow");
+    origin.gate.open();
+    assert_eq!(bounded("the holder", holder).await.unwrap().2, "slow");
+    server.restart();
+    // Both subscribers are back (each subscribes again to what it tracks
+    // first, then to the invalidation channel).
+    server.subscribed("tc:inv", 2).await;
+    let left = tokio::time::timeout(Duration::from_secs(10), async {
+        while !subscribed(&server).trim().is_empty() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(
+        left.is_ok(),
+        "a channel nobody waits on is still subscribed: {}",
+        subscribed(&server)
+    );
+}

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, SystemTime};
 
 use fred::clients::SubscriberClient;
-use fred::prelude::PubsubInterface;
+use fred::prelude::{ClientLike, PubsubInterface};
 use tiercache_core::{Invalidation, InvalidationSink, Unlocked};
 use tokio::sync::{broadcast, watch};
 
@@ -229,6 +229,26 @@ impl Bus {
         }
     }
 
+    /// Unsubscribes the shard channels the subscriber holds that nobody
+    /// waits on. An unsubscribe that could not go out (Valkey down, a
+    /// timeout) left its channel subscribed, and fred subscribes every
+    /// channel it holds again on each reconnection: for good, each later
+    /// release on it sent here too. (A wait that starts meanwhile may lose
+    /// its subscription to this: it re-checks the lock on a short backoff.)
+    pub(crate) async fn unsubscribe_strays(&self, timeout: Duration) {
+        let strays: Vec<_> = {
+            let waiters = self.waiters.lock().unwrap_or_else(|e| e.into_inner());
+            self.subscriber
+                .tracked_shard_channels()
+                .into_iter()
+                .filter(|channel| !waiters.contains_key(&**channel))
+                .collect()
+        };
+        for channel in strays {
+            let _ = tokio::time::timeout(timeout, self.subscriber.sunsubscribe(channel)).await;
+        }
+    }
+
     fn wake(&self, channel: &str, how: Unlocked) {
         let waiters = self.waiters.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(tx) = waiters.get(channel) {
@@ -310,6 +330,11 @@ impl Drop for Waiter {
             .is_some_and(|tx| tx.receiver_count() <= 1)
         {
             waiters.remove(&self.channel);
+            // Not while it reconnects: fred would hold the command until
+            // it is back (the heartbeat unsubscribes what is left).
+            if !self.bus.subscriber.is_connected() {
+                return;
+            }
             let subscriber = self.bus.subscriber.clone();
             let channel = self.channel.clone();
             if let Ok(rt) = tokio::runtime::Handle::try_current() {

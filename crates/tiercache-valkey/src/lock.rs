@@ -43,6 +43,11 @@ pub(crate) struct Release {
 /// Sends `release` once: the unlock, the shared answer (if any) and the
 /// notification, each on its own bound. Whether the unlock landed.
 pub(crate) async fn release_once(inner: &Inner, release: &Release) -> bool {
+    // Not queued in fred while it reconnects (see `Inner::connected`): the
+    // retry comes after the backoff.
+    if inner.connected().is_err() {
+        return false;
+    }
     let client = &inner.client;
     let bound = inner.command_timeout;
     // A shared answer is left first, for a moment, where a waiter that

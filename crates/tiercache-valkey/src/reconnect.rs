@@ -239,7 +239,9 @@ pub(crate) async fn heartbeat(bus: Weak<Bus>, timeout: Duration) {
         });
         if !answers(&bus.subscriber, subscription, timeout).await {
             let _ = tokio::time::timeout(timeout, bus.subscriber.force_reconnection()).await;
+            continue;
         }
+        bus.unsubscribe_strays(timeout).await;
     }
 }
 

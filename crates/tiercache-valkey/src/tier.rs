@@ -75,6 +75,23 @@ impl Inner {
             .unwrap_or_else(|e| e.into_inner())
             .remove(token);
     }
+
+    /// Whether a command may go out: only while the client is connected.
+    /// fred keeps a command sent while it reconnects in its queue, with no
+    /// bound, until Valkey is back, long after its caller gave up on it:
+    /// an outage of hours kept every invalidation, write probe and release
+    /// retry of those hours, fills' bytes included. (fred's per-command
+    /// `fail_fast` is this check, for commands sent `with_options` only.)
+    pub(crate) fn connected(&self) -> Result<(), TierError> {
+        if self.client.is_connected() {
+            Ok(())
+        } else {
+            Err(TierError::new(
+                "Valkey is not connected (reconnecting)",
+                None,
+            ))
+        }
+    }
 }
 
 impl fmt::Debug for ValkeyTier {
@@ -276,12 +293,15 @@ impl ValkeyTier {
     ) -> impl std::future::Future<Output = Result<T, TierError>> + Send + 'a {
         let inner = &self.inner;
         async move {
-            let result = match tokio::time::timeout(inner.command_timeout, op).await {
-                Ok(result) => result,
-                Err(_) => Err(TierError::timeout(format!(
-                    "no answer within {:?}",
-                    inner.command_timeout
-                ))),
+            let result = match inner.connected() {
+                Err(e) => Err(e),
+                Ok(()) => match tokio::time::timeout(inner.command_timeout, op).await {
+                    Ok(result) => result,
+                    Err(_) => Err(TierError::timeout(format!(
+                        "no answer within {:?}",
+                        inner.command_timeout
+                    ))),
+                },
             };
             match &result {
                 Ok(_) => inner.breaker.success(),
@@ -353,11 +373,14 @@ impl Tier for ValkeyTier {
             // bounded by a few command timeouts, not one.
             let bound = self.inner.command_timeout * 6;
             let op = self.apply_invalidation(invalidation);
-            let result = match tokio::time::timeout(bound, op).await {
-                Ok(result) => result,
-                Err(_) => Err(TierError::timeout(format!(
-                    "invalidation took over {bound:?}"
-                ))),
+            let result = match self.inner.connected() {
+                Err(e) => Err(e),
+                Ok(()) => match tokio::time::timeout(bound, op).await {
+                    Ok(result) => result,
+                    Err(_) => Err(TierError::timeout(format!(
+                        "invalidation took over {bound:?}"
+                    ))),
+                },
             };
             match &result {
                 Ok(()) => self.inner.breaker.success(),

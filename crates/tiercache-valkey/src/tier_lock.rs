@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use bytes::Bytes;
-use fred::prelude::{KeysInterface, LuaInterface, PubsubInterface, Value};
+use fred::prelude::{ClientLike, KeysInterface, LuaInterface, PubsubInterface, Value};
 use rand::Rng;
 use tiercache_core::{CacheKey, LockAttempt, LockToken, TierError, Unlocked};
 
@@ -134,7 +134,10 @@ impl ValkeyTier {
         self.inner.bus.lock_waits.fetch_add(1, Relaxed);
         let channel = self.done_channel(key);
         let mut waiter = self.inner.bus.wait_on(&channel);
-        if waiter.first {
+        // Not subscribed while the subscriber reconnects (fred would hold
+        // the command until it is back): the re-checks below find the
+        // release.
+        if waiter.first && self.inner.bus.subscriber.is_connected() {
             let subscriber = self.inner.bus.subscriber.clone();
             self.bounded(async {
                 subscriber

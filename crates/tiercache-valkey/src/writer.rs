@@ -293,6 +293,13 @@ async fn apply_batch(
     inner: &Inner,
     batch: &[Command],
 ) -> Result<(Vec<bool>, bool), fred::error::Error> {
+    if inner.connected().is_err() {
+        // Failed, not queued in fred (see `Inner::connected`).
+        return Err(fred::error::Error::new(
+            fred::error::ErrorKind::Canceled,
+            "not connected",
+        ));
+    }
     let pipe = inner.client.pipeline();
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
