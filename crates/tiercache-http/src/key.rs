@@ -253,10 +253,15 @@ pub fn variant_matches(entry: &Entry, request: &HeaderMap) -> bool {
 
 /// All values of `name`, joined by `", "` (RFC 9110 §5.3 field
 /// combination); `Accept-Encoding` normalised first (see
-/// [`normalized_accept_encoding`]).
+/// [`normalized_accept_encoding`]). A field the request does not carry is
+/// a byte no field value holds, so it never matches one carried empty
+/// (RFC 9111 §4.1).
 fn joined(headers: &HeaderMap, name: &HeaderName) -> Vec<u8> {
     if name == ACCEPT_ENCODING {
         return normalized_accept_encoding(headers);
+    }
+    if !headers.contains_key(name) {
+        return vec![0];
     }
     let mut out = Vec::new();
     for (i, v) in headers.get_all(name).iter().enumerate() {
@@ -280,16 +285,19 @@ pub(crate) fn known_coding(coding: &[u8]) -> bool {
 }
 
 /// `Accept-Encoding` reduced to what decides the answer (as Varnish does):
-/// the known codings the client accepts (q > 0), in a fixed order. Junk
-/// values, orderings, spacing, weights and case all collapse, so a client
-/// cannot mint a variant per request and lock a URL's variant slots.
+/// the known codings the client accepts (q > 0), in a fixed order, and
+/// when it takes any (`*`) those it refuses by name (`-gzip`), which `*`
+/// alone would offer it. Junk values, orderings, spacing, weights and case
+/// all collapse, so a client cannot mint a variant per request and lock a
+/// URL's variant slots.
 pub fn normalized_accept_encoding(headers: &HeaderMap) -> Vec<u8> {
     let mut accepted = [false; CODINGS.len()];
+    let mut refused = [false; CODINGS.len()];
     for value in headers.get_all(ACCEPT_ENCODING) {
         for item in value.as_bytes().split(|&b| b == b',') {
             let mut parts = item.split(|&b| b == b';');
             let coding = parts.next().unwrap_or_default().trim_ascii();
-            let refused = parts.any(|p| {
+            let is_refused = parts.any(|p| {
                 let p = p.trim_ascii();
                 p.len() >= 2
                     && p[..2].eq_ignore_ascii_case(b"q=")
@@ -304,19 +312,32 @@ pub fn normalized_accept_encoding(headers: &HeaderMap) -> Vec<u8> {
             } else {
                 coding
             };
-            if let Some(i) = CODINGS.iter().position(|c| c.eq_ignore_ascii_case(coding))
-                && !refused
-            {
-                accepted[i] = true;
+            if let Some(i) = CODINGS.iter().position(|c| c.eq_ignore_ascii_case(coding)) {
+                if is_refused {
+                    refused[i] = true;
+                } else {
+                    accepted[i] = true;
+                }
             }
         }
     }
     let mut out = Vec::new();
-    for (coding, _) in CODINGS.iter().zip(accepted).filter(|(_, on)| *on) {
+    let mut add = |sign: &[u8], coding: &[u8]| {
         if !out.is_empty() {
             out.push(b',');
         }
+        out.extend_from_slice(sign);
         out.extend_from_slice(coding);
+    };
+    for (coding, _) in CODINGS.iter().zip(accepted).filter(|(_, on)| *on) {
+        add(b"", coding);
+    }
+    if accepted[CODINGS.len() - 1] {
+        for (i, coding) in CODINGS[..CODINGS.len() - 1].iter().enumerate() {
+            if refused[i] && !accepted[i] {
+                add(b"-", coding);
+            }
+        }
     }
     out
 }
@@ -415,6 +436,41 @@ mod tests {
             ae("x-gzip;q=0"),
             normalized_accept_encoding(&HeaderMap::new())
         );
+    }
+
+    /// A coding refused by name beside `*` is refused: such a client may
+    /// not share the copy stored for one that takes anything (RFC 9110
+    /// §12.5.3), which could be in that very coding. Without `*`, a refusal
+    /// is the same as not naming it.
+    #[test]
+    fn a_coding_refused_beside_the_wildcard_is_its_own_variant() {
+        let ae = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(ACCEPT_ENCODING, v.parse().unwrap());
+            normalized_accept_encoding(&h)
+        };
+        assert_ne!(ae("gzip;q=0, *"), ae("*"));
+        assert_ne!(ae("*, gzip;q=0"), ae("*"));
+        assert_eq!(ae("*, gzip;q=0"), ae("x-gzip;Q=0.0, *"));
+        assert_ne!(ae("*, br;q=0"), ae("*, gzip;q=0"));
+        assert_eq!(ae("gzip;q=0, br"), ae("br"));
+        assert_eq!(ae("gzip, *;q=0"), ae("gzip"));
+    }
+
+    /// A field the request does not carry is not the same as one it
+    /// carries empty (RFC 9111 §4.1).
+    #[test]
+    fn an_absent_field_is_not_an_empty_one() {
+        let mut res = HeaderMap::new();
+        res.insert(VARY, "x-flag".parse().unwrap());
+        let mut empty = HeaderMap::new();
+        empty.insert("x-flag", "".parse().unwrap());
+        let entry = entry_with(variant_for(&res, &empty));
+        assert!(variant_matches(&entry, &empty));
+        assert!(!variant_matches(&entry, &HeaderMap::new()));
+        let entry = entry_with(variant_for(&res, &HeaderMap::new()));
+        assert!(variant_matches(&entry, &HeaderMap::new()));
+        assert!(!variant_matches(&entry, &empty));
     }
 
     #[test]

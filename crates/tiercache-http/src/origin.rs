@@ -325,8 +325,21 @@ impl Load<'_> {
             reason.marks_key() && (parts.status.is_success() || parts.status.is_redirection());
         // A body that broke off is the origin failing, whatever its status.
         let failed = is_origin_error(parts.status) || reason == Reason::BodyFailed;
+        let output = if reason == Reason::BodyFailed {
+            // It broke off while it was read whole, before any of it was
+            // sent: a clean 502 (RFC 9110 §15.6.3). The origin's head with
+            // a body that breaks reached an HTTP/1 client as nothing at
+            // all, an empty reply, which clients retry blindly.
+            let mut res = Response::new(CacheBody::full(Bytes::from_static(
+                b"the origin's answer broke off before its end\n",
+            )));
+            *res.status_mut() = StatusCode::BAD_GATEWAY;
+            res
+        } else {
+            Response::from_parts(parts, body)
+        };
         Loaded::Pass {
-            output: (Response::from_parts(parts, body), reason),
+            output: (output, reason),
             failed,
             uncacheable,
         }
@@ -413,6 +426,17 @@ fn fill_for(route: &Route, headers: &HeaderMap, status: StatusCode) -> Result<Pl
         Some(_) if !error => Lifetime::Route,
         _ => return Err(Reason::NoFreshness),
     };
+    // The route's lifetimes count from the origin's answer (the engine
+    // keeps what is left of them): one its `Age` has spent is stale on
+    // arrival (RFC 9111 §4.2).
+    let nominal = match lifetime {
+        Lifetime::Route => Some(route.policy.fresh_ttl()),
+        Lifetime::Negative => Some(route.policy.negative()),
+        Lifetime::Declared(_) => None,
+    };
+    if nominal.is_some_and(|ttl| origin.age >= ttl) {
+        return Err(Reason::NotFresh);
+    }
     Ok(Plan { lifetime, origin })
 }
 

@@ -106,7 +106,10 @@ impl Fill {
         self
     }
 
-    /// The age the origin reported (`Age`), so stored ages count from its answer.
+    /// The age the origin reported (`Age`), so stored ages count from its
+    /// answer, and so do the route's lifetimes ([`Lifetime::Route`],
+    /// [`Lifetime::Negative`]): the entry lives what is left of them. A
+    /// [`Lifetime::Declared`] is what is left already.
     pub fn initial_age(mut self, age: Duration) -> Self {
         self.initial_age = age;
         self
@@ -250,9 +253,15 @@ impl TieredCache {
     ) -> (Times, Duration) {
         let fresh = {
             let mut rng = self.inner.rng.lock().unwrap_or_else(|e| e.into_inner());
+            // The route's lifetimes count from the origin's answer, whose
+            // age it reported (RFC 9111 §4.2): only what is left of them.
             match fill.lifetime {
-                super::Lifetime::Route => policy.draw_ttl(&mut *rng),
-                super::Lifetime::Negative => policy.draw_negative_ttl(&mut *rng),
+                super::Lifetime::Route => {
+                    policy.draw_ttl(&mut *rng).saturating_sub(fill.initial_age)
+                }
+                super::Lifetime::Negative => policy
+                    .draw_negative_ttl(&mut *rng)
+                    .saturating_sub(fill.initial_age),
                 // An origin may declare any lifetime; no entry outlives a year.
                 super::Lifetime::Declared(d) => {
                     policy.draw_origin_ttl(d.min(crate::MAX_TTL), &mut *rng)
