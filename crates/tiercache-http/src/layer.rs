@@ -98,7 +98,10 @@ impl ResponseCacheLayer {
     /// A layer on `engine` with no route policy yet.
     pub fn new(engine: TieredCache) -> Self {
         Self {
-            variants: Variants::for_l1(engine.l1_capacity()),
+            // One per engine, however many layers are built on it.
+            variants: Variants::clone(
+                &engine.shared_state(|| Variants::for_l1(engine.l1_capacity())),
+            ),
             engine,
             route: None,
             config: Arc::new(HttpConfig::default()),

@@ -113,6 +113,32 @@ mod tests {
         assert!(variants.admit(&page, &v(3), 3, alive));
     }
 
+    /// Layers built apart on one engine (a proxy's routes, an app's
+    /// routers) keep one bookkeeping within one bound: each had its own,
+    /// a 32nd of L1's budget apiece against the one 32nd carved out.
+    #[test]
+    fn layers_built_apart_on_one_engine_share_one_bookkeeping() {
+        let engine = tiercache_core::TieredCache::builder()
+            .sweep_interval(None)
+            .build()
+            .unwrap();
+        let a = crate::ResponseCacheLayer::new(engine.clone());
+        let b = crate::ResponseCacheLayer::new(engine);
+        let page = CacheKey::new("/page");
+        assert!(
+            a.variants
+                .admit(&page, &page.with_part(b"gzip"), 3, |_| true)
+        );
+        assert_eq!(b.variants.take(&page).len(), 1, "b knows what a stored");
+        let other = tiercache_core::TieredCache::builder()
+            .sweep_interval(None)
+            .build()
+            .unwrap();
+        let c = crate::ResponseCacheLayer::new(other);
+        assert!(a.variants.admit(&page, &page.with_part(b"br"), 3, |_| true));
+        assert!(c.variants.take(&page).is_empty(), "another engine's own");
+    }
+
     #[test]
     fn variants_whose_entries_are_gone_free_their_slots() {
         let variants = Variants::new(Variants::MAX_BUDGET);

@@ -207,6 +207,7 @@ impl TieredCacheBuilder {
             outbox: Arc::default(),
             refreshes: Arc::new(tokio::sync::Semaphore::new(self.max_refreshes)),
             detached: Arc::new(tokio::sync::Semaphore::new(self.max_detached_fills)),
+            shared: Mutex::default(),
         });
         if let Some(l2) = &inner.l2 {
             let sink: Weak<dyn InvalidationSink> = Arc::downgrade(&inner) as _;

@@ -8,6 +8,8 @@
 //! `journal` and `invalidate` (invalidations, and fills they overtake), `api`
 //! (the programmatic calls: get, put, get_or_load, expire, …).
 
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -95,6 +97,8 @@ pub(crate) struct Inner {
     refreshes: Arc<tokio::sync::Semaphore>,
     /// Slots for fills whose caller left (see `max_detached_fills`).
     detached: Arc<tokio::sync::Semaphore>,
+    /// See [`TieredCache::shared_state`].
+    shared: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
 }
 
 /// A hit-for-miss mark leaves memory when it lapses on the engine's clock
@@ -256,6 +260,32 @@ impl TieredCache {
     /// Keys with an origin load in flight right now.
     pub fn in_flight(&self) -> usize {
         self.inner.flights.in_flight()
+    }
+
+    /// State kept once per engine for what is built on it: the first call
+    /// for a type makes it with `make`; every later call, from any clone of
+    /// this engine, gets that same value. The HTTP layer keeps its `Vary`
+    /// bookkeeping here, so layers built apart on one engine (a proxy's
+    /// routes, an application's routers) share its one bound.
+    ///
+    /// ```
+    /// # use std::sync::{Arc, atomic::AtomicU64};
+    /// # use tiercache_core::TieredCache;
+    /// let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
+    /// let a = cache.shared_state(|| AtomicU64::new(7));
+    /// let b = cache.clone().shared_state(|| AtomicU64::new(0));
+    /// assert!(Arc::ptr_eq(&a, &b));
+    /// ```
+    pub fn shared_state<T: Any + Send + Sync>(&self, make: impl FnOnce() -> T) -> Arc<T> {
+        let mut shared = self.inner.shared.lock().unwrap_or_else(|e| e.into_inner());
+        let state = shared
+            .entry(TypeId::of::<T>())
+            .or_insert_with(|| Arc::new(make()));
+        match Arc::clone(state).downcast::<T>() {
+            Ok(state) => state,
+            // Stored under its own type id: cannot be another.
+            Err(_) => unreachable!("shared state stored under another type"),
+        }
     }
 }
 
