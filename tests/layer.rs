@@ -832,3 +832,86 @@ async fn nested_routers_never_share_an_entry_under_the_stripped_path() {
     assert_eq!(body, "one /users v0");
     assert_eq!(headers["x-cache"], "HIT");
 }
+
+/// Bodies being read whole to be stored are held against one bound per
+/// engine (a sixteenth of L1's budget); past it a body streams through
+/// unstored, `detail=busy`, and its URL is not marked uncacheable. Before,
+/// nothing bounded them but their count: up to `max_detached_fills` (1,024)
+/// fills their clients had left could each hold a whole `max_body` (8 MiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_read_to_be_stored_stay_within_their_bound() {
+    use tokio::sync::mpsc;
+
+    /// A body sent frame by frame from a channel, open until its sender goes.
+    fn channel_body(rx: mpsc::Receiver<bytes::Bytes>) -> Body {
+        struct Frames(mpsc::Receiver<bytes::Bytes>);
+        impl futures_core::Stream for Frames {
+            type Item = Result<bytes::Bytes, std::io::Error>;
+            fn poll_next(
+                mut self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<Option<Self::Item>> {
+                self.0.poll_recv(cx).map(|frame| frame.map(Ok))
+            }
+        }
+        Body::from_stream(Frames(rx))
+    }
+    // L1 of 16 MiB: 1 MiB of bodies read at once.
+    let engine = TieredCache::builder()
+        .sweep_interval(None)
+        .l1_capacity(16 << 20)
+        .build()
+        .unwrap();
+    let layer = ResponseCacheLayer::new(engine);
+    let bodies: std::sync::Arc<std::sync::Mutex<Vec<mpsc::Receiver<bytes::Bytes>>>> =
+        std::sync::Arc::default();
+    let (a_tx, a_rx) = mpsc::channel(1);
+    let (b_tx, b_rx) = mpsc::channel(1);
+    bodies.lock().unwrap().extend([b_rx, a_rx]);
+    let handed = bodies.clone();
+    let app = Router::new().route(
+        "/{item}",
+        get(move || {
+            let body = handed.lock().unwrap().pop();
+            async move {
+                match body {
+                    Some(rx) => Response::new(channel_body(rx)),
+                    None => Response::new(Body::from("whole")),
+                }
+            }
+        })
+        .layer(layer.route(policy()).unwrap()),
+    );
+    let frame = |kib: usize| bytes::Bytes::from(vec![b'x'; kib << 10]);
+    // A's body: 400 KiB twice, then it stalls. The third frame is taken
+    // once the first two were read, so 400-800 KiB are held.
+    let a = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, get_req("/a")).await }
+    });
+    a_tx.send(frame(400)).await.unwrap();
+    a_tx.send(frame(400)).await.unwrap();
+    a_tx.send(frame(1)).await.unwrap();
+    // B's 700 KiB would take the bytes held past the bound: B is answered
+    // at once, streaming, while its origin is still sending.
+    b_tx.send(frame(700)).await.unwrap();
+    let b = tokio::time::timeout(Duration::from_secs(10), app.clone().oneshot(get_req("/b")))
+        .await
+        .expect("B waited to be read whole past the bound")
+        .unwrap();
+    assert_eq!(
+        h(b.headers(), "cache-status"),
+        "tiercache; fwd=miss; detail=busy"
+    );
+    drop(b_tx);
+    let b_body = b.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(b_body.len(), 700 << 10, "B's body intact");
+    drop(a_tx);
+    let (status, _, a_body) = bounded("A's answer", a).await.unwrap();
+    assert_eq!((status, a_body.len()), (StatusCode::OK, 801 << 10));
+    assert_eq!(h(&send(&app, get_req("/a")).await.1, "x-cache"), "HIT");
+    // B is not marked uncacheable: its next answer is stored.
+    let (_, headers, body) = send(&app, get_req("/b")).await;
+    assert_eq!((h(&headers, "x-cache"), body.as_str()), ("MISS", "whole"));
+    assert_eq!(h(&send(&app, get_req("/b")).await.1, "x-cache"), "HIT");
+}

@@ -244,6 +244,13 @@ impl Load<'_> {
         if announced.is_some_and(|len| len > max as u64) {
             return Err((CacheBody::stream(body), Reason::TooLarge));
         }
+        // Held against the bound of what bodies being read hold at once
+        // (see `Reading`): the announced length, allocated at once, or
+        // what has come.
+        let mut share = self.route.reading.share();
+        if !share.grow_to(announced.unwrap_or(0) as usize) {
+            return Err((CacheBody::stream(body), Reason::Busy));
+        }
         let mut body = Box::pin(body);
         let mut read = BodyBuilder::with_capacity(announced.unwrap_or(0) as usize);
         // What was read and the frame that stopped the read, to replay.
@@ -269,6 +276,10 @@ impl Load<'_> {
                             CacheBody::replay(frames, None, Some(body)),
                             Reason::TooLarge,
                         ));
+                    }
+                    if !share.grow_to(read.len() + data.len()) {
+                        let frames = replay(read, Some(frame));
+                        return Err((CacheBody::replay(frames, None, Some(body)), Reason::Busy));
                     }
                     read.push(data);
                 }
