@@ -842,6 +842,31 @@ async fn the_routes_lifetime_counts_from_the_origins_answer_too() {
     t.get("/gone").await;
     assert_eq!(x_cache(&t.get("/gone").await.1), "MISS");
     assert_eq!(t.origin.calls.get(), calls + 2);
+
+    // Past the shortest lifetime the jitter band may draw (30 s of 60 ±
+    // 50 %): stale on arrival, not stored dead.
+    let t = Harness::new(Policy::ttl(secs(60)).jitter(0.5).build().unwrap());
+    t.origin.set(Mode::Always(&[("age", "40")]));
+    let (_, h, _) = t.get("/r").await;
+    assert_eq!(status_of(&h), "tiercache; fwd=miss; detail=not-fresh");
+
+    // A route that overrides what the origin declared counts from this
+    // answer, as it always did: a CDN's `Age` does not keep it from
+    // storing.
+    let t = Harness::new(
+        Policy::ttl(secs(60))
+            .jitter(0.0)
+            .override_origin(true)
+            .build()
+            .unwrap(),
+    );
+    t.origin.set(Mode::Always(&[
+        ("cache-control", "max-age=86400"),
+        ("age", "3600"),
+    ]));
+    t.get("/r").await;
+    t.advance(59_000);
+    assert_eq!(x_cache(&t.get("/r").await.1), "HIT");
 }
 
 /// An expired entry with a validator is kept for a while (never answered)

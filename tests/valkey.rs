@@ -1234,3 +1234,70 @@ async fn the_tiers_connections_keep_alive_at_the_tcp_level() {
         "a connection without its keepalive timer: {timers:?}"
     );
 }
+
+/// The answer a lock release shares with the waiters (an origin error read
+/// whole, up to 256 KiB) rides the write queue within its byte bound, as a
+/// fill's copy does: past it the release goes without it. They were not
+/// counted, so a flood of failing URLs while Valkey was slow could queue
+/// 4,096 of them (~1 GiB) beside a 16 MiB bound.
+#[tokio::test]
+async fn answers_shared_by_lock_releases_count_against_the_write_queues_bytes() {
+    use tiercache::core::{Entry, LockToken, Tier, Times, Unlocked};
+
+    let server = ValkeyServer::start();
+    let bound = 1 << 20;
+    let tier = connect(
+        ValkeyConfig::from_url(&server.url())
+            .unwrap()
+            .write_queue_bytes(bound),
+    )
+    .await;
+    let now = std::time::SystemTime::now();
+    // One thread: the writer runs only once this test awaits, so all of
+    // these are queued together.
+    for i in 0..50 {
+        let key = CacheKey::new(format!("/failing/{i}"));
+        let mut error = Value::from_body(vec![b'e'; 100 << 10]);
+        error.status = 503;
+        let entry = Entry::new(
+            key.full().clone(),
+            bytes::Bytes::new(),
+            error,
+            Times::fresh(now, now + Duration::from_secs(1)),
+            Duration::ZERO,
+        );
+        let token = LockToken(bytes::Bytes::from(format!("token-{i}")));
+        tier.unlock(&key, &token, Unlocked::Shared(entry, true));
+    }
+    let queued = tier.report().write_queue_bytes;
+    assert!(
+        queued > bound as u64 / 2,
+        "the shared answers are not counted: {queued} bytes"
+    );
+    assert!(queued <= bound as u64, "{queued} bytes past the bound");
+    bounded("the releases", tier.flush()).await;
+    assert_eq!(tier.report().write_queue_bytes, 0);
+}
+
+/// A tier on a client the caller built, still connecting: its first
+/// commands wait for the connection under way (within the command
+/// timeout) rather than fail at once and open the breaker, which would
+/// send every instance of a deploy to the origin for its first moments.
+#[tokio::test]
+async fn a_tier_on_a_client_still_connecting_waits_for_it() {
+    use tiercache::core::Tier;
+
+    let server = ValkeyServer::start();
+    let client = fred::prelude::Builder::from_config(
+        fred::prelude::Config::from_url(&server.url()).unwrap(),
+    )
+    .build()
+    .unwrap();
+    let tier =
+        ValkeyTier::from_client(client, ValkeyConfig::from_url(&server.url()).unwrap()).unwrap();
+    for i in 0..5 {
+        let read = tier.get(&CacheKey::new(format!("/k/{i}"))).await;
+        assert!(read.is_ok(), "read {i}: {read:?}");
+    }
+    assert_eq!(tier.report().breaker_trips, 0);
+}

@@ -110,6 +110,9 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
 pub struct TierReport {
     /// Writes waiting in the write queue now.
     pub write_queue: u64,
+    /// Bytes those writes hold (fills' copies, and the answers lock
+    /// releases share), within the tier's bound.
+    pub write_queue_bytes: u64,
     /// Writes dropped because the write queue was full.
     pub write_drops: u64,
     /// Writes that failed or timed out.

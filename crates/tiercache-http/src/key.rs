@@ -255,13 +255,15 @@ pub fn variant_matches(entry: &Entry, request: &HeaderMap) -> bool {
 /// combination); `Accept-Encoding` normalised first (see
 /// [`normalized_accept_encoding`]). A field the request does not carry is
 /// a byte no field value holds, so it never matches one carried empty
-/// (RFC 9111 §4.1).
+/// (RFC 9111 §4.1); for `Accept-Encoding` that also keeps a client that
+/// names no coding (any is acceptable, RFC 9110 §12.5.3) apart from one
+/// that refuses every coding it knows.
 fn joined(headers: &HeaderMap, name: &HeaderName) -> Vec<u8> {
-    if name == ACCEPT_ENCODING {
-        return normalized_accept_encoding(headers);
-    }
     if !headers.contains_key(name) {
         return vec![0];
+    }
+    if name == ACCEPT_ENCODING {
+        return normalized_accept_encoding(headers);
     }
     let mut out = Vec::new();
     for (i, v) in headers.get_all(name).iter().enumerate() {
@@ -455,6 +457,15 @@ mod tests {
         assert_ne!(ae("*, br;q=0"), ae("*, gzip;q=0"));
         assert_eq!(ae("gzip;q=0, br"), ae("br"));
         assert_eq!(ae("gzip, *;q=0"), ae("gzip"));
+        // Naming no coding is taking any (RFC 9110 §12.5.3): a copy stored
+        // for such a client is not for one that refuses them all.
+        let mut res = HeaderMap::new();
+        res.insert(VARY, "accept-encoding".parse().unwrap());
+        let entry = entry_with(variant_for(&res, &HeaderMap::new()));
+        let mut refusing = HeaderMap::new();
+        refusing.insert(ACCEPT_ENCODING, "gzip;q=0".parse().unwrap());
+        assert!(!variant_matches(&entry, &refusing));
+        assert!(variant_matches(&entry, &HeaderMap::new()));
     }
 
     /// A field the request does not carry is not the same as one it

@@ -51,7 +51,6 @@ pub mod metrics;
 mod origin;
 pub mod paths;
 pub mod range;
-mod reading;
 pub mod request;
 mod respond;
 mod route;

@@ -244,13 +244,6 @@ impl Load<'_> {
         if announced.is_some_and(|len| len > max as u64) {
             return Err((CacheBody::stream(body), Reason::TooLarge));
         }
-        // Held against the bound of what bodies being read hold at once
-        // (see `Reading`): the announced length, allocated at once, or
-        // what has come.
-        let mut share = self.route.reading.share();
-        if !share.grow_to(announced.unwrap_or(0) as usize) {
-            return Err((CacheBody::stream(body), Reason::Busy));
-        }
         let mut body = Box::pin(body);
         let mut read = BodyBuilder::with_capacity(announced.unwrap_or(0) as usize);
         // What was read and the frame that stopped the read, to replay.
@@ -276,10 +269,6 @@ impl Load<'_> {
                             CacheBody::replay(frames, None, Some(body)),
                             Reason::TooLarge,
                         ));
-                    }
-                    if !share.grow_to(read.len() + data.len()) {
-                        let frames = replay(read, Some(frame));
-                        return Err((CacheBody::replay(frames, None, Some(body)), Reason::Busy));
                     }
                     read.push(data);
                 }
@@ -397,6 +386,8 @@ fn with_validators<B>(req: Request<B>, stale: &Entry) -> Request<B> {
 struct Plan {
     lifetime: Lifetime,
     origin: OriginFreshness,
+    /// What of a route lifetime the response spent already (its `Age`).
+    spent: std::time::Duration,
 }
 
 impl Plan {
@@ -409,6 +400,7 @@ impl Plan {
             )
             .no_stale(self.origin.no_stale)
             .initial_age(self.origin.age)
+            .spent(self.spent)
     }
 }
 
@@ -437,18 +429,33 @@ fn fill_for(route: &Route, headers: &HeaderMap, status: StatusCode) -> Result<Pl
         Some(_) if !error => Lifetime::Route,
         _ => return Err(Reason::NoFreshness),
     };
-    // The route's lifetimes count from the origin's answer (the engine
-    // keeps what is left of them): one its `Age` has spent is stale on
-    // arrival (RFC 9111 §4.2).
-    let nominal = match lifetime {
-        Lifetime::Route => Some(route.policy.fresh_ttl()),
-        Lifetime::Negative => Some(route.policy.negative()),
-        Lifetime::Declared(_) => None,
+    // A lifetime the route gives a response without freshness of its own
+    // counts from the origin's answer too (RFC 9111 §4.2): the engine keeps
+    // what its `Age` left, and one past the shortest the route may draw
+    // is stale on arrival. A route that overrides what the origin declared
+    // counts from this answer, as it always did.
+    let heuristic_lifetime = match lifetime {
+        Lifetime::Route if origin.lifetime.is_none() => Some(route.policy.fresh_ttl()),
+        Lifetime::Negative if origin.lifetime.is_none() => Some(route.policy.negative()),
+        _ => None,
     };
-    if nominal.is_some_and(|ttl| origin.age >= ttl) {
-        return Err(Reason::NotFresh);
-    }
-    Ok(Plan { lifetime, origin })
+    let spent = match heuristic_lifetime {
+        Some(ttl) => {
+            // The band's floor, for the negative ttl as for the ttl.
+            let (floor, _) = route.policy.band();
+            let floor = ttl.mul_f64(floor.as_secs_f64() / route.policy.fresh_ttl().as_secs_f64());
+            if origin.age >= floor {
+                return Err(Reason::NotFresh);
+            }
+            origin.age
+        }
+        None => std::time::Duration::ZERO,
+    };
+    Ok(Plan {
+        lifetime,
+        origin,
+        spent,
+    })
 }
 
 /// The tags a response is recorded under: the route's, those its

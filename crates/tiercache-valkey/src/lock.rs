@@ -45,7 +45,7 @@ pub(crate) struct Release {
 pub(crate) async fn release_once(inner: &Inner, release: &Release) -> bool {
     // Not queued in fred while it reconnects (see `Inner::connected`): the
     // retry comes after the backoff.
-    if inner.connected().is_err() {
+    if inner.connected().await.is_err() {
         return false;
     }
     let client = &inner.client;

@@ -76,13 +76,32 @@ impl Inner {
             .remove(token);
     }
 
-    /// Whether a command may go out: only while the client is connected.
+    /// Holds `size` more bytes in the write queue, unless that passes its
+    /// bound while it holds any (so one write of any size goes through).
+    pub(crate) fn hold_queued(&self, size: usize) -> bool {
+        let before = self.queued_bytes.fetch_add(size, Relaxed);
+        if before > 0 && before + size > self.queue_bytes_bound {
+            self.queued_bytes.fetch_sub(size, Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// Whether a command may go out: only once the client is connected.
     /// fred keeps a command sent while it reconnects in its queue, with no
     /// bound, until Valkey is back, long after its caller gave up on it:
     /// an outage of hours kept every invalidation, write probe and release
     /// retry of those hours, fills' bytes included. (fred's per-command
     /// `fail_fast` is this check, for commands sent `with_options` only.)
-    pub(crate) fn connected(&self) -> Result<(), TierError> {
+    /// A connection under way gets the command's own time to land first
+    /// (fred's reconnections are 50-250 ms apart, and three failures open
+    /// the breaker), so a short reconnection, or a client built by the
+    /// caller and still connecting, costs a wait, not an open breaker.
+    pub(crate) async fn connected(&self) -> Result<(), TierError> {
+        if !self.client.is_connected() {
+            let _ =
+                tokio::time::timeout(self.command_timeout, self.client.wait_for_connect()).await;
+        }
         if self.client.is_connected() {
             Ok(())
         } else {
@@ -293,7 +312,7 @@ impl ValkeyTier {
     ) -> impl std::future::Future<Output = Result<T, TierError>> + Send + 'a {
         let inner = &self.inner;
         async move {
-            let result = match inner.connected() {
+            let result = match inner.connected().await {
                 Err(e) => Err(e),
                 Ok(()) => match tokio::time::timeout(inner.command_timeout, op).await {
                     Ok(result) => result,
@@ -373,7 +392,7 @@ impl Tier for ValkeyTier {
             // bounded by a few command timeouts, not one.
             let bound = self.inner.command_timeout * 6;
             let op = self.apply_invalidation(invalidation);
-            let result = match self.inner.connected() {
+            let result = match self.inner.connected().await {
                 Err(e) => Err(e),
                 Ok(()) => match tokio::time::timeout(bound, op).await {
                     Ok(result) => result,
@@ -423,6 +442,7 @@ impl Tier for ValkeyTier {
         let i = &self.inner;
         let mut report = TierReport::default();
         report.write_queue = (i.writes.max_capacity() - i.writes.capacity()) as u64;
+        report.write_queue_bytes = i.queued_bytes.load(Relaxed) as u64;
         report.write_drops = i.write_drops.load(Relaxed);
         report.write_errors = i.write_errors.load(Relaxed);
         report.corrupt = i.corrupt.load(Relaxed);
@@ -491,10 +511,7 @@ impl ValkeyTier {
         let px = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX).max(1);
         let value = codec::encode(entry);
         let size = value.len();
-        let queued = &self.inner.queued_bytes;
-        let before = queued.fetch_add(size, Relaxed);
-        if before > 0 && before + size > self.inner.queue_bytes_bound {
-            queued.fetch_sub(size, Relaxed);
+        if !self.inner.hold_queued(size) {
             self.inner.write_drops.fetch_add(1, Relaxed);
             return;
         }
@@ -509,7 +526,7 @@ impl ValkeyTier {
             over,
         });
         if self.inner.writes.try_send(write).is_err() {
-            queued.fetch_sub(size, Relaxed);
+            self.inner.queued_bytes.fetch_sub(size, Relaxed);
             self.inner.write_drops.fetch_add(1, Relaxed);
         }
     }

@@ -101,24 +101,39 @@ impl ValkeyTier {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&token.0)
             .unwrap_or_else(tokio::time::Instant::now);
+        // The answer it shares rides the queue as a fill's copy does,
+        // within its byte bound: past it the release goes without it, and
+        // the waiters look for the entry, then take turns at the lock.
+        let mut message = unlock_message(&how);
+        if message.len() > 1 && !self.inner.hold_queued(message.len()) {
+            message = unlock_message(&Unlocked::Gone);
+        }
         let release = Release {
             lock: self.lock_key(key),
             channel: self.done_channel(key),
             shared: self.shared_key(key, token),
             token: token.0.clone(),
-            message: unlock_message(&how),
+            message,
             until,
             announce: true,
         };
         // After the writes queued before it (a fill's `SET` lands first); a
-        // full queue does not drop it: it goes out on its own at once.
+        // full queue does not drop it: it goes out on its own at once,
+        // without the answer (retried, it would hold it for the lock's
+        // life, outside any bound).
         let queued = self
             .inner
             .writes
             .try_send(Write::Command(Command::Unlock(release)));
         if let Err(full) = queued
-            && let Write::Command(Command::Unlock(release)) = full.into_inner()
+            && let Write::Command(Command::Unlock(mut release)) = full.into_inner()
         {
+            if release.message.len() > 1 {
+                self.inner
+                    .queued_bytes
+                    .fetch_sub(release.message.len(), Relaxed);
+                release.message = unlock_message(&Unlocked::Gone);
+            }
             tokio::spawn(release_until_done(Arc::downgrade(&self.inner), release));
         }
     }

@@ -210,12 +210,14 @@ fn drop_renewal_here(inner: &Inner, hash: KeyHash, envelope: &[u8]) {
     }
 }
 
-/// Bytes the fills among `commands` hold in the queue.
+/// Bytes `commands` hold in the queue: fills' copies, and the answers
+/// releases share (see `Inner::hold_queued`).
 fn queued_size(commands: &[Command]) -> usize {
     commands
         .iter()
         .map(|c| match c {
             Command::Set { value, .. } => value.len(),
+            Command::Unlock(release) if release.message.len() > 1 => release.message.len(),
             Command::Unlock(_) | Command::Delete(_) => 0,
         })
         .sum()
@@ -293,7 +295,7 @@ async fn apply_batch(
     inner: &Inner,
     batch: &[Command],
 ) -> Result<(Vec<bool>, bool), fred::error::Error> {
-    if inner.connected().is_err() {
+    if inner.connected().await.is_err() {
         // Failed, not queued in fred (see `Inner::connected`).
         return Err(fred::error::Error::new(
             fred::error::ErrorKind::Canceled,

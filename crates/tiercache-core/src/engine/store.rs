@@ -43,6 +43,7 @@ pub struct Fill {
     stale_if_error: Option<Duration>,
     no_stale: bool,
     initial_age: Duration,
+    spent: Duration,
     tags: Vec<Bytes>,
     under: Vec<CacheKey>,
     validator: bool,
@@ -60,6 +61,7 @@ impl Fill {
             stale_if_error: None,
             no_stale: false,
             initial_age: Duration::ZERO,
+            spent: Duration::ZERO,
             tags: Vec::new(),
             under: Vec::new(),
             validator: false,
@@ -106,12 +108,19 @@ impl Fill {
         self
     }
 
-    /// The age the origin reported (`Age`), so stored ages count from its
-    /// answer, and so do the route's lifetimes ([`Lifetime::Route`],
-    /// [`Lifetime::Negative`]): the entry lives what is left of them. A
-    /// [`Lifetime::Declared`] is what is left already.
+    /// The age the origin reported (`Age`), so stored ages count from its answer.
     pub fn initial_age(mut self, age: Duration) -> Self {
         self.initial_age = age;
+        self
+    }
+
+    /// What of a route lifetime ([`Lifetime::Route`], [`Lifetime::Negative`])
+    /// the response has spent already: the entry lives what is left of the
+    /// one drawn. The HTTP layer gives a response without freshness of its
+    /// own its `Age` here (RFC 9111 §4.2: a heuristic lifetime counts from
+    /// the origin's answer too), and refuses one past the band's floor.
+    pub fn spent(mut self, spent: Duration) -> Self {
+        self.spent = spent;
         self
     }
 
@@ -253,15 +262,12 @@ impl TieredCache {
     ) -> (Times, Duration) {
         let fresh = {
             let mut rng = self.inner.rng.lock().unwrap_or_else(|e| e.into_inner());
-            // The route's lifetimes count from the origin's answer, whose
-            // age it reported (RFC 9111 §4.2): only what is left of them.
+            // Only what is left of a route lifetime (see `Fill::spent`).
             match fill.lifetime {
-                super::Lifetime::Route => {
-                    policy.draw_ttl(&mut *rng).saturating_sub(fill.initial_age)
-                }
+                super::Lifetime::Route => policy.draw_ttl(&mut *rng).saturating_sub(fill.spent),
                 super::Lifetime::Negative => policy
                     .draw_negative_ttl(&mut *rng)
-                    .saturating_sub(fill.initial_age),
+                    .saturating_sub(fill.spent),
                 // An origin may declare any lifetime; no entry outlives a year.
                 super::Lifetime::Declared(d) => {
                     policy.draw_origin_ttl(d.min(crate::MAX_TTL), &mut *rng)
