@@ -102,6 +102,17 @@ async fn until_the_breaker_opens(a: &Instance, mut k: usize) {
     .await;
 }
 
+/// Waits until `a`'s queued invalidations have all landed.
+async fn until_nothing_pending(a: &Instance) {
+    bounded("the invalidations land", async {
+        eventually("nothing pending", || {
+            a.engine.stats().invalidations.pending == 0
+        })
+        .await;
+    })
+    .await;
+}
+
 /// The cache key of a GET of `path` (the test kit's host).
 fn key_of(path: &str) -> tiercache::core::CacheKey {
     tiercache::http::key::request_key(
@@ -139,13 +150,7 @@ async fn a_write_whose_invalidation_is_lost_in_transit_is_retried_until_it_lands
     assert!(a.engine.stats().invalidations.queued >= 1);
     link.set(Fault::Pass);
 
-    bounded("the invalidation lands", async {
-        eventually("nothing pending", || {
-            a.engine.stats().invalidations.pending == 0
-        })
-        .await;
-    })
-    .await;
+    until_nothing_pending(&a).await;
     assert!(a.engine.stats().invalidations.landed >= 1);
     // The old copy is gone from Valkey, and the other instance heard.
     for (name, app) in [("the writer", &a.app), ("the other instance", &b.app)] {
@@ -200,13 +205,7 @@ async fn an_instance_never_answers_from_an_l2_copy_its_pending_invalidation_cove
     assert_eq!(header(&headers, "x-cache"), "MISS");
 
     server.cmd(&["ACL", "SETUSER", "app", "+@all"]);
-    bounded("the invalidation lands", async {
-        eventually("nothing pending", || {
-            a.engine.stats().invalidations.pending == 0
-        })
-        .await;
-    })
-    .await;
+    until_nothing_pending(&a).await;
 }
 
 /// The same for a tag: the pending invalidation's keys are only those this
@@ -242,13 +241,7 @@ async fn a_pending_tag_invalidation_covers_members_this_instance_never_held() {
     );
 
     server.cmd(&["ACL", "SETUSER", "app", "+@all"]);
-    bounded("the invalidation lands", async {
-        eventually("nothing pending", || {
-            a.engine.stats().invalidations.pending == 0
-        })
-        .await;
-    })
-    .await;
+    until_nothing_pending(&a).await;
 }
 
 /// A copy this instance promoted from L2 is dropped by its own tag
@@ -286,13 +279,7 @@ async fn a_tag_invalidation_while_valkey_is_down_drops_the_copies_this_instance_
     assert_eq!(body, "v0");
 
     server.restart();
-    bounded("the invalidation lands", async {
-        eventually("nothing pending", || {
-            a.engine.stats().invalidations.pending == 0
-        })
-        .await;
-    })
-    .await;
+    until_nothing_pending(&a).await;
 }
 
 /// Finding 2: a lock attempt times out client-side while Valkey is frozen,
@@ -411,13 +398,7 @@ async fn no_acknowledged_write_is_followed_by_the_old_version() {
             "kill" => server.restart(),
             _ => {}
         }
-        bounded("the queue drains", async {
-            eventually("nothing pending", || {
-                a.engine.stats().invalidations.pending == 0
-            })
-            .await;
-        })
-        .await;
+        until_nothing_pending(&a).await;
         bounded("the other instance converges", async {
             for k in 0..4 {
                 let path = format!("/v/{k}");
@@ -694,13 +675,7 @@ async fn while_valkey_is_down_nothing_piles_up_in_the_clients_queue() {
 
     // And all is well once Valkey is back: the pending invalidations land.
     server.restart();
-    bounded("the invalidations land", async {
-        eventually("nothing pending", || {
-            a.engine.stats().invalidations.pending == 0
-        })
-        .await;
-    })
-    .await;
+    until_nothing_pending(&a).await;
 }
 
 /// A wait given up while Valkey was down leaves no subscription behind:

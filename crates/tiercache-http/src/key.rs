@@ -341,6 +341,13 @@ pub fn normalized_accept_encoding(headers: &HeaderMap) -> Vec<u8> {
             }
         }
     }
+    if out.is_empty() {
+        // Every coding refused: a mark, not the empty value, on which an
+        // entry stored before a request without the field had its own
+        // variant was keyed (it may hold a coded body: it matches no
+        // request now).
+        return b"-".to_vec();
+    }
     out
 }
 

@@ -59,6 +59,9 @@ pub struct ProxyConfig {
     /// How long a client may take to send a request's head, or leave a
     /// keep-alive connection idle between requests, before it is closed.
     pub client_timeout: Duration,
+    /// Most client connections open at once (see
+    /// [`DEFAULT_MAX_CONNECTIONS`](Self::DEFAULT_MAX_CONNECTIONS)).
+    pub max_connections: usize,
     /// Stale-while-revalidate window.
     pub stale_while_revalidate: Duration,
     /// Stale-if-error window.
@@ -112,6 +115,13 @@ impl ProxyConfig {
     /// on it as the proxy closes it fails).
     pub const DEFAULT_CLIENT_TIMEOUT: Duration = Duration::from_secs(75);
 
+    /// The default `max_connections`: 10,000 client connections at once
+    /// (nginx's `worker_connections` is 512 a worker by default, raised in
+    /// most deployments); past it a new connection waits in the kernel's
+    /// backlog until one closes, rather than each taking its buffers until
+    /// file descriptors run out.
+    pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+
     /// Defaults: listen on `127.0.0.1:8080`, explicit freshness only (no
     /// ttl), jitter 0.1, max body 8 MiB, L1 256 MiB.
     pub fn new(upstream: Uri) -> Self {
@@ -131,6 +141,7 @@ impl ProxyConfig {
             upstream_max_connections: None,
             upstream_idle_timeout: crate::forward::Forward::DEFAULT_IDLE_TIMEOUT,
             client_timeout: Self::DEFAULT_CLIENT_TIMEOUT,
+            max_connections: Self::DEFAULT_MAX_CONNECTIONS,
             stale_while_revalidate: Duration::ZERO,
             stale_if_error: Duration::ZERO,
             negative_ttl: None,
@@ -269,6 +280,11 @@ impl ProxyConfig {
                 "`--client-timeout` (`client_timeout` in a config file): greater than 0, at most 1 day".into(),
             ));
         }
+        if self.max_connections == 0 {
+            return Err(ProxyError::Config(
+                "`--max-connections` (`max_connections` in a config file): at least 1".into(),
+            ));
+        }
         let zero_body = |at: &str| {
             ProxyError::Config(format!(
                 "`--max-body` (`max_body` in a config file's `[defaults]` or a route{at}): at least 1 byte (0 would store no body at all)"
@@ -341,6 +357,10 @@ impl ProxyConfig {
                 self.upstream_idle_timeout != new.upstream_idle_timeout,
             ),
             ("client_timeout", self.client_timeout != new.client_timeout),
+            (
+                "max_connections",
+                self.max_connections != new.max_connections,
+            ),
         ]
         .into_iter()
         .filter_map(|(name, changed)| changed.then_some(name))
@@ -409,6 +429,13 @@ impl ProxyConfig {
     /// (default 75 s).
     pub fn client_timeout(mut self, timeout: Duration) -> Self {
         self.client_timeout = timeout;
+        self
+    }
+
+    /// Sets the most client connections open at once (like
+    /// `--max-connections`; default 10,000).
+    pub fn max_connections(mut self, n: usize) -> Self {
+        self.max_connections = n;
         self
     }
 

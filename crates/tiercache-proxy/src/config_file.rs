@@ -12,6 +12,7 @@
 //! upstream_max_connections = 64             # requests at the upstream at once (default: no cap)
 //! upstream_idle_timeout = "4s"              # below the upstream's keep-alive timeout (default 60s)
 //! client_timeout = "75s"                    # a client's head, its idle keep-alive connection, an unread answer
+//! max_connections = 10000                   # client connections at once; past it new ones wait
 //! l1_capacity = "256MiB"
 //!
 //! [defaults]                                # any policy field or safety option
@@ -144,6 +145,7 @@ struct File {
     upstream_idle_timeout: Option<Duration>,
     #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
     client_timeout: Option<Duration>,
+    max_connections: Option<usize>,
     #[serde(default, deserialize_with = "size")]
     l1_capacity: Option<u64>,
     max_refreshes: Option<usize>,
@@ -237,6 +239,9 @@ pub fn parse(text: &str, name: &str) -> Result<FileConfig, ProxyError> {
     }
     if let Some(timeout) = file.client_timeout {
         config.client_timeout = timeout;
+    }
+    if let Some(n) = file.max_connections {
+        config.max_connections = n;
     }
     if let Some(timeout) = file.origin_timeout {
         config.origin_timeout = timeout;

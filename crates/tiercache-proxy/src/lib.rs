@@ -154,6 +154,7 @@ impl Proxy {
             listener,
             app,
             client_timeout,
+            config.max_connections,
             stopped.clone(),
         ))];
         let tasks = vec![prometheus::upkeep(prometheus.clone())];
@@ -174,6 +175,7 @@ impl Proxy {
                 listener,
                 router,
                 client_timeout,
+                config.max_connections,
                 stopped,
             )));
         }

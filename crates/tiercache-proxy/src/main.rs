@@ -93,6 +93,10 @@ struct Args {
     /// idle timeout of a load balancer in front [default: 75s]
     #[arg(long, value_parser = parse_duration)]
     client_timeout: Option<Duration>,
+    /// Most client connections open at once; past it a new one waits in the
+    /// kernel's backlog until one closes [default: 10000]
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
     /// Serve an expired entry for this long while one background refresh runs.
     #[arg(long, default_value = "0s", value_parser = parse_duration)]
     stale_while_revalidate: Duration,
@@ -234,6 +238,9 @@ fn settings(args: &Args, matches: &ArgMatches) -> Result<ProxyConfig, String> {
     }
     if let Some(timeout) = args.client_timeout {
         config.client_timeout = timeout;
+    }
+    if let Some(n) = args.max_connections {
+        config.max_connections = n;
     }
     if let Some(timeout) = args.origin_timeout {
         config.origin_timeout = timeout;

@@ -61,6 +61,7 @@ pub(crate) async fn serve<S, B>(
     listener: TcpListener,
     app: S,
     timeout: Duration,
+    max_connections: usize,
     mut stop: watch::Receiver<Stop>,
 ) where
     S: tower::Service<Request<Body>, Response = Response<B>, Error = std::convert::Infallible>
@@ -86,7 +87,18 @@ pub(crate) async fn serve<S, B>(
         .keep_alive_timeout(Duration::from_secs(20));
     // Each connection's task holds a sender: when all are gone, all are done.
     let (open, mut all_closed) = mpsc::channel::<()>(1);
+    // And a place among `max_connections`: with none free, nothing is
+    // accepted (new connections wait in the kernel's backlog).
+    let places = Arc::new(tokio::sync::Semaphore::new(
+        max_connections.min(tokio::sync::Semaphore::MAX_PERMITS),
+    ));
     loop {
+        let place = tokio::select! {
+            biased;
+            _ = stop.wait_for(|stop| *stop != Stop::Running) => break,
+            place = places.clone().acquire_owned() => place,
+        };
+        let Ok(place) = place else { break };
         let accepted = tokio::select! {
             biased;
             _ = stop.wait_for(|stop| *stop != Stop::Running) => break,
@@ -117,7 +129,7 @@ pub(crate) async fn serve<S, B>(
         let builder = builder.clone();
         let (open, mut stop) = (open.clone(), stop.clone());
         tokio::spawn(async move {
-            let _open = open;
+            let _open = (open, place);
             // hyper reads the first bytes to tell HTTP/1 from HTTP/2 with
             // no timer (a client sending `P` and no more would be held for
             // ever): they are read here, within the timeout, and replayed.

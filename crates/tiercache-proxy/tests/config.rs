@@ -1060,3 +1060,62 @@ async fn spawn_proxy(args: &[&std::ffi::OsStr], listen: SocketAddr) -> std::proc
     .await;
     child
 }
+
+/// Client connections are capped (`--max-connections`, as nginx's
+/// `worker_connections`): past the cap a new connection waits in the
+/// kernel's backlog, unserved, until one closes. Before, every connection
+/// was served, each with its buffers, as many as file descriptors allowed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_wait_until_one_closes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = Server::start(Router::new().route("/p", get(|| async { "page" }))).await;
+    let config = ProxyConfig::new(upstream.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .max_connections(2);
+    let proxy = Proxy::start(config).await.unwrap();
+    let connect = || tokio::net::TcpStream::connect(proxy.addr());
+    // Two connections that asked something hold the two places.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let status = bounded("a held connection", async {
+            let mut stream = connect().await.unwrap();
+            let answer = get_on(&mut stream).await;
+            held.push(stream);
+            answer
+        })
+        .await;
+        assert_eq!(status, 200);
+    }
+    let mut third = connect().await.unwrap();
+    third
+        .write_all(b"GET /p HTTP/1.1\r\nhost: t\r\n\r\n")
+        .await
+        .unwrap();
+    let mut first = [0u8; 12];
+    let early = tokio::time::timeout(Duration::from_millis(500), third.read(&mut first)).await;
+    assert!(
+        early.is_err(),
+        "a third connection was served past a cap of 2"
+    );
+    drop(held.pop());
+    bounded(
+        "the third once a place is free",
+        third.read_exact(&mut first),
+    )
+    .await
+    .unwrap();
+    assert_eq!(&first, b"HTTP/1.1 200");
+}
+
+/// Sends `GET /p` on `stream` and reads the answer's status (its body is
+/// short and read with it).
+async fn get_on(stream: &mut tokio::net::TcpStream) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    stream
+        .write_all(b"GET /p HTTP/1.1\r\nhost: t\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head).await.unwrap();
+    std::str::from_utf8(&head[9..12]).unwrap().parse().unwrap()
+}

@@ -43,9 +43,10 @@ pub(crate) struct Release {
 /// Sends `release` once: the unlock, the shared answer (if any) and the
 /// notification, each on its own bound. Whether the unlock landed.
 pub(crate) async fn release_once(inner: &Inner, release: &Release) -> bool {
-    // Not queued in fred while it reconnects (see `Inner::connected`): the
-    // retry comes after the backoff.
-    if inner.connected().await.is_err() {
+    // Not queued in fred while it reconnects (see `Inner::connected`),
+    // nor waiting for it: the writer runs releases inline while the
+    // breaker is open, and the retry comes after the backoff.
+    if !inner.client.is_connected() {
         return false;
     }
     let client = &inner.client;
@@ -124,7 +125,7 @@ fn shared_answer_px() -> Expiration {
 
 /// Retries `release` with backoff (50 ms, doubling, 1 s at most) until the
 /// unlock lands or the lock would have expired anyway.
-pub(crate) async fn release_until_done(inner: Weak<Inner>, release: Release) {
+pub(crate) async fn release_until_done(inner: Weak<Inner>, mut release: Release) {
     let mut backoff = Duration::from_millis(50);
     loop {
         let Some(live) = inner.upgrade() else {
@@ -133,6 +134,13 @@ pub(crate) async fn release_until_done(inner: Weak<Inner>, release: Release) {
         if Instant::now() >= release.until || release_once(&live, &release).await {
             live.released(&release.token);
             return;
+        }
+        // Retried without the answer it shares: held for the lock's life,
+        // outside the write queue's bound, a flood of failing URLs could
+        // keep ~1 GiB of them. The waiters look for the entry, then take
+        // turns at the lock.
+        if release.message.len() > 1 {
+            release.message = unlock_message(&Unlocked::Gone);
         }
         live.release_retries.fetch_add(1, Relaxed);
         drop(live);

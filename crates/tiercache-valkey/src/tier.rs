@@ -312,15 +312,17 @@ impl ValkeyTier {
     ) -> impl std::future::Future<Output = Result<T, TierError>> + Send + 'a {
         let inner = &self.inner;
         async move {
-            let result = match inner.connected().await {
-                Err(e) => Err(e),
-                Ok(()) => match tokio::time::timeout(inner.command_timeout, op).await {
-                    Ok(result) => result,
-                    Err(_) => Err(TierError::timeout(format!(
-                        "no answer within {:?}",
-                        inner.command_timeout
-                    ))),
-                },
+            // The wait for a connection under way counts in the bound.
+            let op = async {
+                inner.connected().await?;
+                op.await
+            };
+            let result = match tokio::time::timeout(inner.command_timeout, op).await {
+                Ok(result) => result,
+                Err(_) => Err(TierError::timeout(format!(
+                    "no answer within {:?}",
+                    inner.command_timeout
+                ))),
             };
             match &result {
                 Ok(_) => inner.breaker.success(),
@@ -391,15 +393,15 @@ impl Tier for ValkeyTier {
             // A few round trips (a tag's members, deletes, the message):
             // bounded by a few command timeouts, not one.
             let bound = self.inner.command_timeout * 6;
-            let op = self.apply_invalidation(invalidation);
-            let result = match self.inner.connected().await {
-                Err(e) => Err(e),
-                Ok(()) => match tokio::time::timeout(bound, op).await {
-                    Ok(result) => result,
-                    Err(_) => Err(TierError::timeout(format!(
-                        "invalidation took over {bound:?}"
-                    ))),
-                },
+            let op = async {
+                self.inner.connected().await?;
+                self.apply_invalidation(invalidation).await
+            };
+            let result = match tokio::time::timeout(bound, op).await {
+                Ok(result) => result,
+                Err(_) => Err(TierError::timeout(format!(
+                    "invalidation took over {bound:?}"
+                ))),
             };
             match &result {
                 Ok(()) => self.inner.breaker.success(),
