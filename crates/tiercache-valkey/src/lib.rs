@@ -38,6 +38,7 @@ mod invalidate;
 mod lock;
 mod message;
 mod overtaken;
+mod queue;
 mod reconnect;
 mod tier;
 mod tier_lock;
