@@ -102,6 +102,28 @@ async fn until_the_breaker_opens(a: &Instance, mut k: usize) {
     .await;
 }
 
+/// A loads `/slow` (held by the origin's gate) and B asks for it too, in
+/// tasks: A's request, then B's.
+async fn a_holds_and_b_waits(
+    a: &Instance,
+    b: &Instance,
+    origin: &Origin,
+) -> (
+    tokio::task::JoinHandle<(StatusCode, axum::http::HeaderMap, String)>,
+    tokio::task::JoinHandle<(StatusCode, axum::http::HeaderMap, String)>,
+) {
+    let holder = tokio::spawn({
+        let app = a.app.clone();
+        async move { send(&app, "GET", "/slow").await }
+    });
+    origin.calls.reached(1).await;
+    let waiter = tokio::spawn({
+        let app = b.app.clone();
+        async move { send(&app, "GET", "/slow").await }
+    });
+    (holder, waiter)
+}
+
 /// Waits until `a`'s queued invalidations have all landed.
 async fn until_nothing_pending(a: &Instance) {
     bounded("the invalidations land", async {
@@ -336,15 +358,7 @@ async fn a_waiter_is_not_stranded_by_a_release_lost_to_a_hung_valkey() {
     let origin = Origin::default();
     let a = instance(&server, &origin).await;
     let b = instance(&server, &origin).await;
-    let holder = tokio::spawn({
-        let app = a.app.clone();
-        async move { send(&app, "GET", "/slow").await }
-    });
-    origin.calls.reached(1).await;
-    let waiter = tokio::spawn({
-        let app = b.app.clone();
-        async move { send(&app, "GET", "/slow").await }
-    });
+    let (holder, waiter) = a_holds_and_b_waits(&a, &b, &origin).await;
     eventually("B waits on A's lock", || {
         b.engine.stats().l2.lock_waits >= 1
     })
@@ -688,15 +702,7 @@ async fn a_wait_given_up_while_valkey_was_down_leaves_no_subscription_behind() {
     let origin = Origin::default();
     let a = instance(&server, &origin).await;
     let b = instance(&server, &origin).await;
-    let holder = tokio::spawn({
-        let app = a.app.clone();
-        async move { send(&app, "GET", "/slow").await }
-    });
-    origin.calls.reached(1).await;
-    let waiter = tokio::spawn({
-        let app = b.app.clone();
-        async move { send(&app, "GET", "/slow").await }
-    });
+    let (holder, waiter) = a_holds_and_b_waits(&a, &b, &origin).await;
     let subscribed = |server: &ValkeyServer| server.cmd(&["PUBSUB", "SHARDCHANNELS"]);
     bounded("B subscribes to the lock's channel", async {
         while subscribed(&server).trim().is_empty() {

@@ -16,8 +16,8 @@ use tiercache_core::{CacheKey, Entry, KeyBuilder, KeyPattern};
 use crate::target_keys::{self, Target};
 
 mod accept_encoding;
-pub(crate) use accept_encoding::known_coding;
 pub use accept_encoding::normalized_accept_encoding;
+pub(crate) use accept_encoding::{coding_of, known_coding};
 
 /// Builds the cache key of a request: its target, GET and HEAD alike.
 ///

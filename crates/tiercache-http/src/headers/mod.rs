@@ -318,17 +318,7 @@ pub fn accepts_encoding(request: &HeaderMap, coding: &[u8]) -> bool {
         .iter()
         .flat_map(|v| v.as_bytes().split(|&b| b == b','))
     {
-        let mut params = item.split(|&b| b == b';');
-        let name = params.next().unwrap_or_default().trim_ascii();
-        let zero = params.any(|p| {
-            let p = p.trim_ascii();
-            p.len() >= 2
-                && p[..2].eq_ignore_ascii_case(b"q=")
-                && std::str::from_utf8(&p[2..])
-                    .ok()
-                    .and_then(|q| q.trim().parse::<f32>().ok())
-                    .is_some_and(|q| q <= 0.0)
-        });
+        let (name, zero) = crate::key::coding_of(item);
         if same(name) {
             return !zero;
         }

@@ -15,6 +15,23 @@ pub(crate) fn known_coding(coding: &[u8]) -> bool {
         || CODINGS[..4].iter().any(|c| c.eq_ignore_ascii_case(coding))
 }
 
+/// One `Accept-Encoding` member (`gzip;q=0.5`): its coding, trimmed, and
+/// whether its weight refuses it (`q=0`).
+pub(crate) fn coding_of(item: &[u8]) -> (&[u8], bool) {
+    let mut params = item.split(|&b| b == b';');
+    let coding = params.next().unwrap_or_default().trim_ascii();
+    let refused = params.any(|p| {
+        let p = p.trim_ascii();
+        p.len() >= 2
+            && p[..2].eq_ignore_ascii_case(b"q=")
+            && std::str::from_utf8(&p[2..])
+                .ok()
+                .and_then(|q| q.trim().parse::<f32>().ok())
+                .is_some_and(|q| q <= 0.0)
+    });
+    (coding, refused)
+}
+
 /// `Accept-Encoding` reduced to what decides the answer (as Varnish does):
 /// the known codings the client accepts (q > 0), in a fixed order, and
 /// when it takes any (`*`) those it refuses by name (`-gzip`), which `*`
@@ -26,17 +43,7 @@ pub fn normalized_accept_encoding(headers: &HeaderMap) -> Vec<u8> {
     let mut refused = [false; CODINGS.len()];
     for value in headers.get_all(ACCEPT_ENCODING) {
         for item in value.as_bytes().split(|&b| b == b',') {
-            let mut parts = item.split(|&b| b == b';');
-            let coding = parts.next().unwrap_or_default().trim_ascii();
-            let is_refused = parts.any(|p| {
-                let p = p.trim_ascii();
-                p.len() >= 2
-                    && p[..2].eq_ignore_ascii_case(b"q=")
-                    && std::str::from_utf8(&p[2..])
-                        .ok()
-                        .and_then(|q| q.trim().parse::<f32>().ok())
-                        .is_some_and(|q| q <= 0.0)
-            });
+            let (coding, is_refused) = coding_of(item);
             // `x-gzip` is gzip (RFC 9110 §8.4.1.3): one variant for both.
             let coding = if coding.eq_ignore_ascii_case(b"x-gzip") {
                 &b"gzip"[..]
