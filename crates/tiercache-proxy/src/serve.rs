@@ -80,11 +80,15 @@ pub(crate) async fn serve<S, B>(
     // HTTP/2: a ping every `timeout`, and a client that does not answer
     // one within 20 s is dropped (a dead peer, or one that ignores the
     // shutdown below).
+    // And at most 128 requests at once on one connection, as nginx's
+    // `http2_max_concurrent_streams` (hyper's 200, each stream with a send
+    // buffer of up to 400 KiB); more wait on the client's side.
     builder
         .http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(timeout)
-        .keep_alive_timeout(Duration::from_secs(20));
+        .keep_alive_timeout(Duration::from_secs(20))
+        .max_concurrent_streams(128);
     // Each connection's task holds a sender: when all are gone, all are done.
     let (open, mut all_closed) = mpsc::channel::<()>(1);
     // And a place among `max_connections`: with none free, nothing is

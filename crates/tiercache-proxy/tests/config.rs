@@ -1119,3 +1119,67 @@ async fn get_on(stream: &mut tokio::net::TcpStream) -> u16 {
     stream.read_exact(&mut head).await.unwrap();
     std::str::from_utf8(&head[9..12]).unwrap().parse().unwrap()
 }
+
+/// An HTTP/2 connection carries at most 128 requests at once (nginx's
+/// `http2_max_concurrent_streams`); more wait on the client's side. It
+/// was hyper's 200, each stream with a send buffer of up to 400 KiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_connection_carries_at_most_128_requests_at_once() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use tiercache_testkit::Gate;
+
+    #[derive(Clone, Default)]
+    struct Held {
+        now: Arc<AtomicUsize>,
+        most: Arc<AtomicUsize>,
+        gate: Gate,
+    }
+    let held = Held::default();
+    let upstream = Server::start(
+        Router::new()
+            .route(
+                "/h/{i}",
+                get(|State(h): State<Held>| async move {
+                    let now = h.now.fetch_add(1, SeqCst) + 1;
+                    h.most.fetch_max(now, SeqCst);
+                    h.gate.passed().await;
+                    h.now.fetch_sub(1, SeqCst);
+                    "held"
+                }),
+            )
+            .with_state(held.clone()),
+    )
+    .await;
+    let config = ProxyConfig::new(upstream.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let proxy = Proxy::start(config).await.unwrap();
+    let (sender, _conn) = h2c(proxy.addr(), None).await;
+    let requests: Vec<_> = (0..200)
+        .map(|i| {
+            let mut sender = sender.clone();
+            let req = Request::get(format!("http://{}/h/{i}", proxy.addr()))
+                .version(axum::http::Version::HTTP_2)
+                .body(Body::empty())
+                .unwrap();
+            tokio::spawn(async move {
+                sender.ready().await.unwrap();
+                sender.send_request(req).await.map(|res| res.status())
+            })
+        })
+        .collect();
+    bounded("128 requests at the upstream", async {
+        while held.now.load(SeqCst) < 128 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    // Time for more to arrive, were they let through.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(held.most.load(SeqCst), 128);
+    held.gate.open();
+    for request in requests {
+        let status = bounded("a request", request).await.unwrap();
+        assert_eq!(status.unwrap(), StatusCode::OK);
+    }
+}
