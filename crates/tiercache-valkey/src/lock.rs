@@ -40,6 +40,26 @@ pub(crate) struct Release {
     pub(crate) announce: bool,
 }
 
+impl Release {
+    /// Bytes of the answer it shares with the waiters (0 without one): a
+    /// message of one byte only says how the flight ended.
+    pub(crate) fn answer_bytes(&self) -> usize {
+        if self.message.len() > 1 {
+            self.message.len()
+        } else {
+            0
+        }
+    }
+
+    /// Goes on without the answer it shares: the waiters look for the
+    /// entry, then take turns at the lock.
+    pub(crate) fn drop_answer(&mut self) {
+        if self.answer_bytes() > 0 {
+            self.message = unlock_message(&Unlocked::Gone);
+        }
+    }
+}
+
 /// Sends `release` once: the unlock, the shared answer (if any) and the
 /// notification, each on its own bound. Whether the unlock landed.
 pub(crate) async fn release_once(inner: &Inner, release: &Release) -> bool {
@@ -54,7 +74,7 @@ pub(crate) async fn release_once(inner: &Inner, release: &Release) -> bool {
     // A shared answer is left first, for a moment, where a waiter that
     // finds the lock gone (it subscribed too late) reads it: so no waiter
     // can see the lock gone and the answer not there yet.
-    if release.message.len() > 1 {
+    if release.answer_bytes() > 0 {
         let set = client.set::<(), _, _>(
             release.shared.clone(),
             release.message.clone(),
@@ -89,7 +109,7 @@ pub(crate) async fn pipe_release(
 ) -> Result<(usize, usize), fred::error::Error> {
     debug_assert!(release.announce);
     let mut queued = 0;
-    if release.message.len() > 1 {
+    if release.answer_bytes() > 0 {
         let px = Some(shared_answer_px());
         let _: () = pipe
             .set(&release.shared, release.message.clone(), px, None, false)
@@ -137,11 +157,8 @@ pub(crate) async fn release_until_done(inner: Weak<Inner>, mut release: Release)
         }
         // Retried without the answer it shares: held for the lock's life,
         // outside the write queue's bound, a flood of failing URLs could
-        // keep ~1 GiB of them. The waiters look for the entry, then take
-        // turns at the lock.
-        if release.message.len() > 1 {
-            release.message = unlock_message(&Unlocked::Gone);
-        }
+        // keep ~1 GiB of them.
+        release.drop_answer();
         live.release_retries.fetch_add(1, Relaxed);
         drop(live);
         tokio::time::sleep(backoff.min(release.until.saturating_duration_since(Instant::now())))

@@ -101,22 +101,20 @@ impl ValkeyTier {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&token.0)
             .unwrap_or_else(tokio::time::Instant::now);
-        // The answer it shares rides the queue as a fill's copy does,
-        // within its byte bound: past it the release goes without it, and
-        // the waiters look for the entry, then take turns at the lock.
-        let mut message = unlock_message(&how);
-        if message.len() > 1 && !self.inner.hold_queued(message.len()) {
-            message = unlock_message(&Unlocked::Gone);
-        }
-        let release = Release {
+        let mut release = Release {
             lock: self.lock_key(key),
             channel: self.done_channel(key),
             shared: self.shared_key(key, token),
             token: token.0.clone(),
-            message,
+            message: unlock_message(&how),
             until,
             announce: true,
         };
+        // The answer it shares rides the queue as a fill's copy does,
+        // within its byte bound: past it the release goes without it.
+        if release.answer_bytes() > 0 && !self.inner.hold_queued(release.answer_bytes()) {
+            release.drop_answer();
+        }
         // After the writes queued before it (a fill's `SET` lands first); a
         // full queue does not drop it: it goes out on its own at once,
         // without the answer (retried, it would hold it for the lock's
@@ -128,12 +126,10 @@ impl ValkeyTier {
         if let Err(full) = queued
             && let Write::Command(Command::Unlock(mut release)) = full.into_inner()
         {
-            if release.message.len() > 1 {
-                self.inner
-                    .queued_bytes
-                    .fetch_sub(release.message.len(), Relaxed);
-                release.message = unlock_message(&Unlocked::Gone);
-            }
+            self.inner
+                .queued_bytes
+                .fetch_sub(release.answer_bytes(), Relaxed);
+            release.drop_answer();
             tokio::spawn(release_until_done(Arc::downgrade(&self.inner), release));
         }
     }

@@ -217,8 +217,8 @@ fn queued_size(commands: &[Command]) -> usize {
         .iter()
         .map(|c| match c {
             Command::Set { value, .. } => value.len(),
-            Command::Unlock(release) if release.message.len() > 1 => release.message.len(),
-            Command::Unlock(_) | Command::Delete(_) => 0,
+            Command::Unlock(release) => release.answer_bytes(),
+            Command::Delete(_) => 0,
         })
         .sum()
 }
