@@ -44,6 +44,10 @@ pub(crate) enum FlightResult {
     Stale(Option<Entry>),
     /// The leader's answer may not be shared: go to the origin alone.
     Released,
+    /// The leader's answer was not kept for a reason of the moment
+    /// ([`Loaded::Busy`](crate::Loaded::Busy)): join again, one of the
+    /// followers loads.
+    Retry,
     /// The load ended without an answer to share.
     Failed(FlightError),
 }

@@ -77,6 +77,8 @@ mod tests;
 #[cfg(test)]
 mod tests_budget;
 #[cfg(test)]
+mod tests_busy;
+#[cfg(test)]
 mod tests_detached;
 #[cfg(test)]
 mod tests_freshness;

@@ -116,6 +116,19 @@ pub enum Loaded<T> {
         /// queueing behind one another.
         uncacheable: bool,
     },
+    /// Neither stored nor shared for a reason of the moment, not of the
+    /// resource: the caller had no room to hold the answer whole (the HTTP
+    /// layer's bound on bodies being read, `detail=busy`), so it streams
+    /// to this caller alone. Unlike [`Loaded::Pass`], the key is not marked
+    /// uncacheable, an entry this load refreshed stays as it is (it is not
+    /// outdated), and the requests waiting on this load try again, one of
+    /// them loading, instead of each calling the origin.
+    Busy {
+        /// The caller's answer.
+        output: T,
+        /// Whether it is an origin failure (stale-if-error applies).
+        failed: bool,
+    },
 }
 
 /// What a [`fetch`](crate::TieredCache::fetch) answered with.

@@ -58,11 +58,15 @@ pub enum Reason {
     BodyFailed,
     /// The origin declared it already stale (`max-age=0`, an `Age` past its lifetime).
     NotFresh,
+    /// Other bodies being read to be stored held their bound (a sixteenth
+    /// of L1's budget): this one streamed through unstored. Of the moment,
+    /// not of the resource: the key is not remembered as uncacheable.
+    Busy,
 }
 
 impl Reason {
     /// Every reason, in declaration order.
-    pub const ALL: [Reason; 19] = [
+    pub const ALL: [Reason; 20] = [
         Reason::Method,
         Reason::Authorization,
         Reason::Cookie,
@@ -82,6 +86,7 @@ impl Reason {
         Reason::Body,
         Reason::BodyFailed,
         Reason::NotFresh,
+        Reason::Busy,
     ];
 
     /// The token used in `cache-status` `detail=` and in the stats.
@@ -106,6 +111,7 @@ impl Reason {
             Reason::Body => "body",
             Reason::BodyFailed => "body-failed",
             Reason::NotFresh => "not-fresh",
+            Reason::Busy => "busy",
         }
     }
 

@@ -11,6 +11,7 @@ use tiercache_core::{IntoPolicy, Policy, PolicyError, Queued, TieredCache};
 use crate::config::{Cookies, HttpConfig};
 use crate::metrics::{EngineMetrics, RouteMetrics, Sink};
 use crate::paths::PathLayer;
+use crate::reading::Reading;
 use crate::route::Route;
 use crate::variants::Variants;
 
@@ -61,6 +62,8 @@ use crate::variants::Variants;
 pub struct ResponseCacheLayer {
     pub(crate) engine: TieredCache,
     pub(crate) variants: Variants,
+    /// Bodies being read to be stored, one bound per engine.
+    pub(crate) reading: Arc<Reading>,
     /// The route's policy and metrics; none on the unannotated layer.
     pub(crate) route: Option<(Arc<Policy>, Arc<RouteMetrics>)>,
     pub(crate) config: Arc<HttpConfig>,
@@ -78,6 +81,7 @@ impl Clone for ResponseCacheLayer {
         Self {
             engine: self.engine.clone(),
             variants: self.variants.clone(),
+            reading: self.reading.clone(),
             route: self.route.clone(),
             config: self.config.clone(),
             engine_metrics: self.engine_metrics.clone(),
@@ -102,6 +106,7 @@ impl ResponseCacheLayer {
             variants: Variants::clone(
                 &engine.shared_state(|| Variants::for_l1(engine.l1_capacity())),
             ),
+            reading: engine.shared_state(|| Reading::for_l1(engine.l1_capacity())),
             engine,
             route: None,
             config: Arc::new(HttpConfig::default()),
@@ -148,6 +153,7 @@ impl ResponseCacheLayer {
             engine_metrics: self.engine_metrics,
             engine: self.engine,
             variants: self.variants,
+            reading: self.reading,
             policy,
             config: self.config,
             metrics,

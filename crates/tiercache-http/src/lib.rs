@@ -51,6 +51,7 @@ pub mod metrics;
 mod origin;
 pub mod paths;
 pub mod range;
+mod reading;
 pub mod request;
 mod respond;
 mod route;

@@ -4,7 +4,6 @@
 //! requests without storing it (an origin error any client may see), or pass
 //! it to this request alone, its body streaming.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -13,9 +12,7 @@ use http::header::{
     IF_UNMODIFIED_SINCE, LAST_MODIFIED,
 };
 use http::{HeaderMap, Method, Request, Response, StatusCode, response};
-use http_body::{Body, Frame};
-use http_body_util::BodyExt;
-use tiercache_core::body::BodyBuilder;
+use http_body::Body;
 use tiercache_core::{
     CacheKey, Entry, Event, Fill, Freshness, Lifetime, Loaded, Origin, Select, Value,
 };
@@ -23,14 +20,13 @@ use tower::{Service, ServiceExt};
 
 use crate::body::{BoxError, CacheBody};
 use crate::cache_control::targeted;
-use crate::cacheable::{
-    Reason, content_length, response_shareable, response_storable, status_heuristic,
-};
+use crate::cacheable::{Reason, response_shareable, response_storable, status_heuristic};
 use crate::freshness::OriginFreshness;
 use crate::headers;
 use crate::key::{family_of, family_tag, variant_for, variant_key};
 use crate::route::Route;
 
+mod read_whole;
 mod renew;
 
 /// A response the origin gave this request alone, and why it was not stored.
@@ -224,65 +220,6 @@ impl Load<'_> {
         Loaded::Store(fill)
     }
 
-    /// Reads the body within `max_body` into storage of its own (see
-    /// [`tiercache_core::body`]): each frame is copied as it arrives, so the
-    /// connection's read buffer is free again at once and nothing stored
-    /// keeps it alive. What cannot be stored (too large, trailers, a read
-    /// error) comes back as a body that replays what was read and streams
-    /// the rest, the same bytes.
-    async fn read<ResB>(
-        &self,
-        parts: &response::Parts,
-        body: ResB,
-    ) -> Result<Bytes, (CacheBody<ResB>, Reason)>
-    where
-        ResB: Body<Data = Bytes>,
-        ResB::Error: Into<BoxError>,
-    {
-        let max = self.route.config.max_body;
-        let announced = content_length(&parts.headers);
-        if announced.is_some_and(|len| len > max as u64) {
-            return Err((CacheBody::stream(body), Reason::TooLarge));
-        }
-        let mut body = Box::pin(body);
-        let mut read = BodyBuilder::with_capacity(announced.unwrap_or(0) as usize);
-        // What was read and the frame that stopped the read, to replay.
-        let replay = |read: BodyBuilder, last: Option<Frame<Bytes>>| {
-            let mut frames = VecDeque::new();
-            if !read.is_empty() {
-                frames.push_back(Frame::data(read.into_bytes()));
-            }
-            frames.extend(last);
-            frames
-        };
-        while let Some(frame) = body.frame().await {
-            match frame {
-                Ok(frame) => {
-                    let Some(data) = frame.data_ref() else {
-                        // Trailers cannot be stored: replay what was read, untouched.
-                        let frames = replay(read, Some(frame));
-                        return Err((CacheBody::replay(frames, None, Some(body)), Reason::Body));
-                    };
-                    if read.len() + data.len() > max {
-                        let frames = replay(read, Some(frame));
-                        return Err((
-                            CacheBody::replay(frames, None, Some(body)),
-                            Reason::TooLarge,
-                        ));
-                    }
-                    read.push(data);
-                }
-                Err(e) => {
-                    return Err((
-                        CacheBody::replay(replay(read, None), Some(e.into()), None),
-                        Reason::BodyFailed,
-                    ));
-                }
-            }
-        }
-        Ok(read.finish())
-    }
-
     /// An origin error any client may see: read it whole and share it with
     /// the requests waiting on this load (they would otherwise each call
     /// the failing origin); too large to hold, it is this request's alone.
@@ -307,8 +244,9 @@ impl Load<'_> {
                     failed: is_origin_error(parts.status),
                 }
             }
-            // A body that broke off says so; too large keeps why it was read.
-            Err((body, Reason::BodyFailed)) => self.pass(parts, body, Reason::BodyFailed),
+            // A body that broke off says so, as does one without room to
+            // be read (of the moment); too large keeps why it was read.
+            Err((body, why @ (Reason::BodyFailed | Reason::Busy))) => self.pass(parts, body, why),
             Err((body, _)) => self.pass(parts, body, reason),
         }
     }
@@ -338,6 +276,13 @@ impl Load<'_> {
         } else {
             Response::from_parts(parts, body)
         };
+        if reason == Reason::Busy {
+            // No room to read it whole now: nothing about the resource.
+            return Loaded::Busy {
+                output: (output, reason),
+                failed,
+            };
+        }
         Loaded::Pass {
             output: (output, reason),
             failed,

@@ -14,6 +14,7 @@ use crate::config::HttpConfig;
 use crate::headers::{self, Outcome};
 use crate::key::{request_variant, variant_key, variant_matches};
 use crate::metrics::{EngineMetrics, RouteMetrics};
+use crate::reading::Reading;
 use crate::request::Conditional;
 use crate::variants::Variants;
 
@@ -22,6 +23,8 @@ use crate::variants::Variants;
 pub(crate) struct Route {
     pub(crate) engine: TieredCache,
     pub(crate) variants: Variants,
+    /// Bodies being read to be stored (see [`Reading`]).
+    pub(crate) reading: Arc<Reading>,
     pub(crate) policy: Arc<Policy>,
     pub(crate) config: Arc<HttpConfig>,
     pub(crate) metrics: Arc<RouteMetrics>,

@@ -1,6 +1,6 @@
 //! The leader's side of a flight: its task (L2, the fleet lock, the
-//! origin, storage, stale-if-error), what its followers make of its result,
-//! and loads outside any flight.
+//! origin, storage, stale-if-error) and what its followers make of its
+//! result (loads outside any flight are in `alone.rs`).
 
 use tokio::time::Instant;
 
@@ -284,6 +284,17 @@ impl TieredCache {
                 leader.complete(FlightResult::Released);
                 Ok(Filled::Passed(output))
             }
+            Ok(Loaded::Busy { output, failed }) => {
+                // Nothing about the resource: the waiting instances read L2
+                // and take the lock in turn, as after a lock that is gone;
+                // the key stays unmarked and a refreshed entry stays.
+                lock.release(Unlocked::Gone);
+                if let Some(stale) = usable.filter(|_| failed) {
+                    return Ok(stand_in(leader, stale));
+                }
+                leader.complete(FlightResult::Retry);
+                Ok(Filled::Passed(output))
+            }
             Err(e) => {
                 lock.release(Unlocked::Passed);
                 match usable {
@@ -382,6 +393,8 @@ impl TieredCache {
             // were already waiting (as the leader's own is), not for one
             // that came after the write.
             FlightResult::Overtaken(_, at) if joined > at => Followed::Again,
+            // The leader had no room to keep its answer: one follower loads.
+            FlightResult::Retry => Followed::Again,
             FlightResult::Overtaken(entry, _) if origin.accepts(&entry) => {
                 answer(entry, Source::Origin, Served::Miss { stored: false })
             }
@@ -411,78 +424,6 @@ impl TieredCache {
             // Not shareable, or another variant: this request loads alone.
             FlightResult::Released | FlightResult::Shared(..) | FlightResult::Overtaken(..) => {
                 Followed::Alone
-            }
-        }
-    }
-
-    /// One origin call outside any flight (hit-for-miss, or a follower whose
-    /// leader's answer could not be shared); what may be stored still is,
-    /// and a usable stale `fallback` answers for a failing origin.
-    pub(super) async fn load_alone<O: Origin>(
-        &self,
-        keys: &Keys,
-        policy: &Policy,
-        origin: O,
-        fallback: Option<Entry>,
-        collapsed: bool,
-        hit_for_miss: bool,
-    ) -> Result<Fetched<O::Output>, FetchError<O::Error>> {
-        let usable = fallback.filter(|e| self.stale_usable(e));
-        let epoch = self.inner.journal.epoch();
-        let (started, began) = (Instant::now(), self.now());
-        let loaded = origin.load(None).await;
-        let took = started.elapsed();
-        let delta = self.delta_since(began, took);
-        self.inner.counters.origin_load(took);
-        let answer = |entry, stored| {
-            let answer = Answer {
-                entry,
-                source: Source::Origin,
-                served: Served::Miss { stored },
-                collapsed,
-            };
-            bump(&self.inner.counters.misses);
-            Fetched::Entry(answer)
-        };
-        let loaded = match (loaded, usable) {
-            (Err(_), Some(stale))
-            | (Ok(Loaded::Share { failed: true, .. }), Some(stale))
-            | (Ok(Loaded::Pass { failed: true, .. }), Some(stale)) => {
-                return Ok(self.answered_stale(stale, StaleReason::OriginError, collapsed));
-            }
-            (loaded, _) => loaded,
-        };
-        match loaded.map_err(FetchError::Origin)? {
-            Loaded::Store(mut fill) => {
-                if fill.origin_latency_unset() {
-                    fill = fill.origin_latency(delta);
-                }
-                let (entry, stored) = self.store_since(&keys.flight, fill, policy, epoch);
-                Ok(answer(entry, stored.is_ok()))
-            }
-            Loaded::Share { value, .. } => {
-                let mut fetched = answer(self.transient(&keys.flight, value, took), false);
-                if let Fetched::Entry(answer) = &mut fetched {
-                    answer.served = Served::Shared;
-                }
-                Ok(fetched)
-            }
-            Loaded::Pass {
-                output,
-                uncacheable,
-                ..
-            } => {
-                if uncacheable {
-                    self.mark_uncacheable(&keys.requested, policy);
-                }
-                if !hit_for_miss {
-                    bump(&self.inner.counters.misses);
-                }
-                Ok(Fetched::Passed {
-                    output,
-                    collapsed,
-                    hit_for_miss,
-                })
             }
         }
     }

@@ -94,7 +94,17 @@ impl Miss {
             .filter(|e| engine.stale_usable(e))
             .zip(policy.soft_timeout())
             .map(|(entry, soft)| (entry, Instant::now() + soft));
+        let mut first_join = true;
         loop {
+            // Joining again (the flight was abandoned, busy, overtaken or
+            // past its deadline): another request may have loaded and
+            // stored the key meanwhile, its flight already over.
+            if !std::mem::take(&mut first_join)
+                && !revalidate
+                && let Some(answer) = engine.l1_answer(&keys.flight, &policy, &origin)
+            {
+                return Ok(Fetched::Entry(answer));
+            }
             // Before the join: an invalidation recorded after this epoch
             // came after the request (see `FlightResult::Overtaken`).
             let joined = engine.inner.journal.epoch();

@@ -22,6 +22,7 @@ use crate::l1::L1;
 use crate::stats::{Counters, bump};
 use crate::{Clock, KeyHash, Stats, Tier};
 
+mod alone;
 mod api;
 mod builder;
 mod detach;

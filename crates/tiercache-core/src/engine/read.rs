@@ -8,7 +8,7 @@ use rand::Rng;
 use super::TieredCache;
 use super::journal::Footprint;
 use crate::stats::bump;
-use crate::{CacheKey, Entry, Freshness, Policy, Select};
+use crate::{Answer, CacheKey, Entry, Freshness, Policy, Select, Served, Source};
 
 /// What L1 holds for a request.
 #[derive(Debug)]
@@ -74,6 +74,26 @@ impl TieredCache {
                 fallback: Some(entry),
             },
             Freshness::Dead => Lookup::Miss { fallback: None },
+        }
+    }
+
+    /// A fresh L1 entry under `key` that `select` accepts as it is, as an
+    /// L1 hit (counted) for a request that waited on a flight: one joining
+    /// again, whose key another request may have stored meanwhile.
+    pub(crate) fn l1_answer(
+        &self,
+        key: &CacheKey,
+        policy: &Policy,
+        select: &impl Select,
+    ) -> Option<Answer> {
+        match self.lookup_at(key, self.now(), policy, select) {
+            Lookup::Fresh { entry, .. } => Some(Answer {
+                entry,
+                source: Source::L1,
+                served: Served::Hit,
+                collapsed: true,
+            }),
+            _ => None,
         }
     }
 

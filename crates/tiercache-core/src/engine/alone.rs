@@ -1,0 +1,93 @@
+//! Loads outside any flight: a key marked uncacheable (hit-for-miss), or a
+//! follower whose leader's answer could not be shared.
+
+use tokio::time::Instant;
+
+use super::TieredCache;
+use super::fetch::Keys;
+use crate::stats::bump;
+use crate::{
+    Answer, Entry, FetchError, Fetched, Loaded, Origin, Policy, Served, Source, StaleReason,
+};
+
+impl TieredCache {
+    /// One origin call outside any flight (hit-for-miss, or a follower whose
+    /// leader's answer could not be shared); what may be stored still is,
+    /// and a usable stale `fallback` answers for a failing origin.
+    pub(super) async fn load_alone<O: Origin>(
+        &self,
+        keys: &Keys,
+        policy: &Policy,
+        origin: O,
+        fallback: Option<Entry>,
+        collapsed: bool,
+        hit_for_miss: bool,
+    ) -> Result<Fetched<O::Output>, FetchError<O::Error>> {
+        let usable = fallback.filter(|e| self.stale_usable(e));
+        let epoch = self.inner.journal.epoch();
+        let (started, began) = (Instant::now(), self.now());
+        let loaded = origin.load(None).await;
+        let took = started.elapsed();
+        let delta = self.delta_since(began, took);
+        self.inner.counters.origin_load(took);
+        let answer = |entry, stored| {
+            let answer = Answer {
+                entry,
+                source: Source::Origin,
+                served: Served::Miss { stored },
+                collapsed,
+            };
+            bump(&self.inner.counters.misses);
+            Fetched::Entry(answer)
+        };
+        let loaded = match (loaded, usable) {
+            (Err(_), Some(stale))
+            | (Ok(Loaded::Share { failed: true, .. }), Some(stale))
+            | (Ok(Loaded::Pass { failed: true, .. }), Some(stale))
+            | (Ok(Loaded::Busy { failed: true, .. }), Some(stale)) => {
+                return Ok(self.answered_stale(stale, StaleReason::OriginError, collapsed));
+            }
+            (loaded, _) => loaded,
+        };
+        match loaded.map_err(FetchError::Origin)? {
+            Loaded::Store(mut fill) => {
+                if fill.origin_latency_unset() {
+                    fill = fill.origin_latency(delta);
+                }
+                let (entry, stored) = self.store_since(&keys.flight, fill, policy, epoch);
+                Ok(answer(entry, stored.is_ok()))
+            }
+            Loaded::Share { value, .. } => {
+                let mut fetched = answer(self.transient(&keys.flight, value, took), false);
+                if let Fetched::Entry(answer) = &mut fetched {
+                    answer.served = Served::Shared;
+                }
+                Ok(fetched)
+            }
+            Loaded::Pass {
+                output,
+                uncacheable,
+                ..
+            } => {
+                if uncacheable {
+                    self.mark_uncacheable(&keys.requested, policy);
+                }
+                Ok(self.passed_alone(output, collapsed, hit_for_miss))
+            }
+            // Of the moment: the key is not marked.
+            Loaded::Busy { output, .. } => Ok(self.passed_alone(output, collapsed, hit_for_miss)),
+        }
+    }
+
+    /// An answer loaded outside any flight that is the caller's alone.
+    fn passed_alone<T>(&self, output: T, collapsed: bool, hit_for_miss: bool) -> Fetched<T> {
+        if !hit_for_miss {
+            bump(&self.inner.counters.misses);
+        }
+        Fetched::Passed {
+            output,
+            collapsed,
+            hit_for_miss,
+        }
+    }
+}

@@ -1,0 +1,199 @@
+//! A load whose answer the caller had no room to keep ([`Loaded::Busy`]):
+//! a refusal of the moment, not of the resource. The key is not marked,
+//! a refreshed entry stays, and the requests waiting on the load try again
+//! (one of them loads) instead of each calling the origin.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::time::Duration;
+
+use tokio::sync::Semaphore;
+
+use crate::*;
+
+/// What each test's origin answers: `busy` for its first call, then a fill.
+fn first_busy_then_stored(
+    calls: &Arc<AtomicUsize>,
+    gate: &Arc<Semaphore>,
+) -> impl Origin<Output = &'static str, Error = ()> + use<> {
+    let (calls, gate) = (calls.clone(), gate.clone());
+    origin_fn(move |_stale: Option<Entry>| async move {
+        let call = calls.fetch_add(1, SeqCst);
+        gate.acquire().await.unwrap().forget();
+        Ok(match call {
+            0 => Loaded::Busy {
+                output: "streamed",
+                failed: false,
+            },
+            _ => Loaded::Store(Fill::new(Value::from_body("stored"))),
+        })
+    })
+}
+
+fn policy() -> Policy {
+    Policy::ttl(Duration::from_secs(60)).build().unwrap()
+}
+
+/// Yields until `done` holds, or fails after many rounds.
+async fn until(what: &str, done: impl Fn() -> bool) {
+    for _ in 0..100_000 {
+        if done() {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("never: {what}");
+}
+
+fn body_of(fetched: Fetched<&'static str>) -> String {
+    match fetched {
+        Fetched::Entry(answer) => String::from_utf8_lossy(&answer.entry.value().body).into(),
+        Fetched::Passed { output, .. } => output.to_owned(),
+    }
+}
+
+#[tokio::test]
+async fn the_requests_waiting_on_a_busy_load_try_again_and_one_loads() {
+    let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
+    let (calls, gate) = (Arc::new(AtomicUsize::new(0)), Arc::new(Semaphore::new(0)));
+    let requests: Vec<_> = (0..5)
+        .map(|_| {
+            let (cache, origin) = (cache.clone(), first_busy_then_stored(&calls, &gate));
+            tokio::spawn(async move {
+                let fetched = cache.fetch(&CacheKey::new("k"), &policy(), origin).await;
+                body_of(fetched.unwrap())
+            })
+        })
+        .collect();
+    until("four requests wait on the first", || {
+        cache.stats().coalesced == 4
+    })
+    .await;
+    gate.add_permits(100);
+    let mut bodies = Vec::new();
+    for request in requests {
+        bodies.push(request.await.unwrap());
+    }
+    bodies.sort();
+    assert_eq!(bodies, ["stored", "stored", "stored", "stored", "streamed"]);
+    assert_eq!(
+        calls.load(SeqCst),
+        2,
+        "the followers of a busy load each called the origin"
+    );
+}
+
+#[tokio::test]
+async fn a_busy_load_does_not_mark_the_key_uncacheable() {
+    let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
+    let key = CacheKey::new("k");
+    for _ in 0..2 {
+        let origin = origin_fn(|_stale: Option<Entry>| async {
+            Ok::<_, ()>(Loaded::Busy {
+                output: "streamed",
+                failed: false,
+            })
+        });
+        match cache.fetch(&key, &policy(), origin).await.unwrap() {
+            Fetched::Passed { hit_for_miss, .. } => {
+                assert!(!hit_for_miss, "the key was marked uncacheable");
+            }
+            Fetched::Entry(_) => panic!("a busy answer was stored"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_busy_refresh_leaves_the_entry_it_refreshes() {
+    let clock = MockClock::new();
+    let cache = TieredCache::builder()
+        .clock(clock.clone())
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let policy = Policy::ttl(Duration::from_secs(1))
+        .jitter(0.0)
+        .xfetch_beta(0.0)
+        .stale_while_revalidate(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let key = CacheKey::new("k");
+    cache.put(&key, Value::from_body("v1"), &policy);
+    clock.advance(Duration::from_secs(2));
+    let (calls, gate) = (Arc::new(AtomicUsize::new(0)), Arc::new(Semaphore::new(100)));
+    let fetched = cache
+        .fetch(&key, &policy, first_busy_then_stored(&calls, &gate))
+        .await
+        .unwrap();
+    assert_eq!(body_of(fetched), "v1", "stale, while the refresh runs");
+    until("the refresh ended", || {
+        calls.load(SeqCst) == 1 && cache.in_flight() == 0
+    })
+    .await;
+    // Still there, stale: the next request answers with it and refreshes
+    // again. A refresh whose answer may not be stored (`Pass`) drops it.
+    let fetched = cache
+        .fetch(&key, &policy, first_busy_then_stored(&calls, &gate))
+        .await
+        .unwrap();
+    match &fetched {
+        Fetched::Entry(answer) => {
+            assert_eq!(answer.served, Served::Stale(StaleReason::Revalidating));
+        }
+        Fetched::Passed { .. } => panic!("the busy refresh dropped the entry"),
+    }
+    assert_eq!(body_of(fetched), "v1");
+}
+
+/// A shared tier whose fleet lock every key takes, and which records each
+/// release; it stores nothing.
+#[derive(Debug, Default)]
+struct RecordingLocks {
+    released: std::sync::Mutex<Vec<Unlocked>>,
+}
+
+impl Tier for RecordingLocks {
+    fn get<'a>(&'a self, _: &'a CacheKey) -> BoxFuture<'a, Result<Option<TierHit>, TierError>> {
+        Box::pin(async { Ok(None) })
+    }
+
+    fn put(&self, _: &CacheKey, _: &Entry, _: Duration, _: &[bytes::Bytes]) {}
+
+    fn invalidate<'a>(&'a self, _: Invalidation) -> BoxFuture<'a, Result<(), TierError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn try_lock<'a>(
+        &'a self,
+        _: &'a CacheKey,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<LockAttempt, TierError>> {
+        let token = LockToken(bytes::Bytes::from_static(b"this instance"));
+        Box::pin(async { Ok(LockAttempt::Acquired(token)) })
+    }
+
+    fn unlock(&self, _: &CacheKey, _: &LockToken, how: Unlocked) {
+        self.released.lock().unwrap().push(how);
+    }
+}
+
+#[tokio::test]
+async fn a_busy_load_lets_the_fleet_lock_go_as_gone_not_passed() {
+    let tier = Arc::new(RecordingLocks::default());
+    let cache = TieredCache::builder()
+        .sweep_interval(None)
+        .l2_shared(tier.clone())
+        .build()
+        .unwrap();
+    let (calls, gate) = (Arc::new(AtomicUsize::new(0)), Arc::new(Semaphore::new(100)));
+    let origin = first_busy_then_stored(&calls, &gate);
+    let fetched = cache.fetch(&CacheKey::new("k"), &policy(), origin).await;
+    assert_eq!(body_of(fetched.unwrap()), "streamed");
+    // Gone: the other instances read L2, then take the lock in turn;
+    // passed would send each of them to the origin.
+    assert!(
+        matches!(tier.released.lock().unwrap()[..], [Unlocked::Gone]),
+        "released as {:?}",
+        tier.released.lock().unwrap()
+    );
+}
