@@ -920,3 +920,89 @@ async fn the_cachex_calls() {
     assert_eq!(ignored.unwrap().body, "partial");
     assert!(!cache.exists(&key).await);
 }
+
+/// A load that had no room to keep its answer (`Loaded::Busy`, a refusal of
+/// the moment) lets the fleet lock go: the instances waiting on it read L2,
+/// then take the lock in turn, so one more origin call serves them all.
+/// Before, the first to take the lock again loaded, and every other
+/// instance, finding it held, loaded alone (counted as a lock timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_instances_waiting_on_a_busy_load_take_the_lock_in_turn() {
+    use tiercache::core::{Entry, Fetched, Fill, Loaded, origin_fn};
+
+    let server = ValkeyServer::start();
+    let mut fleet = Vec::new();
+    for _ in 0..4 {
+        fleet.push(engine_on(&server).await.0);
+    }
+    let (calls, first, later) = (Counter::new(), Gate::new(), Gate::new());
+    let fetch = |engine: &TieredCache| {
+        let (engine, calls) = (engine.clone(), calls.clone());
+        let (first, later) = (first.clone(), later.clone());
+        tokio::spawn(async move {
+            // The first call has no room to keep its answer; later ones store.
+            let origin = origin_fn(move |_stale: Option<Entry>| async move {
+                if calls.bump() == 1 {
+                    first.passed().await;
+                    return Ok::<_, ()>(Loaded::Busy {
+                        output: String::from("streamed"),
+                        failed: false,
+                    });
+                }
+                later.passed().await;
+                Ok(Loaded::Store(Fill::new(Value::from_body("stored"))))
+            });
+            let policy = policy().build().unwrap();
+            match engine.fetch(&key_of("/busy"), &policy, origin).await {
+                Ok(Fetched::Entry(answer)) => {
+                    String::from_utf8_lossy(&answer.entry.value().body).into_owned()
+                }
+                Ok(Fetched::Passed { output, .. }) => output,
+                Err(e) => panic!("{e:?}"),
+            }
+        })
+    };
+    // Each wait on a holder's lock, counted by the instances' tiers.
+    let lock_waits =
+        |fleet: &[TieredCache]| fleet.iter().map(|e| e.stats().l2.lock_waits).sum::<u64>();
+    let leader = fetch(&fleet[0]);
+    calls.reached(1).await;
+    let waiters: Vec<_> = fleet[1..].iter().map(fetch).collect();
+    eventually("three instances wait on the lock", || {
+        lock_waits(&fleet) == 3
+    })
+    .await;
+    first.open();
+    assert_eq!(
+        bounded("the busy leader", leader).await.unwrap(),
+        "streamed"
+    );
+    // One of the three takes the lock and loads; the other two wait on it
+    // (or, before, each loaded alone).
+    eventually("the two others wait again, or load", || {
+        lock_waits(&fleet) == 5 || calls.get() > 2
+    })
+    .await;
+    later.open();
+    for waiter in waiters {
+        assert_eq!(bounded("a waiter", waiter).await.unwrap(), "stored");
+    }
+    assert_eq!(
+        calls.get(),
+        2,
+        "instances that found the lock taken again loaded alone: {:?}",
+        fleet
+            .iter()
+            .map(|e| {
+                let stats = e.stats();
+                (
+                    stats.l2.lock_waits,
+                    stats.lock_timeouts,
+                    stats.l2_errors,
+                    stats.l2_timeouts,
+                    stats.l2.locks_acquired,
+                )
+            })
+            .collect::<Vec<_>>()
+    );
+}

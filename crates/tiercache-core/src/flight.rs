@@ -46,7 +46,8 @@ pub(crate) enum FlightResult {
     Released,
     /// The leader's answer was not kept for a reason of the moment
     /// ([`Loaded::Busy`](crate::Loaded::Busy)): join again, one of the
-    /// followers loads.
+    /// followers loads (until the flight's wait from a follower's first
+    /// join).
     Retry,
     /// The load ended without an answer to share.
     Failed(FlightError),

@@ -90,6 +90,7 @@ pub trait Origin: Select + Send + 'static {
 
 /// What the origin produced, and what may be done with it.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Loaded<T> {
     /// Store it (L1 and L2) and share it with the waiting requests.
     Store(Fill),
@@ -121,8 +122,10 @@ pub enum Loaded<T> {
     /// layer's bound on bodies being read, `detail=busy`), so it streams
     /// to this caller alone. Unlike [`Loaded::Pass`], the key is not marked
     /// uncacheable, an entry this load refreshed stays as it is (it is not
-    /// outdated), and the requests waiting on this load try again, one of
-    /// them loading, instead of each calling the origin.
+    /// outdated), and the requests waiting on this load try again (one of
+    /// them loads, the others wait on it; on other instances too) for as
+    /// long as a flight may be waited on, instead of each calling the
+    /// origin.
     Busy {
         /// The caller's answer.
         output: T,

@@ -16,16 +16,27 @@ fn first_busy_then_stored(
     calls: &Arc<AtomicUsize>,
     gate: &Arc<Semaphore>,
 ) -> impl Origin<Output = &'static str, Error = ()> + use<> {
+    busy_then_stored(1, calls, gate)
+}
+
+/// An origin whose first `busy` calls have no room to keep their answers,
+/// and whose later ones store; each call waits for a permit of `gate`.
+fn busy_then_stored(
+    busy: usize,
+    calls: &Arc<AtomicUsize>,
+    gate: &Arc<Semaphore>,
+) -> impl Origin<Output = &'static str, Error = ()> + use<> {
     let (calls, gate) = (calls.clone(), gate.clone());
     origin_fn(move |_stale: Option<Entry>| async move {
         let call = calls.fetch_add(1, SeqCst);
         gate.acquire().await.unwrap().forget();
-        Ok(match call {
-            0 => Loaded::Busy {
+        Ok(if call < busy {
+            Loaded::Busy {
                 output: "streamed",
                 failed: false,
-            },
-            _ => Loaded::Store(Fill::new(Value::from_body("stored"))),
+            }
+        } else {
+            Loaded::Store(Fill::new(Value::from_body("stored")))
         })
     })
 }
@@ -52,13 +63,14 @@ fn body_of(fetched: Fetched<&'static str>) -> String {
     }
 }
 
-#[tokio::test]
-async fn the_requests_waiting_on_a_busy_load_try_again_and_one_loads() {
+/// Five requests on one key whose first `busy` loads have no room to keep
+/// their answers: each request's body, sorted, and the origin's calls.
+async fn five_requests_after(busy: usize) -> (Vec<String>, usize) {
     let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
     let (calls, gate) = (Arc::new(AtomicUsize::new(0)), Arc::new(Semaphore::new(0)));
     let requests: Vec<_> = (0..5)
         .map(|_| {
-            let (cache, origin) = (cache.clone(), first_busy_then_stored(&calls, &gate));
+            let (cache, origin) = (cache.clone(), busy_then_stored(busy, &calls, &gate));
             tokio::spawn(async move {
                 let fetched = cache.fetch(&CacheKey::new("k"), &policy(), origin).await;
                 body_of(fetched.unwrap())
@@ -75,11 +87,32 @@ async fn the_requests_waiting_on_a_busy_load_try_again_and_one_loads() {
         bodies.push(request.await.unwrap());
     }
     bodies.sort();
+    (bodies, calls.load(SeqCst))
+}
+
+#[tokio::test]
+async fn the_requests_waiting_on_a_busy_load_try_again_and_one_loads() {
+    let (bodies, calls) = five_requests_after(1).await;
     assert_eq!(bodies, ["stored", "stored", "stored", "stored", "streamed"]);
     assert_eq!(
-        calls.load(SeqCst),
-        2,
+        calls, 2,
         "the followers of a busy load each called the origin"
+    );
+}
+
+/// Room lacking for longer than one load (the pool full, the place outside
+/// it taken): each busy load answers its own request, and the others keep
+/// waiting their turn, one load at a time, within the flight's wait.
+#[tokio::test]
+async fn busy_loads_in_a_row_still_call_the_origin_one_at_a_time() {
+    let (bodies, calls) = five_requests_after(2).await;
+    assert_eq!(
+        bodies,
+        ["stored", "stored", "stored", "streamed", "streamed"]
+    );
+    assert_eq!(
+        calls, 3,
+        "after a second busy load each follower loaded alone"
     );
 }
 

@@ -58,9 +58,11 @@ pub enum Reason {
     BodyFailed,
     /// The origin declared it already stale (`max-age=0`, an `Age` past its lifetime).
     NotFresh,
-    /// Other bodies being read to be stored held their bound (a sixteenth
-    /// of L1's budget): this one streamed through unstored. Of the moment,
-    /// not of the resource: the key is not remembered as uncacheable.
+    /// Other bodies being read to be stored held their bound (a pool of a
+    /// sixteenth of L1's budget, and the one place outside it): this one
+    /// streamed through unstored. Of the moment, not of the resource: the
+    /// key is not remembered as uncacheable, and the requests waiting on
+    /// this load try again.
     Busy,
 }
 

@@ -4,10 +4,14 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 
-/// What bodies read whole to be stored (or shared) hold at once: the layer
-/// keeps a body until its end, then stores it. Without a bound only their
-/// count limited them, and every fill whose client left (up to
+/// The bytes bodies read whole to be stored (or shared) have read at once:
+/// the layer keeps a body until its end, then stores it. Without a bound
+/// only their count limited them, and every fill whose client left (up to
 /// `max_detached_fills`, 1,024) could hold a whole `max_body` (8 MiB).
+/// Counted are the bytes read; what holds them may be larger for a while
+/// (a body of unknown length grows its buffer, and its last copy is made
+/// before the bytes are given back), and a refused read's bytes stream on
+/// to its client uncounted.
 ///
 /// The reads share a pool of a sixteenth of L1's budget (64 KiB at least).
 /// One read that does not fit what the pool has left may go on outside it,
@@ -16,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 /// others. A read that fits neither is refused: its body streams through
 /// unstored (`detail=busy`), a refusal of the moment the engine treats as
 /// such ([`tiercache_core::Loaded::Busy`]). At most a sixteenth of the
-/// budget plus one `max_body` is held at once.
+/// budget plus one `max_body` is read at once.
 #[derive(Debug)]
 pub(crate) struct Reading {
     /// Bytes held in the pool.
@@ -70,12 +74,16 @@ impl Share {
             return true;
         }
         let reading = &self.reading;
-        let before = reading.pooled.fetch_add(more, Relaxed);
-        if before.saturating_add(more) <= reading.pool {
+        // Taken only when it fits: a read refused does not make others
+        // see the pool fuller than it is.
+        let taken = reading.pooled.fetch_update(Relaxed, Relaxed, |held| {
+            held.checked_add(more)
+                .filter(|&after| after <= reading.pool)
+        });
+        if taken.is_ok() {
             self.pooled = total;
             return true;
         }
-        reading.pooled.fetch_sub(more, Relaxed);
         if reading
             .outside_taken
             .compare_exchange(false, true, Relaxed, Relaxed)

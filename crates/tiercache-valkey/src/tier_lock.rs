@@ -170,7 +170,7 @@ impl ValkeyTier {
         let mut step = Duration::from_millis(50);
         let mut failing_since = None;
         loop {
-            match self.lock_held(key).await {
+            match self.lock_held(key, holder).await {
                 Ok(false) => return self.bounded(self.gone(key, holder)).await,
                 Ok(true) => failing_since = None,
                 Err(e) => {
@@ -253,16 +253,26 @@ impl ValkeyTier {
         tokio::spawn(release_until_done(Arc::downgrade(&self.inner), release));
     }
 
-    /// Whether `key`'s fill lock exists.
-    async fn lock_held(&self, key: &CacheKey) -> Result<bool, TierError> {
+    /// Whether `key`'s fill lock is still `holder`'s (any holder's when
+    /// the holder is not known): a lock another instance took after it is
+    /// not the one waited on, whose release (a fill, an answer it shared)
+    /// may have been missed.
+    async fn lock_held(
+        &self,
+        key: &CacheKey,
+        holder: Option<&LockToken>,
+    ) -> Result<bool, TierError> {
         let lock = self.lock_key(key);
-        let held: i64 = self
-            .bounded(async {
+        self.bounded(async {
+            let Some(holder) = holder else {
                 let r: Result<i64, _> = self.inner.client.exists(lock).await;
-                r.map_err(fred_error)
-            })
-            .await?;
-        Ok(held > 0)
+                return r.map(|n| n > 0).map_err(fred_error);
+            };
+            let r: Result<Option<Bytes>, _> = self.inner.client.get(lock).await;
+            r.map(|token| token.is_some_and(|t| t == holder.0))
+                .map_err(fred_error)
+        })
+        .await
     }
 
     fn is_releasing(&self, holder: &LockToken) -> bool {

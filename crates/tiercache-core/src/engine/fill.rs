@@ -67,6 +67,10 @@ pub(super) enum Followed<T, E> {
     /// Join the key's flights again: the answer was overtaken by an
     /// invalidation this request came after.
     Again,
+    /// Join the key's flights again, one of the followers loading: the
+    /// leader had no room to keep its answer ([`Loaded::Busy`]). Tried
+    /// again until the flight's wait from the request's first join.
+    Retry,
 }
 
 /// A flight this request leads, and how.
@@ -285,9 +289,10 @@ impl TieredCache {
                 Ok(Filled::Passed(output))
             }
             Ok(Loaded::Busy { output, failed }) => {
-                // Nothing about the resource: the waiting instances read L2
-                // and take the lock in turn, as after a lock that is gone;
-                // the key stays unmarked and a refreshed entry stays.
+                // Nothing about the resource: the waiting instances read L2,
+                // then one takes the lock and the others wait on it, as
+                // after a lock that is gone; the key stays unmarked and a
+                // refreshed entry stays.
                 lock.release(Unlocked::Gone);
                 if let Some(stale) = usable.filter(|_| failed) {
                     return Ok(stand_in(leader, stale));
@@ -394,7 +399,7 @@ impl TieredCache {
             // that came after the write.
             FlightResult::Overtaken(_, at) if joined > at => Followed::Again,
             // The leader had no room to keep its answer: one follower loads.
-            FlightResult::Retry => Followed::Again,
+            FlightResult::Retry => Followed::Retry,
             FlightResult::Overtaken(entry, _) if origin.accepts(&entry) => {
                 answer(entry, Source::Origin, Served::Miss { stored: false })
             }

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use super::TieredCache;
 use crate::fleet::{FleetJoin, FleetLock};
 use crate::stats::bump;
@@ -31,7 +33,8 @@ impl TieredCache {
         // The lock outlives a slow fill by the policy's whole wait: the
         // flight's own deadline abandons a stalled leader before it.
         let hold = policy.lock_wait();
-        let (held_for, holder) = match l2.try_lock(key, hold).await {
+        let deadline = Instant::now() + wait;
+        let (mut held_for, mut holder) = match l2.try_lock(key, hold).await {
             Ok(LockAttempt::Acquired(token)) => {
                 return self.took_lock(&l2, key, token, epoch, &accept).await;
             }
@@ -43,35 +46,45 @@ impl TieredCache {
             }
         };
         bump(&self.inner.counters.coalesced);
-        // A little past the lock's own end, so an expired lock is seen gone.
-        let bound = wait.min(held_for + Duration::from_millis(20));
-        let unlocked = match l2.wait_unlock(key, holder.as_ref(), bound).await {
-            Ok(unlocked) => unlocked,
-            Err(_) => {
-                // Valkey stopped answering the wait: what follows reads L2
-                // and tries the lock once more, and may fail open.
-                bump(&self.inner.counters.l2_errors);
-                Unlocked::Gone
+        // Waits on each holder in turn: one that lets go without a fill
+        // (its load had no room to keep its answer, or its lock is gone)
+        // hands the lock to one of its waiters, and the others wait on that
+        // one, until the deadline.
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            // A little past the lock's own end, so an expired lock is seen gone.
+            let bound = left.min(held_for + Duration::from_millis(20));
+            let unlocked = match l2.wait_unlock(key, holder.as_ref(), bound).await {
+                Ok(unlocked) => unlocked,
+                Err(_) => {
+                    // Valkey stopped answering the wait: what follows reads
+                    // L2 and tries the lock once more, and may fail open.
+                    bump(&self.inner.counters.l2_errors);
+                    Unlocked::Gone
+                }
+            };
+            match unlocked {
+                // The owner's answer may not be shared; load without a lock.
+                Unlocked::Passed => return FleetJoin::Lead(FleetLock::local()),
+                Unlocked::Shared(entry, failed) if entry.key() == key.full() => {
+                    return FleetJoin::Shared(entry, failed);
+                }
+                _ => {}
             }
-        };
-        match unlocked {
-            // The owner's answer may not be shared; load without a lock.
-            Unlocked::Passed => return FleetJoin::Lead(FleetLock::local()),
-            Unlocked::Shared(entry, failed) if entry.key() == key.full() => {
-                return FleetJoin::Shared(entry, failed);
+            if let Some(entry) = self.lookup_l2(key, epoch, &accept).await {
+                return FleetJoin::Filled(entry);
             }
-            _ => {}
-        }
-        if let Some(entry) = self.lookup_l2(key, epoch, &accept).await {
-            return FleetJoin::Filled(entry);
-        }
-        match l2.try_lock(key, hold).await {
-            Ok(LockAttempt::Acquired(token)) => {
-                self.took_lock(&l2, key, token, epoch, &accept).await
-            }
-            _ => {
-                bump(&self.inner.counters.lock_timeouts);
-                FleetJoin::Lead(FleetLock::local())
+            match l2.try_lock(key, hold).await {
+                Ok(LockAttempt::Acquired(token)) => {
+                    return self.took_lock(&l2, key, token, epoch, &accept).await;
+                }
+                Ok(LockAttempt::Held { left, holder: next }) if deadline > Instant::now() => {
+                    (held_for, holder) = (left, next);
+                }
+                _ => {
+                    bump(&self.inner.counters.lock_timeouts);
+                    return FleetJoin::Lead(FleetLock::local());
+                }
             }
         }
     }

@@ -94,17 +94,11 @@ impl Miss {
             .filter(|e| engine.stale_usable(e))
             .zip(policy.soft_timeout())
             .map(|(entry, soft)| (entry, Instant::now() + soft));
-        let mut first_join = true;
+        // Busy loads are tried again by their followers until the wait a
+        // flight is allowed from this request's first join.
+        let began = Instant::now();
+        let mut rejoining = false;
         loop {
-            // Joining again (the flight was abandoned, busy, overtaken or
-            // past its deadline): another request may have loaded and
-            // stored the key meanwhile, its flight already over.
-            if !std::mem::take(&mut first_join)
-                && !revalidate
-                && let Some(answer) = engine.l1_answer(&keys.flight, &policy, &origin)
-            {
-                return Ok(Fetched::Entry(answer));
-            }
             // Before the join: an invalidation recorded after this epoch
             // came after the request (see `FlightResult::Overtaken`).
             let joined = engine.inner.journal.epoch();
@@ -114,6 +108,17 @@ impl Miss {
                 .join(keys.flight.hash(), policy.lock_wait())
             {
                 Join::Leader(leader) => {
+                    // Joining again (the flight was abandoned, busy,
+                    // overtaken or past its deadline): the request that
+                    // led before this one may have stored the key, its
+                    // flight already over.
+                    if rejoining
+                        && !revalidate
+                        && let Some(answer) = engine.l1_answer(&keys.flight, &policy, &origin)
+                    {
+                        leader.complete(FlightResult::Shared(answer.entry.clone(), Source::L1));
+                        return Ok(Fetched::Entry(answer));
+                    }
                     let lead = Lead {
                         leader,
                         keys,
@@ -130,6 +135,7 @@ impl Miss {
                 bump(&engine.inner.counters.coalesced);
                 collapsed = true;
             }
+            rejoining = true;
             let started = Instant::now();
             let waited = match &stand_in {
                 Some((stale, at)) => match tokio::time::timeout_at(*at, follower.wait()).await {
@@ -153,7 +159,8 @@ impl Miss {
                             rejoined = true;
                             continue;
                         }
-                        Followed::Alone | Followed::Again => {
+                        Followed::Retry if began.elapsed() < policy.lock_wait() => continue,
+                        Followed::Alone | Followed::Again | Followed::Retry => {
                             engine
                                 .load_alone(&keys, &policy, origin, fallback, true, false)
                                 .await
