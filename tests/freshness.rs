@@ -1058,3 +1058,28 @@ async fn an_only_if_cached_answer_refreshes_without_the_directive() {
     assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
     assert_eq!(t.origin.calls.get(), 2);
 }
+
+/// A response stored without a `Date` is dated when the cache received it
+/// (RFC 9110 §6.6.1: a cache with a clock MUST add one). Before, each hit
+/// went out without one (hyper then dated it with the time of sending), so
+/// over HTTP its `Date` moved with every hit while its `Age` grew.
+#[tokio::test]
+async fn a_response_stored_without_a_date_is_dated_when_it_was_received() {
+    let t = Harness::new(Policy::ttl(secs(60)).jitter(0.0).build().unwrap());
+    t.origin.set(Mode::Always(&[]));
+    let received = t.engine.now();
+    let (_, miss, _) = t.get("/r").await;
+    let date = tiercache::http::freshness::format_http_date(received);
+    assert_eq!(miss.get("date").map(|d| d.to_str().unwrap()), Some(&*date));
+    t.advance(5_000);
+    let (_, hit, _) = t.get("/r").await;
+    assert_eq!(x_cache(&hit), "HIT");
+    assert_eq!(hit.get("date").map(|d| d.to_str().unwrap()), Some(&*date));
+    assert_eq!(hit["age"], "5");
+    // The origin's own `Date` stays as it sent it.
+    const DATED: &[(&str, &str)] = &[("date", "Sun, 06 Nov 1994 08:49:37 GMT")];
+    t.origin.set(Mode::Always(DATED));
+    let (_, miss, _) = t.get("/dated").await;
+    assert_eq!(miss["date"], DATED[0].1);
+    assert_eq!(t.get("/dated").await.1["date"], DATED[0].1);
+}

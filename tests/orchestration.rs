@@ -1006,3 +1006,47 @@ async fn the_instances_waiting_on_a_busy_load_take_the_lock_in_turn() {
             .collect::<Vec<_>>()
     );
 }
+
+/// A request that waited on another's load whose answer may not be shared
+/// (`private`) loads on its own: RFC 9211's `collapsed` says its answer
+/// was another request's, so it is not labelled so (it was, before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_that_ends_in_a_load_of_its_own_is_not_labelled_collapsed() {
+    let (calls, gate) = (Counter::new(), Gate::new());
+    let engine = engine();
+    let route = ResponseCacheLayer::new(engine.clone())
+        .route(policy())
+        .unwrap();
+    let app = Router::new().route(
+        "/mine",
+        get({
+            let (calls, gate) = (calls.clone(), gate.clone());
+            move || {
+                let (calls, gate) = (calls.clone(), gate.clone());
+                async move {
+                    let n = calls.bump();
+                    gate.passed().await;
+                    ([("cache-control", "private")], format!("v{n}"))
+                }
+            }
+        })
+        .layer(route),
+    );
+    let requests: Vec<_> = (0..3)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, "GET", "/mine").await })
+        })
+        .collect();
+    eventually("two requests wait on the first", || {
+        engine.stats().coalesced == 2
+    })
+    .await;
+    gate.open();
+    for request in requests {
+        let (_, headers, _) = bounded("a request", request).await.unwrap();
+        let status = header(&headers, "cache-status");
+        assert!(!status.contains("collapsed"), "{status}");
+    }
+    assert_eq!(calls.get(), 3);
+}

@@ -139,17 +139,8 @@ async fn a_busy_load_does_not_mark_the_key_uncacheable() {
 #[tokio::test]
 async fn a_busy_refresh_leaves_the_entry_it_refreshes() {
     let clock = MockClock::new();
-    let cache = TieredCache::builder()
-        .clock(clock.clone())
-        .sweep_interval(None)
-        .build()
-        .unwrap();
-    let policy = Policy::ttl(Duration::from_secs(1))
-        .jitter(0.0)
-        .xfetch_beta(0.0)
-        .stale_while_revalidate(Duration::from_secs(60))
-        .build()
-        .unwrap();
+    let cache = crate::tests_freshness::engine(&clock, 1);
+    let policy = crate::tests_refresh::stale_for_a_minute().build().unwrap();
     let key = CacheKey::new("k");
     cache.put(&key, Value::from_body("v1"), &policy);
     clock.advance(Duration::from_secs(2));

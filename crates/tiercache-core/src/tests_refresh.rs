@@ -10,7 +10,7 @@ use crate::*;
 
 /// Fresh for a second (no jitter, no early refresh), then served stale
 /// for a minute while a refresh runs.
-fn stale_for_a_minute() -> PolicyBuilder {
+pub(crate) fn stale_for_a_minute() -> PolicyBuilder {
     Policy::ttl(Duration::from_secs(1))
         .jitter(0.0)
         .xfetch_beta(0.0)

@@ -60,15 +60,17 @@ pub(crate) fn invalidation_keys(
         authority,
         path: parts.uri.path().to_owned(),
     };
-    let mut keys = vec![
-        uri_key(
-            &target.scheme,
-            &target.authority,
-            parts.uri.path(),
-            parts.uri.query(),
-        )
-        .finish(),
-    ];
+    let mut keys = spellings(&target)
+        .map(|authority| {
+            uri_key(
+                &target.scheme,
+                &authority,
+                parts.uri.path(),
+                parts.uri.query(),
+            )
+            .finish()
+        })
+        .collect::<Vec<_>>();
     let mut as_get = parts.clone();
     as_get.method = Method::GET;
     for framing in [CONTENT_LENGTH, TRANSFER_ENCODING] {
@@ -95,15 +97,47 @@ pub(crate) fn location_keys(headers: &HeaderMap, target: &Target) -> Vec<CacheKe
             let Ok(text) = value.to_str() else { continue };
             let text = text.trim().split('#').next().unwrap_or("");
             if let Some((path, query)) = resolve(text, target) {
-                let key =
-                    uri_key(&target.scheme, &target.authority, &path, query.as_deref()).finish();
-                if !keys.contains(&key) {
-                    keys.push(key);
+                for authority in spellings(target) {
+                    let key = uri_key(&target.scheme, &authority, &path, query.as_deref()).finish();
+                    if !keys.contains(&key) {
+                        keys.push(key);
+                    }
                 }
             }
         }
     }
     keys
+}
+
+/// The target's authority as the request spelled it, then, when that
+/// names the scheme's default port (`site.example:80`), the same origin
+/// without it (RFC 9110 §4.2.3): two keys, each holding what its own
+/// spelling was answered (an application may build links from `Host` as
+/// sent, so they are not made one), and a write through the rare spelling
+/// invalidates the common one too. The other way round (a write through
+/// `site.example` leaving what `site.example:80` stored) is left: it
+/// would send every write's invalidation twice over the fleet, for a
+/// spelling clients seldom send.
+fn spellings(target: &Target) -> impl Iterator<Item = Vec<u8>> + '_ {
+    std::iter::once(target.authority.clone())
+        .chain(without_default_port(&target.scheme, &target.authority))
+}
+
+/// `authority` without its scheme's default port; `None` for another
+/// port, another scheme, or no host.
+fn without_default_port(scheme: &str, authority: &[u8]) -> Option<Vec<u8>> {
+    let default: &[u8] = match scheme {
+        "http" => b":80",
+        "https" => b":443",
+        _ => return None,
+    };
+    // The host ends at its port's colon, past an IPv6 literal's brackets.
+    let host_end = match authority.first() {
+        Some(b'[') => authority.iter().position(|&b| b == b']')? + 1,
+        _ => authority.iter().position(|&b| b == b':')?,
+    };
+    let (host, port) = authority.split_at(host_end);
+    (!host.is_empty() && port == default).then(|| host.to_vec())
 }
 
 /// A `Location`-style reference resolved against the request's target (RFC
@@ -132,13 +166,77 @@ mod tests {
     use http::Request;
 
     fn get(uri: &str) -> CacheKey {
+        get_on("shop.example", uri)
+    }
+
+    fn get_on(host: &str, uri: &str) -> CacheKey {
         let p = Request::get(uri)
-            .header("host", "shop.example")
+            .header("host", host)
             .body(())
             .unwrap()
             .into_parts()
             .0;
         request_key(&p)
+    }
+
+    fn post_to(host: &str) -> request::Parts {
+        Request::post("/doc")
+            .header("host", host)
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0
+    }
+
+    /// `site.example` and `site.example:80` are one origin (RFC 9110
+    /// §4.2.3) with two keys: a write through the spelling with the port
+    /// invalidates what the other stored (it missed it before).
+    #[test]
+    fn a_write_reaches_the_other_spelling_of_its_origin() {
+        let config = HttpConfig::default();
+        for (host, other) in [("site.example:80", "site.example"), ("[::1]:80", "[::1]")] {
+            let (keys, _) = invalidation_keys(&post_to(host), &config);
+            assert_eq!(
+                keys,
+                vec![get_on(host, "/doc"), get_on(other, "/doc")],
+                "{host}"
+            );
+        }
+        for alone in [
+            "site.example",
+            "[::1]",
+            "site.example:8080",
+            "site.example:443",
+            "",
+        ] {
+            let (keys, _) = invalidation_keys(&post_to(alone), &config);
+            assert_eq!(keys, vec![get_on(alone, "/doc")], "{alone}");
+        }
+        let https = Request::post("https://site.example:443/doc")
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0;
+        let (keys, target) = invalidation_keys(&https, &config);
+        let https_get = |authority: &str| {
+            let uri = format!("https://{authority}/doc");
+            request_key(&Request::get(uri).body(()).unwrap().into_parts().0)
+        };
+        assert_eq!(
+            keys,
+            vec![https_get("site.example:443"), https_get("site.example")]
+        );
+        let mut res = HeaderMap::new();
+        res.append(LOCATION, "/next".parse().unwrap());
+        let located = location_keys(&res, &target);
+        let next = |authority: &str| {
+            let uri = format!("https://{authority}/next");
+            request_key(&Request::get(uri).body(()).unwrap().into_parts().0)
+        };
+        assert_eq!(
+            located,
+            vec![next("site.example:443"), next("site.example")]
+        );
     }
 
     #[test]
@@ -172,17 +270,18 @@ mod tests {
         );
         res.append(LOCATION, "../account".parse().unwrap());
         let keys = location_keys(&res, &target);
-        assert_eq!(
-            keys,
-            vec![
-                get("/cart"),
-                get("/cart/https"),
-                get("/cart/summary"),
-                get("/cart/checkout/done?x=2"),
-                get("/account"),
-                get("/cart/items/7"),
-            ]
-        );
+        let want: Vec<CacheKey> = [
+            "/cart",
+            "/cart/https",
+            "/cart/summary",
+            "/cart/checkout/done?x=2",
+            "/account",
+            "/cart/items/7",
+        ]
+        .into_iter()
+        .map(get)
+        .collect();
+        assert_eq!(keys, want);
     }
 
     #[test]

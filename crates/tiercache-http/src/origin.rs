@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::header::{
-    ETAG, HeaderName, HeaderValue, IF_MATCH, IF_MODIFIED_SINCE, IF_NONE_MATCH, IF_RANGE,
+    DATE, ETAG, HeaderName, HeaderValue, IF_MATCH, IF_MODIFIED_SINCE, IF_NONE_MATCH, IF_RANGE,
     IF_UNMODIFIED_SINCE, LAST_MODIFIED,
 };
 use http::{HeaderMap, Method, Request, Response, StatusCode, response};
@@ -132,7 +132,16 @@ impl Load<'_> {
         ResB::Error: Into<BoxError>,
     {
         let route = self.route;
-        let (parts, body) = res.into_parts();
+        let (mut parts, body) = res.into_parts();
+        // RFC 9110 §6.6.1: a cache with a clock dates a response that came
+        // without a `Date` when it received it, stored or passed on (else
+        // each hit went out dated when it was sent, while its `Age` grew).
+        if !parts.headers.contains_key(DATE) {
+            let received = crate::freshness::format_http_date(route.engine.now());
+            if let Ok(date) = HeaderValue::from_str(&received) {
+                parts.headers.insert(DATE, date);
+            }
+        }
         if parts.status == StatusCode::NOT_MODIFIED
             && let Some(stale) = revalidating
         {

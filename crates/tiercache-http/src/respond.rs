@@ -20,9 +20,12 @@ impl Route {
     ) -> Result<Response<CacheBody<B>>, E> {
         match fetched {
             Ok(Fetched::Entry(answer)) => Ok(self.answer(&answer, ask)),
+            // Its own load, even after a wait on another's (whose answer
+            // could not be shared): RFC 9211's `collapsed` is for an
+            // answer reused from another request's, so it is not said.
             Ok(Fetched::Passed {
                 output: (mut res, reason),
-                collapsed,
+                collapsed: _,
                 hit_for_miss,
             }) => {
                 // The client's validators were kept from the origin (so it
@@ -57,7 +60,7 @@ impl Route {
                     Outcome::Miss {
                         stored: false,
                         reason: Some(reason),
-                        collapsed,
+                        collapsed: false,
                         l2_down: false,
                     }
                 };

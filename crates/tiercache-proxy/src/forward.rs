@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::ConnectInfo;
-use http::header::{CONNECTION, HOST, HeaderName, HeaderValue, TE, TRAILER, VIA};
+use http::header::{
+    CONNECTION, COOKIE, HOST, HeaderMap, HeaderName, HeaderValue, TE, TRAILER, VIA,
+};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri};
 use hyper::body::Incoming;
@@ -255,18 +257,27 @@ impl Forward {
         // scheme, host, port and path frameworks build links from) go, on
         // every request (the cache drops them only from those it may
         // store), unless the route keys on them: those pass as sent.
-        // Only the very name keyed passes: another spelling is not in the key.
+        // Only the very name keyed passes: another spelling is not in the key
+        // (`x-legacy` beside a keyed `x_legacy`, which such servers read as
+        // one). Nor does any name with `_` (as nginx's default): WSGI and
+        // Rack servers read `X_Tenant` as `X-Tenant`, a value the cache
+        // keyed on (or varied by) as absent.
         let keyed = |name: &str| self.keyed.iter().any(|k| k.as_str() == name);
+        let spelled_apart = |name: &str| self.keyed.iter().any(|k| same_name(k.as_str(), name));
         let doomed: Vec<HeaderName> = parts
             .headers
             .keys()
-            .filter(|n| is_unkeyed(n.as_str()) || is_client_address(n.as_str()))
+            .filter(|n| {
+                let n = n.as_str();
+                is_unkeyed(n) || is_client_address(n) || n.contains('_') || spelled_apart(n)
+            })
             .filter(|n| !keyed(n.as_str()))
             .cloned()
             .collect();
         for name in doomed {
             parts.headers.remove(name);
         }
+        join_cookies(&mut parts.headers);
         if let Some(host) = host {
             parts.headers.insert(HOST, host.clone());
             if !keyed(X_FORWARDED_HOST.as_str()) {
@@ -321,7 +332,8 @@ impl tower::Service<Request<Body>> for Forward {
                 Ok(own_answer(StatusCode::LOOP_DETECTED, text.into(), head))
             });
         }
-        // RFC 9112 §3.2: a server answers 400 to more than one `Host`.
+        // RFC 9112 §3.2: a server answers 400 to more than one `Host`
+        // (the proxy's dispatch refuses it first; here for `Forward` alone).
         if req.headers().get_all(HOST).iter().nth(1).is_some() {
             let text = "tiercache-proxy: a request may carry one Host field\n";
             return Box::pin(
@@ -406,6 +418,24 @@ impl tower::Service<Request<Body>> for Forward {
                 }
             }
         })
+    }
+}
+
+/// Cookies split over several fields (as HTTP/2 allows, RFC 9113 §8.2.3)
+/// joined into one with `; ` for the HTTP/1.1 upstream: as separate lines,
+/// servers join them with `,`, and one cookie's value runs into the next.
+fn join_cookies(headers: &mut HeaderMap) {
+    let mut fields = headers.get_all(COOKIE).iter();
+    if fields.nth(1).is_none() {
+        return;
+    }
+    let joined: Vec<&[u8]> = headers
+        .get_all(COOKIE)
+        .iter()
+        .map(HeaderValue::as_bytes)
+        .collect();
+    if let Ok(one) = HeaderValue::from_bytes(&joined.join(&b"; "[..])) {
+        headers.insert(COOKIE, one);
     }
 }
 

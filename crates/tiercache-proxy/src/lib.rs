@@ -41,6 +41,7 @@ mod admin;
 mod config;
 pub mod config_file;
 pub mod forward;
+mod host;
 mod prometheus;
 pub mod read_ahead;
 mod reload;

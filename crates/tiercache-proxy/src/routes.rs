@@ -8,6 +8,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
+use bytes::Bytes;
 use http::{Request, Response};
 use tiercache_http::CacheBody;
 use tower::Service;
@@ -130,6 +131,10 @@ impl Service<Request<Body>> for Dispatch {
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
+        if let Some(why) = crate::host::host_problem(&req) {
+            let head = req.method() == http::Method::HEAD;
+            return Box::pin(async move { Ok(bad_request(why, head)) });
+        }
         let table = self.table.read().unwrap_or_else(|e| e.into_inner()).clone();
         if table.forward.came_back(req.headers()) {
             return table.looped.clone().call(req);
@@ -142,4 +147,16 @@ impl Service<Request<Body>> for Dispatch {
             .map_or_else(|| table.default.clone(), |(_, s)| s.clone());
         service.call(req)
     }
+}
+
+/// The proxy's own 400, saying `why` (no body for a HEAD).
+fn bad_request(why: &str, head: bool) -> Response<CacheBody<UpstreamBody>> {
+    let text = if head {
+        Bytes::new()
+    } else {
+        Bytes::from(format!("tiercache-proxy: {why}\n"))
+    };
+    let mut res = Response::new(CacheBody::full(text));
+    *res.status_mut() = http::StatusCode::BAD_REQUEST;
+    res
 }

@@ -950,3 +950,128 @@ async fn a_reload_rotates_the_admin_token() {
     assert_eq!(fetch(invalidate(old)).await.0, StatusCode::UNAUTHORIZED);
     assert_eq!(fetch(invalidate(new)).await.0, StatusCode::OK);
 }
+
+/// A field named with `_` never reaches the upstream, as nginx's default
+/// (`underscores_in_headers off`): WSGI and Rack servers read `X_Tenant`
+/// as `X-Tenant`, so a client could hand the upstream a value the cache
+/// never keyed on (`--key-header X-Tenant`, or an origin's
+/// `Vary: X-Tenant`) and have its answer stored for everyone. A keyed name
+/// spelled with `_` itself passes.
+#[tokio::test]
+async fn fields_named_with_an_underscore_never_reach_the_upstream() {
+    let (server, _) = upstream().await;
+    let mut config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .ttl(Duration::from_secs(60));
+    config.key_headers = vec!["x-tenant".into(), "x_legacy".into()];
+    let proxy = Proxy::start(config).await.unwrap();
+    let req = Request::get(format!("http://{}/echo", proxy.addr()))
+        .header("x_tenant", "evil")
+        .header("x_api_key", "k")
+        .header("x_legacy", "kept")
+        // The keyed name's other spelling, read as the same by WSGI.
+        .header("x-legacy", "evil too")
+        .body(Body::empty())
+        .unwrap();
+    let (status, _, body) = fetch(req).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        !body.contains("evil") && !body.contains("x_api_key"),
+        "{body}"
+    );
+    assert!(body.contains("x_legacy: kept\n"), "{body}");
+    // The copy stored (for no tenant) is the upstream's answer for none.
+    let req = Request::get(format!("http://{}/echo", proxy.addr()))
+        .header("x_legacy", "kept")
+        .body(Body::empty())
+        .unwrap();
+    let (_, headers, body) = fetch(req).await;
+    assert_eq!(headers["x-cache"], "HIT");
+    assert!(!body.contains("evil"), "{body}");
+}
+
+/// Cookies a client split over several fields (HTTP/2 allows it, RFC 9113
+/// §8.2.3) reach the HTTP/1.1 upstream as one field joined with `; `:
+/// as separate lines, WSGI servers joined them with `,` and read one
+/// cookie's value as running into the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cookies_split_over_fields_reach_the_upstream_as_one() {
+    let (server, _) = upstream().await;
+    let proxy = proxy_for(&server).await;
+    let (mut sender, _conn) = h2c(proxy.addr(), None).await;
+    let req = Request::get(format!("http://{}/echo", proxy.addr()))
+        .version(http::Version::HTTP_2)
+        .header("cookie", "lang=en")
+        .header("cookie", "session=alice")
+        .body(Body::empty())
+        .unwrap();
+    let res = sender.send_request(req).await.unwrap();
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    let body = String::from_utf8_lossy(&body);
+    assert!(body.contains("cookie: lang=en; session=alice\n"), "{body}");
+    assert_eq!(body.matches("cookie:").count(), 1, "{body}");
+}
+
+/// Sends `head` (a request's head, CRLFs and all) on a new connection and
+/// returns the answer's status line.
+async fn status_line(addr: SocketAddr, head: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    socket.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0; 1024];
+    while !answer.windows(2).any(|w| w == b"\r\n") {
+        let n = bounded("an answer", socket.read(&mut buf)).await.unwrap();
+        assert!(n > 0, "closed without an answer to {head:?}");
+        answer.extend_from_slice(&buf[..n]);
+    }
+    let answer = String::from_utf8_lossy(&answer);
+    answer.lines().next().unwrap_or_default().to_owned()
+}
+
+/// RFC 9112 §3.2: an HTTP/1.1 request without `Host`, with more than one,
+/// or with one that is empty or no host and port, is answered 400, before
+/// the cache or the upstream sees it. Before, each reached the upstream (the invalid
+/// value as its `Host` and `X-Forwarded-Host`, a missing one as the
+/// upstream's own address).
+#[tokio::test]
+async fn a_request_without_one_valid_host_is_refused() {
+    let (server, state) = upstream().await;
+    let proxy = proxy_for(&server).await;
+    let addr = proxy.addr();
+    for host in [
+        "",
+        "Host: \r\n",
+        "Host: a:+80\r\n",
+        "Host: evil.example/x?\r\n",
+        "Host: user@evil.example\r\n",
+        "Host: a b\r\n",
+        "Host: a:notaport\r\n",
+        "Host: a:99999\r\n",
+        "Host: a.example\r\nHost: b.example\r\n",
+    ] {
+        let head = format!("GET /echo HTTP/1.1\r\n{host}Connection: close\r\n\r\n");
+        assert_eq!(
+            status_line(addr, &head).await,
+            "HTTP/1.1 400 Bad Request",
+            "{host:?}"
+        );
+    }
+    assert_eq!(state.calls.get(), 0);
+    for host in [
+        "Host: a.example\r\n",
+        "Host: A.example:8080\r\n",
+        "Host: [::1]:80\r\n",
+        "Host: 127.0.0.1\r\n",
+    ] {
+        let head = format!("GET /echo HTTP/1.1\r\n{host}Connection: close\r\n\r\n");
+        assert_eq!(
+            status_line(addr, &head).await,
+            "HTTP/1.1 200 OK",
+            "{host:?}"
+        );
+    }
+    // HTTP/1.0 needs none.
+    let head = "GET /echo HTTP/1.0\r\n\r\n";
+    assert_eq!(status_line(addr, head).await, "HTTP/1.0 200 OK");
+}

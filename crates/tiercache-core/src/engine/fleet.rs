@@ -33,7 +33,8 @@ impl TieredCache {
         // The lock outlives a slow fill by the policy's whole wait: the
         // flight's own deadline abandons a stalled leader before it.
         let hold = policy.lock_wait();
-        let deadline = Instant::now() + wait;
+        let mut deadline = Instant::now() + wait;
+        let mut extended = false;
         let (mut held_for, mut holder) = match l2.try_lock(key, hold).await {
             Ok(LockAttempt::Acquired(token)) => {
                 return self.took_lock(&l2, key, token, epoch, &accept).await;
@@ -78,7 +79,18 @@ impl TieredCache {
                 Ok(LockAttempt::Acquired(token)) => {
                     return self.took_lock(&l2, key, token, epoch, &accept).await;
                 }
-                Ok(LockAttempt::Held { left, holder: next }) if deadline > Instant::now() => {
+                Ok(LockAttempt::Held { left, holder: next })
+                    if deadline > Instant::now()
+                        || (!extended && next.is_some() && next != holder) =>
+                {
+                    // Past the deadline, a new holder is a load under way
+                    // (often this instance's own flight, taken over by a
+                    // follower at the same deadline): waited on once more,
+                    // for a flight's wait at most, rather than loading
+                    // beside it. The same holder still there is stuck.
+                    if deadline <= Instant::now() {
+                        (deadline, extended) = (Instant::now() + hold, true);
+                    }
                     (held_for, holder) = (left, next);
                 }
                 _ => {
