@@ -1050,3 +1050,57 @@ async fn a_wait_that_ends_in_a_load_of_its_own_is_not_labelled_collapsed() {
     }
     assert_eq!(calls.get(), 3);
 }
+
+/// The same when that load of its own is stored: a request that waited
+/// on a load of another variant (`Vary`) stores its own, labelled stored
+/// and not collapsed (before: `fwd=miss; collapsed`, its store unsaid).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_that_ends_in_a_stored_load_of_its_own_says_stored() {
+    let (calls, gate) = (Counter::new(), Gate::new());
+    let engine = engine();
+    let route = ResponseCacheLayer::new(engine.clone())
+        .route(policy())
+        .unwrap();
+    let app = Router::new().route(
+        "/lang",
+        get({
+            let (calls, gate) = (calls.clone(), gate.clone());
+            move |headers: axum::http::HeaderMap| {
+                let (calls, gate) = (calls.clone(), gate.clone());
+                async move {
+                    calls.bump();
+                    gate.passed().await;
+                    let lang = header(&headers, "x-lang").to_owned();
+                    ([("vary", "x-lang")], format!("in {lang}"))
+                }
+            }
+        })
+        .layer(route),
+    );
+    let request = |lang: &'static str| {
+        let app = app.clone();
+        tokio::spawn(async move {
+            let req = axum::http::Request::get("/lang")
+                .header("host", HOST)
+                .header("x-lang", lang)
+                .body(axum::body::Body::empty())
+                .unwrap();
+            let res = tower::ServiceExt::oneshot(app, req).await.unwrap();
+            header(res.headers(), "cache-status").to_owned()
+        })
+    };
+    let en = request("en");
+    calls.reached(1).await;
+    let fr = request("fr");
+    eventually("fr waits on en's load", || engine.stats().coalesced == 1).await;
+    gate.open();
+    assert_eq!(
+        bounded("en", en).await.unwrap(),
+        "tiercache; fwd=miss; stored"
+    );
+    assert_eq!(
+        bounded("fr", fr).await.unwrap(),
+        "tiercache; fwd=miss; stored"
+    );
+    assert_eq!(calls.get(), 2);
+}

@@ -160,7 +160,9 @@ pub struct Answer {
     pub source: Source,
     /// Fresh, stale, or the origin's.
     pub served: Served,
-    /// Whether this request waited on another request's load.
+    /// Whether this request waited on another request's load and is
+    /// answered from it (or stands a stale copy in for its failure); a
+    /// request that waited, then loaded on its own, is not.
     pub collapsed: bool,
 }
 

@@ -27,14 +27,19 @@ pub(crate) struct Target {
 }
 
 impl Target {
-    /// `path` on the target's origin, as an absolute URI; `None` for a host
-    /// no cacheable request may name (nothing is stored under it, and a
-    /// pattern carrying it would be the client's size).
-    pub(crate) fn uri_of(&self, path: &str) -> Option<http::Uri> {
-        if self.authority.len() > crate::cacheable::MAX_HOST {
+    /// `path` on each spelling of the target's origin (see [`spellings`]),
+    /// as absolute URIs; none for a host no cacheable request may name
+    /// (nothing is stored under it, and a pattern carrying it would be the
+    /// client's size).
+    pub(crate) fn uris_of<'a>(&'a self, path: &'a str) -> impl Iterator<Item = http::Uri> + 'a {
+        spellings(self).filter_map(move |authority| self.uri_on(&authority, path))
+    }
+
+    fn uri_on(&self, authority: &[u8], path: &str) -> Option<http::Uri> {
+        if authority.len() > crate::cacheable::MAX_HOST {
             return None;
         }
-        let authority = std::str::from_utf8(&self.authority).ok()?;
+        let authority = std::str::from_utf8(authority).ok()?;
         format!("{}://{authority}{path}", self.scheme).parse().ok()
     }
 }
@@ -225,6 +230,15 @@ mod tests {
         assert_eq!(
             keys,
             vec![https_get("site.example:443"), https_get("site.example")]
+        );
+        // A route's path-prefix invalidation covers both spellings too.
+        let prefixes: Vec<String> = target.uris_of("/docs/").map(|u| u.to_string()).collect();
+        assert_eq!(
+            prefixes,
+            [
+                "https://site.example:443/docs/",
+                "https://site.example/docs/"
+            ]
         );
         let mut res = HeaderMap::new();
         res.append(LOCATION, "/next".parse().unwrap());

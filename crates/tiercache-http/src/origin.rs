@@ -136,7 +136,9 @@ impl Load<'_> {
         // RFC 9110 §6.6.1: a cache with a clock dates a response that came
         // without a `Date` when it received it, stored or passed on (else
         // each hit went out dated when it was sent, while its `Age` grew).
-        if !parts.headers.contains_key(DATE) {
+        // (Not a 304: one renewing a stored response keeps its `Date`,
+        // the origin's clock, which its `Expires` counts from.)
+        if parts.status != StatusCode::NOT_MODIFIED && !parts.headers.contains_key(DATE) {
             let received = crate::freshness::format_http_date(route.engine.now());
             if let Ok(date) = HeaderValue::from_str(&received) {
                 parts.headers.insert(DATE, date);

@@ -80,15 +80,18 @@ async fn invalidate_all(
     for what in also {
         let done = match what {
             Invalidate::Tag(tag) => route.engine.invalidate_tag(tag).await,
-            Invalidate::PathPrefix(prefix) => match request.uri_of(&prefix) {
-                Some(uri) => {
-                    route
+            // On each spelling of the target's origin, as its URL.
+            Invalidate::PathPrefix(prefix) => {
+                let mut done = Ok(());
+                for uri in request.uris_of(&prefix) {
+                    let landed = route
                         .engine
                         .invalidate_prefix(path_prefix_pattern(&uri))
-                        .await
+                        .await;
+                    done = done.and(landed);
                 }
-                None => Ok(()),
-            },
+                done
+            }
         };
         queued |= done.is_err();
     }

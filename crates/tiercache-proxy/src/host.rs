@@ -15,12 +15,14 @@ use http::{Request, Version};
 /// authority (HTTP/2's `:authority`, an absolute-form target) may carry
 /// no userinfo either (RFC 9113 §8.3.1).
 pub(crate) fn host_problem<B>(req: &Request<B>) -> Option<&'static str> {
+    // Checked as `Host` is (`http`'s parser does not look at a port's
+    // digits), userinfo refused.
     if req
         .uri()
         .authority()
-        .is_some_and(|a| a.as_str().contains('@'))
+        .is_some_and(|a| !is_host_and_port(a.as_str().as_bytes()))
     {
-        return Some("a request's target may carry no userinfo");
+        return Some("the request's target is no host and port");
     }
     let mut hosts = req.headers().get_all(HOST).iter();
     let Some(host) = hosts.next() else {
@@ -82,7 +84,19 @@ mod tests {
         assert!(with_host(Version::HTTP_2, &["a", "b"]).is_some());
         assert_eq!(with_host(Version::HTTP_10, &[]), None);
         assert_eq!(with_host(Version::HTTP_2, &[]), None);
-        let userinfo = Request::get("http://user@a.example/").body(()).unwrap();
-        assert!(host_problem(&userinfo).is_some());
+        for target in [
+            "http://user@a.example/",
+            "http://a:+80/",
+            "http://a:notaport/",
+        ] {
+            let req = Request::get(target).body(()).unwrap();
+            assert!(host_problem(&req).is_some(), "{target}");
+        }
+        let h2 = |target: &str| {
+            let req = Request::get(target).version(Version::HTTP_2);
+            host_problem(&req.body(()).unwrap())
+        };
+        assert_eq!(h2("http://a.example:8080/"), None);
+        assert!(h2("http://a.example:notaport/").is_some(), ":authority");
     }
 }

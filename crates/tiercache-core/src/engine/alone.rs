@@ -30,12 +30,14 @@ impl TieredCache {
         let took = started.elapsed();
         let delta = self.delta_since(began, took);
         self.inner.counters.origin_load(took);
+        // This request's own load: not another's answer reused, even
+        // after a wait (RFC 9211's `collapsed`).
         let answer = |entry, stored| {
             let answer = Answer {
                 entry,
                 source: Source::Origin,
                 served: Served::Miss { stored },
-                collapsed,
+                collapsed: false,
             };
             bump(&self.inner.counters.misses);
             Fetched::Entry(answer)

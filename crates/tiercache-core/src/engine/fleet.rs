@@ -17,8 +17,11 @@ impl TieredCache {
     /// alone protects the origin. A wait lasts at most `wait` (what is left
     /// of the flight's deadline), or the lock's own remaining time if
     /// shorter: a lock whose owner died expires, and this instance takes
-    /// over; after it the request loads without the lock (counted as a lock
-    /// timeout).
+    /// over. A holder that lets go without a fill hands the lock to one
+    /// waiter, and the others wait on that one. Past the deadline a new
+    /// holder is waited on once more (for the policy's wait at most); the
+    /// same holder still there is stuck, and the request loads without
+    /// the lock (counted as a lock timeout).
     pub(crate) async fn lead_fleet(
         &self,
         key: &CacheKey,
