@@ -1007,31 +1007,40 @@ async fn the_instances_waiting_on_a_busy_load_take_the_lock_in_turn() {
     );
 }
 
+/// An app on a fresh engine whose `path` counts its calls in `calls` and,
+/// once `gate` opens, answers `respond(the request's headers, the call's
+/// number)`.
+fn gated_app<R: axum::response::IntoResponse + Send + 'static>(
+    path: &str,
+    calls: &Counter,
+    gate: &Gate,
+    respond: fn(&axum::http::HeaderMap, usize) -> R,
+) -> (Router, TieredCache) {
+    let engine = engine();
+    let route = ResponseCacheLayer::new(engine.clone())
+        .route(policy())
+        .unwrap();
+    let (calls, gate) = (calls.clone(), gate.clone());
+    let handler = move |headers: axum::http::HeaderMap| {
+        let (calls, gate) = (calls.clone(), gate.clone());
+        async move {
+            let n = calls.bump();
+            gate.passed().await;
+            respond(&headers, n)
+        }
+    };
+    (Router::new().route(path, get(handler).layer(route)), engine)
+}
+
 /// A request that waited on another's load whose answer may not be shared
 /// (`private`) loads on its own: RFC 9211's `collapsed` says its answer
 /// was another request's, so it is not labelled so (it was, before).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wait_that_ends_in_a_load_of_its_own_is_not_labelled_collapsed() {
     let (calls, gate) = (Counter::new(), Gate::new());
-    let engine = engine();
-    let route = ResponseCacheLayer::new(engine.clone())
-        .route(policy())
-        .unwrap();
-    let app = Router::new().route(
-        "/mine",
-        get({
-            let (calls, gate) = (calls.clone(), gate.clone());
-            move || {
-                let (calls, gate) = (calls.clone(), gate.clone());
-                async move {
-                    let n = calls.bump();
-                    gate.passed().await;
-                    ([("cache-control", "private")], format!("v{n}"))
-                }
-            }
-        })
-        .layer(route),
-    );
+    let (app, engine) = gated_app("/mine", &calls, &gate, |_, n| {
+        ([("cache-control", "private")], format!("v{n}"))
+    });
     let requests: Vec<_> = (0..3)
         .map(|_| {
             let app = app.clone();
@@ -1057,26 +1066,10 @@ async fn a_wait_that_ends_in_a_load_of_its_own_is_not_labelled_collapsed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wait_that_ends_in_a_stored_load_of_its_own_says_stored() {
     let (calls, gate) = (Counter::new(), Gate::new());
-    let engine = engine();
-    let route = ResponseCacheLayer::new(engine.clone())
-        .route(policy())
-        .unwrap();
-    let app = Router::new().route(
-        "/lang",
-        get({
-            let (calls, gate) = (calls.clone(), gate.clone());
-            move |headers: axum::http::HeaderMap| {
-                let (calls, gate) = (calls.clone(), gate.clone());
-                async move {
-                    calls.bump();
-                    gate.passed().await;
-                    let lang = header(&headers, "x-lang").to_owned();
-                    ([("vary", "x-lang")], format!("in {lang}"))
-                }
-            }
-        })
-        .layer(route),
-    );
+    let (app, engine) = gated_app("/lang", &calls, &gate, |headers, _| {
+        let lang = header(headers, "x-lang").to_owned();
+        ([("vary", "x-lang")], format!("in {lang}"))
+    });
     let request = |lang: &'static str| {
         let app = app.clone();
         tokio::spawn(async move {
