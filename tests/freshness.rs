@@ -179,6 +179,15 @@ impl Origin {
     }
 }
 
+/// A minute's ttl (no jitter) that overrides what the origin declares.
+fn overriding_a_minute() -> Policy {
+    Policy::ttl(secs(60))
+        .jitter(0.0)
+        .override_origin(true)
+        .build()
+        .unwrap()
+}
+
 /// A 1 s ttl (no jitter) and a minute of stale-if-error.
 fn stale_if_error_a_minute() -> Policy {
     Policy::ttl(secs(1))
@@ -781,13 +790,7 @@ async fn an_origin_max_age_wins_over_the_route_ttl() {
     t.advance(1);
     assert_eq!(x_cache(&t.get("/r").await.1), "MISS");
     // A route may override the origin.
-    let t = Harness::new(
-        Policy::ttl(secs(60))
-            .jitter(0.0)
-            .override_origin(true)
-            .build()
-            .unwrap(),
-    );
+    let t = Harness::new(overriding_a_minute());
     t.origin.set(Mode::Ok(&[("cache-control", "max-age=1")]));
     t.get("/r").await;
     t.advance(30_000);
@@ -853,13 +856,7 @@ async fn the_routes_lifetime_counts_from_the_origins_answer_too() {
     // A route that overrides what the origin declared counts from this
     // answer, as it always did: a CDN's `Age` does not keep it from
     // storing.
-    let t = Harness::new(
-        Policy::ttl(secs(60))
-            .jitter(0.0)
-            .override_origin(true)
-            .build()
-            .unwrap(),
-    );
+    let t = Harness::new(overriding_a_minute());
     t.origin.set(Mode::Always(&[
         ("cache-control", "max-age=86400"),
         ("age", "3600"),

@@ -32,7 +32,7 @@ impl Target {
     /// (nothing is stored under it, and a pattern carrying it would be the
     /// client's size).
     pub(crate) fn uris_of<'a>(&'a self, path: &'a str) -> impl Iterator<Item = http::Uri> + 'a {
-        spellings(self).filter_map(move |authority| self.uri_on(&authority, path))
+        spellings(self).filter_map(move |authority| self.uri_on(authority, path))
     }
 
     fn uri_on(&self, authority: &[u8], path: &str) -> Option<http::Uri> {
@@ -69,7 +69,7 @@ pub(crate) fn invalidation_keys(
         .map(|authority| {
             uri_key(
                 &target.scheme,
-                &authority,
+                authority,
                 parts.uri.path(),
                 parts.uri.query(),
             )
@@ -103,7 +103,7 @@ pub(crate) fn location_keys(headers: &HeaderMap, target: &Target) -> Vec<CacheKe
             let text = text.trim().split('#').next().unwrap_or("");
             if let Some((path, query)) = resolve(text, target) {
                 for authority in spellings(target) {
-                    let key = uri_key(&target.scheme, &authority, &path, query.as_deref()).finish();
+                    let key = uri_key(&target.scheme, authority, &path, query.as_deref()).finish();
                     if !keys.contains(&key) {
                         keys.push(key);
                     }
@@ -123,14 +123,14 @@ pub(crate) fn location_keys(headers: &HeaderMap, target: &Target) -> Vec<CacheKe
 /// `site.example` leaving what `site.example:80` stored) is left: it
 /// would send every write's invalidation twice over the fleet, for a
 /// spelling clients seldom send.
-fn spellings(target: &Target) -> impl Iterator<Item = Vec<u8>> + '_ {
-    std::iter::once(target.authority.clone())
+fn spellings(target: &Target) -> impl Iterator<Item = &[u8]> + '_ {
+    std::iter::once(&target.authority[..])
         .chain(without_default_port(&target.scheme, &target.authority))
 }
 
 /// `authority` without its scheme's default port; `None` for another
 /// port, another scheme, or no host.
-fn without_default_port(scheme: &str, authority: &[u8]) -> Option<Vec<u8>> {
+fn without_default_port<'a>(scheme: &str, authority: &'a [u8]) -> Option<&'a [u8]> {
     let default: &[u8] = match scheme {
         "http" => b":80",
         "https" => b":443",
@@ -142,7 +142,7 @@ fn without_default_port(scheme: &str, authority: &[u8]) -> Option<Vec<u8>> {
         _ => authority.iter().position(|&b| b == b':')?,
     };
     let (host, port) = authority.split_at(host_end);
-    (!host.is_empty() && port == default).then(|| host.to_vec())
+    (!host.is_empty() && port == default).then_some(host)
 }
 
 /// A `Location`-style reference resolved against the request's target (RFC

@@ -442,7 +442,7 @@ fn join_cookies(headers: &mut HeaderMap) {
 /// An answer of the proxy's own: `status`, and `text` saying why.
 /// The proxy's own answer, with `text` as its body (none for a HEAD: RFC
 /// 9110 §9.3.2; over HTTP/2, hyper sends whatever body a HEAD's answer has).
-fn own_answer(status: StatusCode, text: String, head: bool) -> Response<UpstreamBody> {
+pub(crate) fn own_answer(status: StatusCode, text: String, head: bool) -> Response<UpstreamBody> {
     let body = if head {
         Body::empty()
     } else {

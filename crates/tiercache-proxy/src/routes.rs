@@ -8,13 +8,12 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
-use bytes::Bytes;
 use http::{Request, Response};
 use tiercache_http::CacheBody;
 use tower::Service;
 use tower::util::BoxCloneSyncService;
 
-use crate::forward::UpstreamBody;
+use crate::forward::{UpstreamBody, own_answer};
 
 pub use tiercache_http::paths::Glob;
 
@@ -133,7 +132,9 @@ impl Service<Request<Body>> for Dispatch {
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         if let Some(why) = crate::host::host_problem(&req) {
             let head = req.method() == http::Method::HEAD;
-            return Box::pin(async move { Ok(bad_request(why, head)) });
+            let text = format!("tiercache-proxy: {why}\n");
+            let answer = own_answer(http::StatusCode::BAD_REQUEST, text, head);
+            return Box::pin(async move { Ok(answer.map(CacheBody::stream)) });
         }
         let table = self.table.read().unwrap_or_else(|e| e.into_inner()).clone();
         if table.forward.came_back(req.headers()) {
@@ -147,16 +148,4 @@ impl Service<Request<Body>> for Dispatch {
             .map_or_else(|| table.default.clone(), |(_, s)| s.clone());
         service.call(req)
     }
-}
-
-/// The proxy's own 400, saying `why` (no body for a HEAD).
-fn bad_request(why: &str, head: bool) -> Response<CacheBody<UpstreamBody>> {
-    let text = if head {
-        Bytes::new()
-    } else {
-        Bytes::from(format!("tiercache-proxy: {why}\n"))
-    };
-    let mut res = Response::new(CacheBody::full(text));
-    *res.status_mut() = http::StatusCode::BAD_REQUEST;
-    res
 }

@@ -78,21 +78,22 @@ impl TieredCache {
             if let Some(entry) = self.lookup_l2(key, epoch, &accept).await {
                 return FleetJoin::Filled(entry);
             }
-            match l2.try_lock(key, hold).await {
+            let attempt = l2.try_lock(key, hold).await;
+            let now = Instant::now();
+            match attempt {
                 Ok(LockAttempt::Acquired(token)) => {
                     return self.took_lock(&l2, key, token, epoch, &accept).await;
                 }
                 Ok(LockAttempt::Held { left, holder: next })
-                    if deadline > Instant::now()
-                        || (!extended && next.is_some() && next != holder) =>
+                    if deadline > now || (!extended && next.is_some() && next != holder) =>
                 {
                     // Past the deadline, a new holder is a load under way
                     // (often this instance's own flight, taken over by a
                     // follower at the same deadline): waited on once more,
                     // for a flight's wait at most, rather than loading
                     // beside it. The same holder still there is stuck.
-                    if deadline <= Instant::now() {
-                        (deadline, extended) = (Instant::now() + hold, true);
+                    if deadline <= now {
+                        (deadline, extended) = (now + hold, true);
                     }
                     (held_for, holder) = (left, next);
                 }

@@ -97,7 +97,6 @@ impl Miss {
         // Busy loads are tried again by their followers until the wait a
         // flight is allowed from this request's first join.
         let began = Instant::now();
-        let mut rejoining = false;
         loop {
             // Before the join: an invalidation recorded after this epoch
             // came after the request (see `FlightResult::Overtaken`).
@@ -112,7 +111,8 @@ impl Miss {
                     // overtaken or past its deadline): the request that
                     // led before this one may have stored the key, its
                     // flight already over.
-                    if rejoining
+                    // (`collapsed`: it followed a flight before.)
+                    if collapsed
                         && !revalidate
                         && let Some(answer) = engine.l1_answer(&keys.flight, &policy, &origin)
                     {
@@ -135,7 +135,6 @@ impl Miss {
                 bump(&engine.inner.counters.coalesced);
                 collapsed = true;
             }
-            rejoining = true;
             let started = Instant::now();
             let waited = match &stand_in {
                 Some((stale, at)) => match tokio::time::timeout_at(*at, follower.wait()).await {
