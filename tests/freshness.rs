@@ -8,6 +8,7 @@ use axum::http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use tiercache::core::MockClock;
 use tiercache::{Policy, ResponseCacheLayer, TieredCache};
+use tiercache_testkit::http::BreaksOff;
 use tiercache_testkit::{Counter, Gate, bounded, eventually};
 use tower::{Layer, Service, ServiceExt};
 
@@ -36,26 +37,6 @@ enum Mode {
     /// Waits for the gate, then answers a 200 that sets a cookie (its
     /// waiters may not share it).
     HeldSetCookie(Gate),
-}
-
-/// A body that sends a few bytes, then fails.
-struct Broken(bool);
-
-impl axum::body::HttpBody for Broken {
-    type Data = bytes::Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        let sent = std::mem::replace(&mut self.0, true);
-        std::task::Poll::Ready(Some(if sent {
-            Err(std::io::Error::other("upstream reset"))
-        } else {
-            Ok(http_body::Frame::data(bytes::Bytes::from_static(b"bod")))
-        }))
-    }
 }
 
 #[derive(Clone)]
@@ -113,7 +94,7 @@ impl Origin {
                         }
                         Ok(b.body(Body::from(format!("body {n}"))).unwrap())
                     }
-                    Mode::BrokenBody => Ok(Response::new(Body::new(Broken(false)))),
+                    Mode::BrokenBody => Ok(Response::new(Body::new(BreaksOff::default()))),
                     Mode::Ranged if req.headers().contains_key("range") => Ok(Response::builder()
                         .status(416)
                         .header("cache-control", "max-age=60")

@@ -20,7 +20,7 @@ use tiercache::core::{CacheKey, MockClock};
 use tiercache::http::key::request_key;
 use tiercache::valkey::{ValkeyConfig, ValkeyTier};
 use tiercache::{Commit, LoadError, Policy, PolicyBuilder, ResponseCacheLayer, TieredCache, Value};
-use tiercache_testkit::http::{HOST, header, send};
+use tiercache_testkit::http::{BreaksOff, HOST, header, send};
 use tiercache_testkit::{Counter, Gate, ValkeyServer, bounded, eventually};
 
 /// An origin whose data has a version: a GET reads it first, then waits on
@@ -57,6 +57,17 @@ fn app(world: &World, route: ResponseCacheLayer) -> Router {
                 let n = w.calls.bump();
                 w.gate.passed().await;
                 (StatusCode::SERVICE_UNAVAILABLE, format!("down {n}"))
+            }),
+        )
+        .route(
+            "/broken",
+            get(|State(w): State<World>| async move {
+                w.calls.bump();
+                w.gate.passed().await;
+                (
+                    [("cache-control", "max-age=60")],
+                    axum::body::Body::new(BreaksOff::default()),
+                )
             }),
         )
         .layer(route)
@@ -525,6 +536,156 @@ async fn a_failing_origin_is_called_once_across_the_fleet() {
         a_engine.stats(),
         b_engine.stats()
     );
+}
+
+/// A body that breaks off midway is the origin failing, as a refused
+/// connection is: its waiters get the failure, not an origin call each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_breaks_off_is_loaded_once_for_its_waiters() {
+    let world = World::default();
+    let layer = ResponseCacheLayer::new(engine());
+    let app = app(&world, layer.route(policy()).unwrap());
+    let requests: Vec<_> = (0..20)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, "GET", "/broken").await })
+        })
+        .collect();
+    let engine = layer.engine().clone();
+    eventually("19 waiting", || engine.stats().coalesced == 19).await;
+    world.gate.open();
+    for r in requests {
+        let (status, _, _) = bounded("a request", r).await.unwrap();
+        assert_eq!(status, StatusCode::BAD_GATEWAY);
+    }
+    assert_eq!(world.calls.get(), 1, "one origin call for the twenty");
+    // Nothing was stored, nor the key marked: the next request tries again.
+    let (status, headers, _) = send(&app, "GET", "/broken").await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert_eq!(
+        header(&headers, "cache-status"),
+        "tiercache; fwd=miss; detail=body-failed"
+    );
+    assert_eq!(world.calls.get(), 2);
+}
+
+/// The same across a fleet: the instance whose load broke off tells the
+/// others waiting on its lock, which answer with the failure too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_breaks_off_is_loaded_once_across_the_fleet() {
+    let server = ValkeyServer::start();
+    let world = World::default();
+    let (a_engine, _a) = engine_on(&server).await;
+    let (b_engine, _b) = engine_on(&server).await;
+    let routed = |engine: &TieredCache| {
+        app(
+            &world,
+            ResponseCacheLayer::new(engine.clone())
+                .route(policy())
+                .unwrap(),
+        )
+    };
+    let (a, b) = (routed(&a_engine), routed(&b_engine));
+    let requests: Vec<_> = (0..20)
+        .map(|i| {
+            let app = if i % 2 == 0 { a.clone() } else { b.clone() };
+            tokio::spawn(async move { send(&app, "GET", "/broken").await })
+        })
+        .collect();
+    eventually("19 waiting across the fleet", || {
+        a_engine.stats().coalesced + b_engine.stats().coalesced == 19
+    })
+    .await;
+    world.gate.open();
+    for r in requests {
+        let (status, _, _) = bounded("a request", r).await.unwrap();
+        assert_eq!(status, StatusCode::BAD_GATEWAY);
+    }
+    assert_eq!(world.calls.get(), 1, "one origin call across the fleet");
+}
+
+/// A loader's error, across a fleet: one call, whichever instance made it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_loader_is_called_once_across_the_fleet() {
+    let server = ValkeyServer::start();
+    let (a, _a) = engine_on(&server).await;
+    let (b, _b) = engine_on(&server).await;
+    let policy = policy().build().unwrap();
+    let key = CacheKey::new("k");
+    let (calls, gate) = (Counter::new(), Gate::new());
+    let loads: Vec<_> = (0..20)
+        .map(|i| {
+            let cache = if i % 2 == 0 { a.clone() } else { b.clone() };
+            let (policy, key, calls, gate) =
+                (policy.clone(), key.clone(), calls.clone(), gate.clone());
+            tokio::spawn(async move {
+                cache
+                    .get_or_load(&key, &policy, move || async move {
+                        calls.bump();
+                        gate.passed().await;
+                        Err::<Value, String>("database down".into())
+                    })
+                    .await
+            })
+        })
+        .collect();
+    eventually("19 waiting across the fleet", || {
+        a.stats().coalesced + b.stats().coalesced == 19
+    })
+    .await;
+    gate.open();
+    let mut own = 0;
+    for l in loads {
+        match bounded("a load", l).await.unwrap() {
+            Err(LoadError::Loader(e)) if e == "database down" => own += 1,
+            Err(LoadError::Failed) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!((calls.get(), own), (1, 1));
+}
+
+/// A loader that panics fails its fleet's waiters too: the instances
+/// waiting on its lock do not each call the origin that panicked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_loader_is_called_once_across_the_fleet() {
+    let server = ValkeyServer::start();
+    let (a, _a) = engine_on(&server).await;
+    let (b, _b) = engine_on(&server).await;
+    let policy = policy().build().unwrap();
+    let key = CacheKey::new("k");
+    let (calls, gate) = (Counter::new(), Gate::new());
+    let loads: Vec<_> = (0..20)
+        .map(|i| {
+            let cache = if i % 2 == 0 { a.clone() } else { b.clone() };
+            let (policy, key, calls, gate) =
+                (policy.clone(), key.clone(), calls.clone(), gate.clone());
+            tokio::spawn(async move {
+                cache
+                    .get_or_load(&key, &policy, move || async move {
+                        calls.bump();
+                        gate.passed().await;
+                        if calls.get() > 0 {
+                            panic!("loader bug");
+                        }
+                        Ok::<Value, String>(Value::from_body("never"))
+                    })
+                    .await
+            })
+        })
+        .collect();
+    eventually("19 waiting across the fleet", || {
+        a.stats().coalesced + b.stats().coalesced == 19
+    })
+    .await;
+    gate.open();
+    for l in loads {
+        match bounded("a load", l).await {
+            Ok(Err(LoadError::Failed | LoadError::Panicked)) | Err(_) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(calls.get(), 1, "one call across the fleet");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -74,6 +74,11 @@ pub enum Unlocked {
     /// instances answer with it instead of each calling the failing origin.
     /// `true` marks an origin failure (stale-if-error applies).
     Shared(crate::Entry, bool),
+    /// The owner's load failed (the origin's error, or its answer broke
+    /// off) with nothing any client may see: the waiting instances answer
+    /// with the failure (or their stale copies) instead of each calling
+    /// the failing origin.
+    Failed,
     /// The lock is gone without a word (expired, or released before the
     /// wait began): read the shared tier, then try to lock.
     Gone,
@@ -124,8 +129,8 @@ pub trait InvalidationSink: Send + Sync + 'static {
 
 /// A leader's hold on the fleet-wide fill lock for one key. Release it with
 /// [`release`](Self::release) once the fill is stored (queued writes land
-/// first); dropping it releases it as not filled, so waiting instances go to
-/// the origin at once instead of waiting out the lock.
+/// first); dropping it releases it as gone (failed, in a panic), so waiting
+/// instances take the lock in turn (or fail) instead of waiting it out.
 #[must_use = "dropping the lock releases it as not filled"]
 pub(crate) struct FleetLock {
     held: Option<(Arc<dyn Tier>, CacheKey, LockToken)>,
@@ -165,7 +170,15 @@ impl FleetLock {
 impl Drop for FleetLock {
     fn drop(&mut self) {
         if let Some((tier, key, token)) = self.held.take() {
-            tier.unlock(&key, &token, Unlocked::Passed);
+            // Dropped by the origin's panic: the waiting instances fail as
+            // the local waiters do. Else the fill was cancelled (its
+            // callers left): one of them takes the lock in turn.
+            let how = if std::thread::panicking() {
+                Unlocked::Failed
+            } else {
+                Unlocked::Gone
+            };
+            tier.unlock(&key, &token, how);
         }
     }
 }
@@ -181,4 +194,6 @@ pub(crate) enum FleetJoin {
     /// Another instance's answer, shared but not stored (`true`: an origin
     /// failure).
     Shared(crate::Entry, bool),
+    /// Another instance's load failed with nothing to share.
+    Failed,
 }

@@ -132,6 +132,17 @@ pub enum Loaded<T> {
         /// Whether it is an origin failure (stale-if-error applies).
         failed: bool,
     },
+    /// The origin failed in a way that says nothing about this request
+    /// (its answer broke off midway), and this is the caller's own answer
+    /// of that failure. As for an error from [`Origin::load`], the requests
+    /// waiting on this load, here and on the other instances waiting on
+    /// its fleet lock, get the failure ([`FetchError::Failed`]) or their
+    /// stale copies (stale-if-error), not an origin call each; the key is
+    /// not marked uncacheable, and an entry this load refreshed stays.
+    Failed {
+        /// The caller's answer.
+        output: T,
+    },
 }
 
 /// What a [`fetch`](crate::TieredCache::fetch) answered with.

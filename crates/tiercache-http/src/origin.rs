@@ -287,12 +287,21 @@ impl Load<'_> {
         } else {
             Response::from_parts(parts, body)
         };
-        if reason == Reason::Busy {
+        match reason {
             // No room to read it whole now: nothing about the resource.
-            return Loaded::Busy {
-                output: (output, reason),
-                failed,
-            };
+            Reason::Busy => {
+                return Loaded::Busy {
+                    output: (output, reason),
+                    failed,
+                };
+            }
+            // The origin failing: its waiters get the failure, not a call each.
+            Reason::BodyFailed => {
+                return Loaded::Failed {
+                    output: (output, reason),
+                };
+            }
+            _ => {}
         }
         Loaded::Pass {
             output: (output, reason),

@@ -17,6 +17,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tiercache_proxy::{Proxy, ProxyConfig};
+use tiercache_testkit::http::BreaksOff;
 use tiercache_testkit::{Counter, Gate, Server, ValkeyServer, bounded, eventually};
 
 #[derive(Clone, Default)]
@@ -27,7 +28,8 @@ struct Upstream {
 }
 
 /// `/v` reads its data's version, then waits for the gate; a POST bumps
-/// the version. `/fail` waits for the gate and answers 503. `/x` takes
+/// the version. `/fail` waits for the gate and answers 503; `/broken`
+/// waits for it and sends a body that breaks off. `/x` takes
 /// 300 ms and answers its call number.
 async fn upstream() -> (Server, Upstream) {
     let state = Upstream::default();
@@ -51,6 +53,14 @@ async fn upstream() -> (Server, Upstream) {
                 let n = u.calls.bump();
                 u.gate.passed().await;
                 (StatusCode::SERVICE_UNAVAILABLE, format!("down {n}"))
+            }),
+        )
+        .route(
+            "/broken",
+            get(|State(u): State<Upstream>| async move {
+                u.calls.bump();
+                u.gate.passed().await;
+                Body::new(BreaksOff::after(Duration::from_millis(50)))
             }),
         )
         .route(
@@ -134,6 +144,26 @@ async fn a_failing_upstream_is_called_once_for_every_waiting_request() {
     assert_eq!(state.calls.get(), 1);
     // Nothing stored: the next request tries again.
     assert_eq!(fetch("GET", addr, "/fail").await.2, "down 2");
+}
+
+/// An upstream whose body breaks off midway is failing: the requests
+/// waiting on it get the 502, not an upstream call each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_body_that_breaks_off_is_fetched_once_for_every_waiting_request() {
+    let (server, state) = upstream().await;
+    let proxy = Proxy::start(config(&server)).await.unwrap();
+    let addr = proxy.addr();
+    let requests: Vec<_> = (0..20)
+        .map(|_| tokio::spawn(fetch("GET", addr, "/broken")))
+        .collect();
+    let engine = proxy.engine().clone();
+    eventually("19 waiting", || engine.stats().coalesced == 19).await;
+    state.gate.open();
+    for r in requests {
+        let (status, _, _) = bounded("a request", r).await.unwrap();
+        assert_eq!(status, StatusCode::BAD_GATEWAY);
+    }
+    assert_eq!(state.calls.get(), 1, "one upstream call for the twenty");
 }
 
 /// ttl 2 s, jitter 0, β 4, an upstream of 300 ms, a request every 50 ms

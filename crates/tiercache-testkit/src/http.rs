@@ -28,6 +28,53 @@ pub async fn send(app: &Router, method: &str, path: &str) -> (StatusCode, Header
     )
 }
 
+/// A body that sends three bytes (`bod`), then fails: an upstream that
+/// resets midway, or a stalled one cut by its timeout. [`after`](Self::after)
+/// waits between the two, so a server sends the head and the first bytes
+/// before the failure (else it may close the connection with nothing sent).
+///
+/// ```
+/// let body = axum::body::Body::new(tiercache_testkit::http::BreaksOff::default());
+/// # drop(body);
+/// ```
+#[derive(Debug, Default)]
+pub struct BreaksOff {
+    sent: bool,
+    pause: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl BreaksOff {
+    /// Fails `pause` after its first bytes.
+    pub fn after(pause: std::time::Duration) -> Self {
+        Self {
+            sent: false,
+            pause: Some(Box::pin(tokio::time::sleep(pause))),
+        }
+    }
+}
+
+impl axum::body::HttpBody for BreaksOff {
+    type Data = axum::body::Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        use std::task::Poll;
+        if !std::mem::replace(&mut self.sent, true) {
+            let bytes = axum::body::Bytes::from_static(b"bod");
+            return Poll::Ready(Some(Ok(hyper::body::Frame::data(bytes))));
+        }
+        if let Some(pause) = self.pause.as_mut()
+            && pause.as_mut().poll(cx).is_pending()
+        {
+            return Poll::Pending;
+        }
+        Poll::Ready(Some(Err(std::io::Error::other("upstream reset"))))
+    }
+}
+
 /// A header's value as text (empty when absent).
 pub fn header<'a>(headers: &'a HeaderMap, name: &str) -> &'a str {
     headers

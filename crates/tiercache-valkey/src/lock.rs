@@ -51,6 +51,13 @@ impl Release {
         }
     }
 
+    /// Whether it leaves a word for waiters that subscribe late (under
+    /// `shared`): the answer it shares, or that the load failed, so they
+    /// do not call the origin the others were kept from.
+    pub(crate) fn leaves_word(&self) -> bool {
+        self.answer_bytes() > 0 || self.message == FAILED
+    }
+
     /// Goes on without the answer it shares: the waiters look for the
     /// entry, then take turns at the lock.
     pub(crate) fn drop_answer(&mut self) {
@@ -74,7 +81,7 @@ pub(crate) async fn release_once(inner: &Inner, release: &Release) -> bool {
     // A shared answer is left first, for a moment, where a waiter that
     // finds the lock gone (it subscribed too late) reads it: so no waiter
     // can see the lock gone and the answer not there yet.
-    if release.answer_bytes() > 0 {
+    if release.leaves_word() {
         let set = client.set::<(), _, _>(
             release.shared.clone(),
             release.message.clone(),
@@ -109,7 +116,7 @@ pub(crate) async fn pipe_release(
 ) -> Result<(usize, usize), fred::error::Error> {
     debug_assert!(release.announce);
     let mut queued = 0;
-    if release.answer_bytes() > 0 {
+    if release.leaves_word() {
         let px = Some(shared_answer_px());
         let _: () = pipe
             .set(&release.shared, release.message.clone(), px, None, false)
@@ -186,6 +193,9 @@ pub(crate) const LOCK_SCRIPT: &str = "if redis.call('SET', KEYS[1], ARGV[1], 'NX
 pub(crate) const UNLOCK_SCRIPT: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
      return redis.call('DEL', KEYS[1]) else return 0 end";
 
+/// The release message of a load that failed with nothing to share.
+const FAILED: &[u8] = b"4";
+
 /// How long a shared answer stays readable for late waiters.
 pub(crate) const SHARED_ANSWER_TTL: Duration = Duration::from_secs(1);
 
@@ -194,7 +204,8 @@ pub(crate) const SHARED_ANSWER_TTL: Duration = Duration::from_secs(1);
 const MAX_SHARED_MESSAGE: usize = 256 * 1024;
 
 /// The message a lock's release sends on the key's done channel: `1`
-/// filled or gone (read L2, then try the lock), `0` passed (load), or `2`/`3` followed by the shared
+/// filled or gone (read L2, then try the lock), `0` passed (load), `4`
+/// failed (answer with the failure), or `2`/`3` followed by the shared
 /// answer's envelope (`2`: an origin failure), which waiting instances
 /// answer with instead of calling the origin again.
 pub(crate) fn unlock_message(how: &Unlocked) -> Bytes {
@@ -202,6 +213,7 @@ pub(crate) fn unlock_message(how: &Unlocked) -> Bytes {
         // A waiter does the same for both; "passed" would send it to the
         // origin past an entry that may be there.
         Unlocked::Filled | Unlocked::Gone => Bytes::from_static(b"1"),
+        Unlocked::Failed => Bytes::from_static(FAILED),
         Unlocked::Shared(entry, failed) if entry.value().body.len() <= MAX_SHARED_MESSAGE => {
             let envelope = codec::encode(entry);
             let mut message = Vec::with_capacity(1 + envelope.len());
@@ -217,6 +229,7 @@ pub(crate) fn unlock_message(how: &Unlocked) -> Bytes {
 pub(crate) fn read_unlock_message(message: &[u8]) -> Unlocked {
     match message.split_first() {
         Some((b'1', [])) => Unlocked::Filled,
+        Some((b'4', [])) => Unlocked::Failed,
         Some((tag @ (b'2' | b'3'), envelope)) => {
             match codec::decode(Bytes::copy_from_slice(envelope)) {
                 Ok(entry) => Unlocked::Shared(entry, *tag == b'2'),
@@ -240,5 +253,27 @@ mod tests {
         assert!(matches!(heard(Unlocked::Gone), Unlocked::Filled));
         assert!(matches!(heard(Unlocked::Filled), Unlocked::Filled));
         assert!(matches!(heard(Unlocked::Passed), Unlocked::Passed));
+    }
+
+    /// A failed load's release is heard as failed, and left for the waiters
+    /// that subscribe late, outside the write queue's bytes.
+    #[test]
+    fn a_failed_load_is_heard_as_failed_and_left_for_late_waiters() {
+        assert!(matches!(
+            read_unlock_message(&unlock_message(&Unlocked::Failed)),
+            Unlocked::Failed
+        ));
+        let mut release = Release {
+            lock: "l".into(),
+            channel: "c".into(),
+            shared: "s".into(),
+            token: Bytes::from_static(b"t"),
+            message: unlock_message(&Unlocked::Failed),
+            until: Instant::now(),
+            announce: true,
+        };
+        assert_eq!(release.answer_bytes(), 0);
+        release.drop_answer();
+        assert!(release.leaves_word());
     }
 }

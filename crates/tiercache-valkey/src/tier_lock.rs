@@ -223,7 +223,7 @@ impl ValkeyTier {
         let filled = replies.pop().and_then(|v| v.as_i64()).unwrap_or(0) > 0;
         Ok(match shared {
             _ if filled => Unlocked::Filled,
-            Some(shared @ Unlocked::Shared(..)) => shared,
+            Some(word @ (Unlocked::Shared(..) | Unlocked::Failed)) => word,
             _ => Unlocked::Gone,
         })
     }

@@ -46,7 +46,8 @@ impl TieredCache {
             (Err(_), Some(stale))
             | (Ok(Loaded::Share { failed: true, .. }), Some(stale))
             | (Ok(Loaded::Pass { failed: true, .. }), Some(stale))
-            | (Ok(Loaded::Busy { failed: true, .. }), Some(stale)) => {
+            | (Ok(Loaded::Busy { failed: true, .. }), Some(stale))
+            | (Ok(Loaded::Failed { .. }), Some(stale)) => {
                 return Ok(self.answered_stale(stale, StaleReason::OriginError, collapsed));
             }
             (loaded, _) => loaded,
@@ -77,7 +78,9 @@ impl TieredCache {
                 Ok(self.passed_alone(output, collapsed, hit_for_miss))
             }
             // Of the moment: the key is not marked.
-            Loaded::Busy { output, .. } => Ok(self.passed_alone(output, collapsed, hit_for_miss)),
+            Loaded::Busy { output, .. } | Loaded::Failed { output } => {
+                Ok(self.passed_alone(output, collapsed, hit_for_miss))
+            }
         }
     }
 

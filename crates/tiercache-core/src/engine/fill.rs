@@ -228,6 +228,16 @@ impl TieredCache {
                     }
                     FleetLock::local()
                 }
+                // Another instance's load failed: so does this one's wait,
+                // as a local follower's would (its stale copy stands in).
+                FleetJoin::Failed => {
+                    if let Some(stale) = stale.filter(|e| self.stale_usable(e)) {
+                        leader.complete(FlightResult::Stale(None));
+                        return Ok(Filled::Stale(stale));
+                    }
+                    leader.complete(FlightResult::Failed(FlightError::Origin));
+                    return Err(FetchError::Failed);
+                }
                 FleetJoin::Lead(lock) => lock,
             }
         };
@@ -300,8 +310,18 @@ impl TieredCache {
                 leader.complete(FlightResult::Retry);
                 Ok(Filled::Passed(output))
             }
+            // The origin failed: the waiting requests (and instances) get
+            // the failure, not a call each; nothing is marked or dropped.
+            Ok(Loaded::Failed { output }) => {
+                lock.release(Unlocked::Failed);
+                if let Some(stale) = usable {
+                    return Ok(stand_in(leader, stale));
+                }
+                leader.complete(FlightResult::Failed(FlightError::Origin));
+                Ok(Filled::Passed(output))
+            }
             Err(e) => {
-                lock.release(Unlocked::Passed);
+                lock.release(Unlocked::Failed);
                 match usable {
                     Some(stale) => Ok(stand_in(leader, stale)),
                     None => {

@@ -70,6 +70,7 @@ impl TieredCache {
             match unlocked {
                 // The owner's answer may not be shared; load without a lock.
                 Unlocked::Passed => return FleetJoin::Lead(FleetLock::local()),
+                Unlocked::Failed => return FleetJoin::Failed,
                 Unlocked::Shared(entry, failed) if entry.key() == key.full() => {
                     return FleetJoin::Shared(entry, failed);
                 }
