@@ -49,6 +49,15 @@ impl Origin {
 }
 
 async fn instance(url: &str, origin: &Origin) -> Instance {
+    instance_with(url, origin, |config| config).await
+}
+
+/// An instance whose Valkey settings `tune` changes.
+async fn instance_with(
+    url: &str,
+    origin: &Origin,
+    tune: impl FnOnce(ValkeyConfig) -> ValkeyConfig,
+) -> Instance {
     // These tests count origin calls and invalidations, not timeouts: a
     // loaded machine must not turn a slow lock command (50 ms by default)
     // into a second origin call, or a slow subscription into a resync.
@@ -56,6 +65,7 @@ async fn instance(url: &str, origin: &Origin) -> Instance {
         .unwrap()
         .connect_timeout(Duration::from_secs(10))
         .command_timeout(Duration::from_secs(1));
+    let config = tune(config);
     let tier = ValkeyTier::connect(config).await.unwrap();
     let engine = TieredCache::builder()
         .l2(tier)
@@ -294,6 +304,45 @@ async fn an_instance_that_missed_an_invalidation_drops_its_l1_on_reconnect() {
     let (_, headers, body) = send(&b.app, "GET", "/p/9").await;
     assert_eq!(body, "product 9 v1", "never the old entry after reconnect");
     assert_eq!(header(&headers, "x-cache"), "MISS");
+}
+
+/// An instance cut off from Valkey cannot hear the fleet: past
+/// `unheard_l1_for` it drops its L1 (and again each such while), so a write
+/// made on another instance shows there during the outage, not only once
+/// it is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_that_cannot_hear_drops_its_l1_while_the_outage_lasts() {
+    for fault in [Fault::Reset, Fault::Blackhole] {
+        let server = ValkeyServer::start();
+        let origin = Origin::new();
+        origin.gate.open();
+        let a = instance(&server.url(), &origin).await;
+        let link = FaultProxy::start(server.addr()).await;
+        let b = instance_with(&link.redis_url(), &origin, |c| {
+            c.unheard_l1_for(Duration::from_secs(1))
+        })
+        .await;
+        server.subscribed("tc:inv", 2).await;
+        send(&a.app, "GET", "/p/3").await;
+        let (_, headers, _) = send(&b.app, "GET", "/p/3").await;
+        assert_eq!(header(&headers, "x-cache"), "HIT", "{fault:?}");
+
+        link.set(fault);
+        origin.bump_version();
+        a.engine.invalidate(&key("/p/3")).await.unwrap();
+        // Within the bound, a heartbeat and a command timeout or two; the
+        // entry itself lives a minute.
+        let heard_of = tokio::time::timeout(Duration::from_secs(10), async {
+            while send(&b.app, "GET", "/p/3").await.2 != "product 3 v1" {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+        assert!(
+            heard_of.is_ok(),
+            "{fault:?}: B still answers the old version"
+        );
+    }
 }
 
 /// Stale-if-error across the fleet: instance A revalidates its stale copy

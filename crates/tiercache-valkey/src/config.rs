@@ -29,6 +29,7 @@ pub struct ValkeyConfig {
     pub(crate) breaker_interval: Duration,
     pub(crate) fill_locks: bool,
     pub(crate) max_prefix_bans: usize,
+    pub(crate) unheard_l1_for: Duration,
 }
 
 impl ValkeyConfig {
@@ -46,6 +47,8 @@ impl ValkeyConfig {
     pub const DEFAULT_BREAKER_INTERVAL: Duration = Duration::from_millis(500);
     /// Default bound on the prefix bans held: 1024.
     pub const DEFAULT_MAX_PREFIX_BANS: usize = 1024;
+    /// Default for [`unheard_l1_for`](Self::unheard_l1_for).
+    pub const DEFAULT_UNHEARD_L1_FOR: Duration = Duration::from_secs(5);
 
     /// A standalone server from `redis://[user:pass@]host:port[/db]`, or
     /// `rediss://` for TLS (also `valkey://`, `valkeys://`).
@@ -97,6 +100,7 @@ impl ValkeyConfig {
             breaker_interval: Self::DEFAULT_BREAKER_INTERVAL,
             fill_locks: true,
             max_prefix_bans: Self::DEFAULT_MAX_PREFIX_BANS,
+            unheard_l1_for: Self::DEFAULT_UNHEARD_L1_FOR,
         }
     }
 
@@ -162,6 +166,30 @@ impl ValkeyConfig {
         self
     }
 
+    /// How long an instance that cannot hear the fleet's invalidations (its
+    /// subscriber's connection lost, or silent past the heartbeat's ping)
+    /// goes on answering from its L1 (default 5 s, at least 1 s): then L1
+    /// is dropped, and again each such while until the instance hears
+    /// again, so a write made on another instance meanwhile shows here
+    /// within about this long and a heartbeat (1 s), not only once the
+    /// subscriber is back (when L1 is dropped too). The price, while Valkey
+    /// is out of this instance's reach: each key it serves costs an origin
+    /// call that often. `Duration::MAX` keeps L1 until the instance hears again.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tiercache_valkey::ValkeyConfig;
+    ///
+    /// let config = ValkeyConfig::from_url("redis://127.0.0.1:6379")
+    ///     .unwrap()
+    ///     .unheard_l1_for(Duration::from_secs(2));
+    /// assert!(config.validate().is_ok());
+    /// ```
+    pub fn unheard_l1_for(mut self, bound: Duration) -> Self {
+        self.unheard_l1_for = bound;
+        self
+    }
+
     /// Checks every setting, as [`ValkeyTier::connect`](crate::ValkeyTier::connect)
     /// does before it connects (for a configuration check that connects to
     /// nothing).
@@ -202,6 +230,9 @@ impl ValkeyConfig {
         }
         if self.max_prefix_bans < 2 {
             return bad("max_prefix_bans", "at least 2");
+        }
+        if self.unheard_l1_for < Duration::from_secs(1) {
+            return bad("unheard_l1_for", "at least 1 s");
         }
         Ok(())
     }

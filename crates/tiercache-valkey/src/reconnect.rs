@@ -218,30 +218,41 @@ pub(crate) async fn watchdog(tier: Weak<Inner>, timeout: Duration) {
 
 /// Pings the subscriber every [`heartbeat_every`]: a connection that
 /// swallows traffic (no reset, no answer) is closed and reopened, which
-/// counts as a resync. On a cluster the ping goes where the invalidation
+/// counts as a resync. While the instance cannot hear (no connection, or
+/// no answer), L1 is dropped once `unheard_for` has passed, and again each
+/// `unheard_for` after, until a ping is answered: a write another instance
+/// makes meanwhile is missed here, and must not be answered around for as
+/// long as the outage lasts. On a cluster the ping goes where the invalidation
 /// channel's subscription lives, the node of the slot fred derives from
 /// the client's name and routes its plain `SUBSCRIBE` by (a plain `PING`
 /// goes to a node of fred's choosing, so a silent connection there was
 /// never found); no other node's stall is taken for it.
-pub(crate) async fn heartbeat(bus: Weak<Bus>, timeout: Duration) {
+pub(crate) async fn heartbeat(bus: Weak<Bus>, timeout: Duration, unheard_for: Duration) {
     let mut tick = tokio::time::interval(heartbeat_every(timeout));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // When this instance was found unable to hear (or L1 last dropped for it).
+    let mut unheard_since: Option<tokio::time::Instant> = None;
     loop {
         tick.tick().await;
         let Some(bus) = bus.upgrade() else {
             return;
         };
-        if !bus.subscriber.is_connected() {
-            continue;
-        }
-        let subscription = bus.subscriber.is_clustered().then(|| {
-            ClusterHash::Custom(fred::util::redis_keyslot(bus.subscriber.id().as_bytes()))
-        });
-        if !answers(&bus.subscriber, subscription, timeout).await {
+        if bus.subscriber.is_connected() {
+            let subscription = bus.subscriber.is_clustered().then(|| {
+                ClusterHash::Custom(fred::util::redis_keyslot(bus.subscriber.id().as_bytes()))
+            });
+            if answers(&bus.subscriber, subscription, timeout).await {
+                unheard_since = None;
+                bus.unsubscribe_strays(timeout).await;
+                continue;
+            }
             let _ = tokio::time::timeout(timeout, bus.subscriber.force_reconnection()).await;
-            continue;
         }
-        bus.unsubscribe_strays(timeout).await;
+        let since = *unheard_since.get_or_insert_with(tokio::time::Instant::now);
+        if since.elapsed() >= unheard_for {
+            bus.resync();
+            unheard_since = Some(tokio::time::Instant::now());
+        }
     }
 }
 

@@ -180,6 +180,7 @@ impl ValkeyTier {
         // A heartbeat's ping unanswered for this long finds a connection
         // gone silent (see `reconnect::heartbeat`).
         let heartbeat_timeout = config.command_timeout.max(Duration::from_millis(500));
+        let unheard_l1_for = config.unheard_l1_for;
         let subscriber = crate::reconnect::subscriber(&client, heartbeat_timeout)
             .map_err(|e| ValkeyError::Client(e.to_string()))?;
         let instance = bus::hex(&rand::rng().random::<[u8; 16]>());
@@ -235,6 +236,7 @@ impl ValkeyTier {
         runtime.spawn(crate::reconnect::heartbeat(
             Arc::downgrade(&bus),
             heartbeat_timeout,
+            unheard_l1_for,
         ));
         let _connection = subscriber.connect();
         Ok(Self { inner })
