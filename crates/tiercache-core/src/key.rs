@@ -287,6 +287,17 @@ impl KeyPattern {
         })
     }
 
+    /// The bytes its parts hold (what it weighs where it is kept).
+    pub(crate) fn byte_len(&self) -> usize {
+        self.parts
+            .iter()
+            .map(|part| match part {
+                PartMatch::Exact(b) | PartMatch::Prefix(b) => b.len(),
+                PartMatch::Any => 0,
+            })
+            .sum()
+    }
+
     /// The pattern as bytes (for sending it to other instances).
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = Vec::new();

@@ -62,6 +62,19 @@ use crate::forward::Forward;
 pub use crate::reload::Reloader;
 use crate::reload::route_table;
 
+/// What a shutdown could not hand to Valkey before its drain ran out
+/// (Valkey out of reach all along). The other instances never hear of
+/// these invalidations, so they may answer what they cover from L2 until
+/// it expires: purge those URLs once Valkey is back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Undelivered {
+    /// Invalidations that never landed in Valkey.
+    pub invalidations: u64,
+    /// Writes still queued for it (fills, lock releases).
+    pub writes: u64,
+}
+
 /// A running proxy; stops when dropped.
 pub struct Proxy {
     addr: SocketAddr,
@@ -237,9 +250,13 @@ impl Proxy {
     }
 
     /// Serves until `signal` completes, then [`shutdown`](Self::shutdown)s.
-    pub async fn serve_until(self, signal: impl std::future::Future<Output = ()>, drain: Duration) {
+    pub async fn serve_until(
+        self,
+        signal: impl std::future::Future<Output = ()>,
+        drain: Duration,
+    ) -> Undelivered {
         signal.await;
-        self.shutdown(drain).await;
+        self.shutdown(drain).await
     }
 
     /// Stops gracefully, within `drain`: accepts no more connections, lets
@@ -248,8 +265,8 @@ impl Proxy {
     /// (a stream that never ends, a client that never finishes its head),
     /// then hands Valkey what it still has to hear: the queued writes, and
     /// the invalidations not landed yet (retried until they do). Past
-    /// `drain` what is left is abandoned.
-    pub async fn shutdown(mut self, drain: Duration) {
+    /// `drain` what is left is abandoned, and returned, so it can be said.
+    pub async fn shutdown(mut self, drain: Duration) -> Undelivered {
         let now = tokio::time::Instant::now();
         let deadline = now + drain;
         self.stop.send_replace(serve::Stop::Draining);
@@ -278,8 +295,13 @@ impl Proxy {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        let stats = self.reloader.engine.stats();
         for task in self.tasks.drain(..) {
             task.abort();
+        }
+        Undelivered {
+            invalidations: stats.invalidations.pending,
+            writes: stats.l2.write_queue,
         }
     }
 }

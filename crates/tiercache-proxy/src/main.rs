@@ -69,7 +69,8 @@ struct Args {
     valkey: Option<String>,
     /// How long one Valkey command may take before the request goes on
     /// without it (to the origin, or without its L2 write); also the fleet
-    /// lock's. Valkey slow never holds a request longer than this.
+    /// lock's. Valkey slow holds a miss about twice this at most (its L2
+    /// read, then its fleet lock attempt), an L1 hit not at all.
     #[arg(long, value_parser = parse_duration)]
     valkey_timeout: Option<Duration>,
     /// How long the upstream may take to start its answer before the proxy
@@ -320,9 +321,15 @@ async fn main() -> ExitCode {
             } else {
                 nothing_to_reload_on_sighup(hangup);
             }
-            proxy
+            let left = proxy
                 .serve_until(terminated(terminate, interrupt), DRAIN)
                 .await;
+            if left.invalidations > 0 {
+                eprintln!(
+                    "tiercache-proxy: {} invalidations never reached Valkey (out of reach for the whole drain): other instances may answer what they cover from L2 until it expires; purge those URLs once Valkey is back",
+                    left.invalidations
+                );
+            }
             eprintln!("tiercache-proxy: stopped");
             ExitCode::SUCCESS
         }

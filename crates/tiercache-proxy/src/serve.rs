@@ -35,6 +35,9 @@ pub(crate) enum Stop {
     Now,
 }
 
+/// The largest HTTP/1 request head read (a larger one is answered 431).
+const MAX_HEAD: usize = 64 * 1024;
+
 /// What an HTTP/2 client sends first (RFC 9113 §3.4).
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
@@ -73,22 +76,29 @@ pub(crate) async fn serve<S, B>(
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let mut builder = Builder::new(TokioExecutor::new());
+    // A request head of 64 KiB at most (nginx takes 32 KiB): hyper's
+    // ~400 KiB read buffer let each unfinished head hold that much for the
+    // whole client timeout, 170 MiB for 500 slow connections.
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(timeout);
+        .header_read_timeout(timeout)
+        .max_buf_size(MAX_HEAD);
     // HTTP/2: a ping every `timeout`, and a client that does not answer
     // one within 20 s is dropped (a dead peer, or one that ignores the
     // shutdown below).
     // And at most 128 requests at once on one connection, as nginx's
-    // `http2_max_concurrent_streams` (hyper's 200, each stream with a send
-    // buffer of up to 400 KiB); more wait on the client's side.
+    // `http2_max_concurrent_streams` (hyper's 200); more wait on the
+    // client's side. Each stream buffers 64 KiB of its answer at most
+    // (hyper's 400 KiB let a client that opens no window hold 50 MiB a
+    // connection).
     builder
         .http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(timeout)
         .keep_alive_timeout(Duration::from_secs(20))
-        .max_concurrent_streams(128);
+        .max_concurrent_streams(128)
+        .max_send_buf_size(64 * 1024);
     // Each connection's task holds a sender: when all are gone, all are done.
     let (open, mut all_closed) = mpsc::channel::<()>(1);
     // And a place among `max_connections`: with none free, nothing is

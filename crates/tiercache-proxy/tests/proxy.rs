@@ -12,9 +12,11 @@ use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use tiercache_proxy::{Proxy, ProxyConfig};
+use tiercache_proxy::{Proxy, ProxyConfig, Undelivered};
 use tiercache_testkit::http::h2c;
-use tiercache_testkit::{Counter, Gate, Server, bounded, eventually};
+use tiercache_testkit::{
+    Counter, Fault, FaultProxy, Gate, Server, ValkeyServer, bounded, eventually,
+};
 
 #[derive(Clone, Default)]
 struct Upstream {
@@ -650,7 +652,67 @@ async fn a_shutdown_drains_the_requests_in_flight() {
     state.gate.open();
     let (status, _, body) = bounded("the request in flight", in_flight).await.unwrap();
     assert_eq!((status, body.as_str()), (StatusCode::OK, "slow 1"));
-    bounded("the shutdown", stopping).await.unwrap();
+    let left = bounded("the shutdown", stopping).await.unwrap();
+    assert_eq!(left, Undelivered::default(), "nothing for Valkey");
+}
+
+/// A shutdown while Valkey stays out of reach for its whole drain says
+/// what it could not hand over: a write's invalidation the other instances
+/// never hear of (the proxy logs it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_says_what_it_could_not_hand_to_valkey() {
+    let (server, _) = upstream().await;
+    let valkey = ValkeyServer::start();
+    let link = FaultProxy::start(valkey.addr()).await;
+    let config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .ttl(Duration::from_secs(60))
+        .valkey(link.redis_url());
+    let proxy = Proxy::start(config).await.unwrap();
+    link.set(Fault::Reset);
+    let post = Request::post(format!("http://{}/echo", proxy.addr()))
+        .body(Body::empty())
+        .unwrap();
+    let (status, headers, _) = fetch(post).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["x-cache-invalidation"], "queued");
+    let left = bounded("the shutdown", proxy.shutdown(Duration::from_millis(500))).await;
+    assert!(left.invalidations >= 1, "{left:?}");
+}
+
+/// A request head past 64 KiB is refused (431) rather than read: each
+/// unfinished head held hyper's ~400 KiB buffer for the client timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_head_past_64_kib_is_refused() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (server, state) = upstream().await;
+    let proxy = proxy_for(&server).await;
+    for (size, status) in [(30_000, "200"), (100_000, "431")] {
+        let mut conn = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
+        let head = format!(
+            "GET /echo HTTP/1.1
+host: shop.test
+x-big: {}
+connection: close
+
+",
+            "a".repeat(size)
+        );
+        let _ = conn.write_all(head.as_bytes()).await;
+        let mut answer = Vec::new();
+        let _ = bounded("the answer", conn.read_to_end(&mut answer)).await;
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status}")),
+            "{size}: {}",
+            answer.lines().next().unwrap_or("")
+        );
+    }
+    assert_eq!(
+        state.calls.get(),
+        1,
+        "only the head that fits reached the upstream"
+    );
 }
 
 /// What outlives the drain (here a request whose upstream hangs) does not

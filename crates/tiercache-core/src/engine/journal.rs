@@ -43,11 +43,15 @@ pub(crate) struct Footprint<'a> {
 }
 
 impl Scope {
-    /// The key hashes it holds.
+    /// What it holds, in key hashes (16 bytes): its hashes, and its tag's
+    /// or pattern's bytes (a caller picks those: a 60 KB prefix must not
+    /// weigh as nothing).
     fn hashes(&self) -> usize {
         match self {
-            Scope::Keys(hashes) | Scope::Tag(_, hashes) => hashes.len(),
-            Scope::Prefix(_) | Scope::All => 0,
+            Scope::Keys(hashes) => hashes.len(),
+            Scope::Tag(tag, hashes) => hashes.len() + tag.len().div_ceil(16),
+            Scope::Prefix(pattern) => pattern.byte_len().div_ceil(16),
+            Scope::All => 0,
         }
     }
 
@@ -86,8 +90,9 @@ impl Journal {
     pub(crate) const CAP: usize = 16_384;
 
     /// Most key hashes the records hold together (16 bytes each: 16 MiB; a
-    /// tag's invalidation names up to 100,000): past it the oldest records
-    /// go, as past [`CAP`](Self::CAP) (the newest always stays).
+    /// tag's invalidation names up to 100,000; tags and patterns count by
+    /// their bytes): past it the oldest records go, as past
+    /// [`CAP`](Self::CAP) (the newest always stays).
     pub(crate) const MAX_HASHES: usize = 1 << 20;
 
     /// The sequence a fill starting now notes.
@@ -228,6 +233,25 @@ mod tests {
         // The first went: a fill that started before it is not stored.
         let fill = footprint(&[], &[], &[]);
         assert_eq!(journal.unless_overtaken(epoch, &fill, || ()), Err(epoch));
+    }
+
+    /// A prefix or a tag is as long as its caller makes it (an admin purge
+    /// of a 60 KB path): the records weigh their bytes, so 16,384 of those
+    /// do not hold a gigabyte.
+    #[test]
+    fn long_prefixes_and_tags_weigh_their_bytes() {
+        let journal = Journal::default();
+        let long = vec![b'p'; 60_000];
+        for i in 0..2_000 {
+            let scope = if i % 2 == 0 {
+                Scope::Prefix(KeyPattern::new().prefix(&long))
+            } else {
+                Scope::Tag(Bytes::from(long.clone()), Vec::new())
+            };
+            journal.record(scope, || ());
+        }
+        assert!(journal.hashes_held() <= Journal::MAX_HASHES);
+        assert!(journal.hashes_held() * 16 >= 60_000, "the newest stays");
     }
 
     #[test]

@@ -82,11 +82,13 @@ impl Pending {
 }
 
 impl Pending {
-    /// The key hashes it holds.
+    /// What it holds, in key hashes (16 bytes): its hashes, and its tag's
+    /// or pattern's bytes (as the journal weighs them).
     fn hashes(&self) -> usize {
         match &self.invalidation {
-            Invalidation::Keys(hashes) | Invalidation::Tag(_, hashes) => hashes.len(),
-            Invalidation::Prefix(_) => 0,
+            Invalidation::Keys(hashes) => hashes.len(),
+            Invalidation::Tag(tag, hashes) => hashes.len() + tag.len().div_ceil(16),
+            Invalidation::Prefix(pattern) => pattern.byte_len().div_ceil(16),
         }
     }
 }
