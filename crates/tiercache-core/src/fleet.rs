@@ -66,8 +66,8 @@ pub enum LockAttempt {
 pub enum Unlocked {
     /// The owner stored a fill: read the shared tier.
     Filled,
-    /// The owner's response may not be shared (or its load failed): go to
-    /// the origin without waiting on anyone.
+    /// The owner's response may not be shared: go to the origin without
+    /// waiting on anyone.
     Passed,
     /// The owner's answer may be shared but was not stored (an origin
     /// error any client may see): here it is, so the fleet's waiting
@@ -131,7 +131,7 @@ pub trait InvalidationSink: Send + Sync + 'static {
 /// [`release`](Self::release) once the fill is stored (queued writes land
 /// first); dropping it releases it as gone (failed, in a panic), so waiting
 /// instances take the lock in turn (or fail) instead of waiting it out.
-#[must_use = "dropping the lock releases it as not filled"]
+#[must_use = "dropping the lock releases it as gone"]
 pub(crate) struct FleetLock {
     held: Option<(Arc<dyn Tier>, CacheKey, LockToken)>,
 }
@@ -158,8 +158,9 @@ impl FleetLock {
     }
 
     /// Releases the lock, telling the waiting instances how the fill ended:
-    /// stored (they read it), shared unstored (they answer with it), or
-    /// neither (they load).
+    /// stored (they read it), shared unstored (they answer with it), failed
+    /// (they answer with the failure), passed (they load), or gone (they
+    /// take the lock in turn).
     pub(crate) fn release(mut self, how: Unlocked) {
         if let Some((tier, key, token)) = self.held.take() {
             tier.unlock(&key, &token, how);

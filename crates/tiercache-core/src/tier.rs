@@ -72,7 +72,8 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
 
     /// Releases a lock this instance holds (only with its token), after the
     /// writes queued before this call, and tells the waiting instances how
-    /// the fill ended (`Filled`, `Passed`, or `Shared` with the answer).
+    /// the fill ended (`Filled`, `Passed`, `Failed`, `Gone`, or `Shared`
+    /// with the answer).
     fn unlock(&self, key: &CacheKey, token: &LockToken, how: Unlocked) {
         let _ = (key, token, how);
     }

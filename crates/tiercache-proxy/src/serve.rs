@@ -76,7 +76,8 @@ pub(crate) async fn serve<S, B>(
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let mut builder = Builder::new(TokioExecutor::new());
-    // A request head of 64 KiB at most (nginx takes 32 KiB): hyper's
+    // A request head of 64 KiB at most (nginx takes 32 KiB; it bounds the
+    // write buffer too, which only a pipelining client fills): hyper's
     // ~400 KiB read buffer let each unfinished head hold that much for the
     // whole client timeout, 170 MiB for 500 slow connections.
     builder
@@ -89,8 +90,9 @@ pub(crate) async fn serve<S, B>(
     // shutdown below).
     // And at most 128 requests at once on one connection, as nginx's
     // `http2_max_concurrent_streams` (hyper's 200); more wait on the
-    // client's side. Each stream buffers 64 KiB of its answer at most
-    // (hyper's 400 KiB let a client that opens no window hold 50 MiB a
+    // client's side. Each stream buffers 64 KiB of its answer before it
+    // stops pulling more (one chunk larger than that is still held whole;
+    // hyper's 400 KiB let a client that opens no window hold 50 MiB a
     // connection).
     builder
         .http2()

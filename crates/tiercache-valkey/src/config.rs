@@ -171,7 +171,8 @@ impl ValkeyConfig {
     /// goes on answering from its L1 (default 5 s, at least 1 s): then L1
     /// is dropped, and again each such while until the instance hears
     /// again, so a write made on another instance meanwhile shows here
-    /// within about this long and a heartbeat (1 s), not only once the
+    /// within about this long and two heartbeats (1 s apart, or twice the
+    /// command timeout past 500 ms), not only once the
     /// subscriber is back (when L1 is dropped too). The price, while Valkey
     /// is out of this instance's reach: each key it serves costs an origin
     /// call that often. `Duration::MAX` keeps L1 until the instance hears again.

@@ -166,6 +166,12 @@ pub(crate) async fn release_until_done(inner: Weak<Inner>, mut release: Release)
         // outside the write queue's bound, a flood of failing URLs could
         // keep ~1 GiB of them.
         release.drop_answer();
+        // Nor as "failed": a retry may land after another instance took the
+        // lock, and its message names no holder, so it would fail that
+        // holder's waiters; "gone" sends them to re-check the lock.
+        if release.message == FAILED {
+            release.message = unlock_message(&Unlocked::Gone);
+        }
         live.release_retries.fetch_add(1, Relaxed);
         drop(live);
         tokio::time::sleep(backoff.min(release.until.saturating_duration_since(Instant::now())))

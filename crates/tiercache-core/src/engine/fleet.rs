@@ -119,7 +119,7 @@ impl TieredCache {
         accept: &impl Fn(&Entry) -> bool,
     ) -> FleetJoin {
         // Held from here: a fill cancelled during the read below releases
-        // it (as not filled) instead of leaving it to its expiry.
+        // it (as gone) instead of leaving it to its expiry.
         let lock = FleetLock::held(l2.clone(), key.clone(), token);
         if let Some(entry) = self.lookup_l2(key, epoch, accept).await {
             // Filled, for the instances that began waiting on this lock
