@@ -307,9 +307,9 @@ async fn an_instance_that_missed_an_invalidation_drops_its_l1_on_reconnect() {
 }
 
 /// An instance cut off from Valkey cannot hear the fleet: past
-/// `unheard_l1_for` it drops its L1 (and again each such while), so a write
-/// made on another instance shows there during the outage, not only once
-/// it is over.
+/// `unheard_l1_for` its L1 entries must ask the origin again (and again
+/// each such while), so a write made on another instance shows there
+/// during the outage, not only once it is over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_that_cannot_hear_drops_its_l1_while_the_outage_lasts() {
     for fault in [Fault::Reset, Fault::Blackhole] {

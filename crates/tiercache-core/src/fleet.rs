@@ -96,6 +96,17 @@ pub trait InvalidationSink: Send + Sync + 'static {
     /// been missed, so every L1 entry is dropped.
     fn resync(&self);
 
+    /// The tier cannot hear other instances (its message stream is down):
+    /// what L1 holds may have been invalidated elsewhere meanwhile. The
+    /// default drops L1 ([`resync`](Self::resync)); the engine instead makes
+    /// every entry need the origin again (no longer fresh, nor answered
+    /// while it revalidates), keeping it for stale-if-error and for its
+    /// validators, so an instance cut off from the origin too still has
+    /// its stale copies.
+    fn unheard(&self) {
+        self.resync();
+    }
+
     /// Prefix bans learned late (read from the shared tier after copies may
     /// have been promoted), each a pattern and a time: drops the L1 entries a
     /// ban's pattern matches that were created at or before its time, and

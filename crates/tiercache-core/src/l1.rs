@@ -325,6 +325,37 @@ impl L1 {
         self.epochs.moved_all();
     }
 
+    /// Makes every entry need the origin again as of `now`: its fresh and
+    /// stale-while-revalidate windows end now, and what its stale-if-error
+    /// window and validators keep stays (a scan of the whole cache).
+    pub(crate) fn expire_all(&self, now: SystemTime) {
+        for (hash, held) in self.cache.iter() {
+            let Some(entry) = held.entry() else {
+                continue;
+            };
+            let (old, mut times) = (entry.times(), entry.times());
+            if times.stale_until <= now {
+                continue;
+            }
+            // Only the entry seen: a newer fill under the key stays.
+            let seen = |live: Option<&Entry>| live.is_some_and(|live| live.ptr_eq(&entry));
+            if old.hard_until <= old.fresh_until {
+                // No window past its fresh time: nothing left to keep.
+                self.remove_if(&hash, |live| seen(Some(live)));
+                continue;
+            }
+            times.fresh_until = old.fresh_until.min(now);
+            times.stale_until = now;
+            // Without a stale-if-error window of its own (none asked, or
+            // the origin forbade stale answers), it gets none now either.
+            if old.error_until <= old.fresh_until {
+                times.error_until = times.fresh_until;
+            }
+            self.put_if(*hash, Held::new(entry.with_times(times)), seen);
+        }
+        self.epochs.moved_all();
+    }
+
     /// Drops every entry.
     pub(crate) fn clear(&self) {
         self.cache.invalidate_all();

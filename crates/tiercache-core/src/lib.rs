@@ -88,3 +88,5 @@ mod tests_refresh;
 mod tests_renew;
 #[cfg(test)]
 mod tests_tags;
+#[cfg(test)]
+mod tests_unheard;

@@ -151,6 +151,16 @@ impl Bus {
         }
     }
 
+    /// Messages are being missed (the subscriber cannot hear): every L1
+    /// entry must ask the origin again (see
+    /// [`InvalidationSink::unheard`]). Counted as a resync.
+    pub(crate) fn unheard(&self) {
+        if let Some(sink) = self.sink() {
+            sink.unheard();
+        }
+        self.resyncs.fetch_add(1, Relaxed);
+    }
+
     /// Messages may have been missed: drop L1.
     pub(crate) fn resync(&self) {
         if let Some(sink) = self.sink() {

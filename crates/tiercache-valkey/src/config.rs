@@ -168,14 +168,17 @@ impl ValkeyConfig {
 
     /// How long an instance that cannot hear the fleet's invalidations (its
     /// subscriber's connection lost, or silent past the heartbeat's ping)
-    /// goes on answering from its L1 (default 5 s, at least 1 s): then L1
-    /// is dropped, and again each such while until the instance hears
-    /// again, so a write made on another instance meanwhile shows here
+    /// goes on answering from its L1 as it is (default 5 s, at least 1 s):
+    /// then every L1 entry must ask the origin again (it is no longer
+    /// fresh, nor answered while it revalidates; stale-if-error and its
+    /// validators still have it), and again each such while until the
+    /// instance hears again, so a write made on another instance meanwhile shows here
     /// within about this long and two heartbeats (1 s apart, or twice the
     /// command timeout past 500 ms), not only once the
-    /// subscriber is back (when L1 is dropped too). The price, while Valkey
-    /// is out of this instance's reach: each key it serves costs an origin
-    /// call that often. `Duration::MAX` keeps L1 until the instance hears again.
+    /// subscriber is back (when L1 is dropped). The price, while Valkey is
+    /// out of this instance's reach: each key it serves costs an origin
+    /// call (a revalidation where it has validators) that often.
+    /// `Duration::MAX` keeps L1 as it is until the instance hears again.
     ///
     /// ```
     /// use std::time::Duration;

@@ -219,10 +219,11 @@ pub(crate) async fn watchdog(tier: Weak<Inner>, timeout: Duration) {
 /// Pings the subscriber every [`heartbeat_every`]: a connection that
 /// swallows traffic (no reset, no answer) is closed and reopened, which
 /// counts as a resync. While the instance cannot hear (no connection, or
-/// no answer), L1 is dropped once `unheard_for` has passed, and again each
-/// `unheard_for` after, until a ping is answered: a write another instance
-/// makes meanwhile is missed here, and must not be answered around for as
-/// long as the outage lasts. On a cluster the ping goes where the invalidation
+/// no answer), every L1 entry is made to need the origin again once
+/// `unheard_for` has passed, and again each `unheard_for` after, until a
+/// ping is answered: a write another instance makes meanwhile is missed
+/// here, and must not be answered around for as long as the outage lasts
+/// (the stale copies stay for stale-if-error). On a cluster the ping goes where the invalidation
 /// channel's subscription lives, the node of the slot fred derives from
 /// the client's name and routes its plain `SUBSCRIBE` by (a plain `PING`
 /// goes to a node of fred's choosing, so a silent connection there was
@@ -250,7 +251,7 @@ pub(crate) async fn heartbeat(bus: Weak<Bus>, timeout: Duration, unheard_for: Du
         }
         let since = *unheard_since.get_or_insert_with(tokio::time::Instant::now);
         if since.elapsed() >= unheard_for {
-            bus.resync();
+            bus.unheard();
             unheard_since = Some(tokio::time::Instant::now());
         }
     }

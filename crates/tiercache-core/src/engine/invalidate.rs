@@ -188,6 +188,10 @@ impl InvalidationSink for Inner {
         });
     }
 
+    fn unheard(&self) {
+        self.l1.expire_all(self.clock.now());
+    }
+
     fn resync(&self) {
         self.journal.record(Scope::All, || {
             self.l1.clear();

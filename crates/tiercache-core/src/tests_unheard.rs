@@ -1,0 +1,104 @@
+//! An instance that cannot hear the fleet ([`InvalidationSink::unheard`]):
+//! what it holds may be outdated, so each entry needs the origin again,
+//! and stale-if-error still has it for an origin that fails too.
+
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use crate::tests_freshness::ANY;
+use crate::*;
+
+/// A shared tier with nothing in it that keeps the engine's sink.
+#[derive(Default)]
+struct Listening {
+    sink: Mutex<Option<Weak<dyn InvalidationSink>>>,
+}
+
+impl std::fmt::Debug for Listening {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Listening")
+    }
+}
+
+impl Listening {
+    fn sink(&self) -> Arc<dyn InvalidationSink> {
+        self.sink
+            .lock()
+            .unwrap()
+            .as_ref()
+            .unwrap()
+            .upgrade()
+            .unwrap()
+    }
+}
+
+impl Tier for Listening {
+    fn get<'a>(&'a self, _: &'a CacheKey) -> BoxFuture<'a, Result<Option<TierHit>, TierError>> {
+        Box::pin(async { Ok(None) })
+    }
+
+    fn put(&self, _: &CacheKey, _: &Entry, _: Duration, _: &[bytes::Bytes]) {}
+
+    fn invalidate<'a>(&'a self, _: Invalidation) -> BoxFuture<'a, Result<(), TierError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn listen(&self, sink: Weak<dyn InvalidationSink>) {
+        *self.sink.lock().unwrap() = Some(sink);
+    }
+}
+
+fn state(cache: &TieredCache, key: &CacheKey, policy: &Policy) -> &'static str {
+    use crate::engine::read::Lookup;
+    match cache.lookup_at(key, cache.now(), policy, ANY) {
+        Lookup::Fresh { .. } => "fresh",
+        Lookup::Stale { .. } => "stale",
+        Lookup::Miss { fallback: Some(_) } => "stale-if-error",
+        Lookup::Miss { fallback: None } => "miss",
+        Lookup::Revalidate { .. } => "revalidate",
+    }
+}
+
+#[tokio::test]
+async fn an_entry_unheard_of_needs_the_origin_and_keeps_stale_if_error() {
+    let clock = MockClock::new();
+    let tier = Arc::new(Listening::default());
+    let cache = TieredCache::builder()
+        .clock(clock.clone())
+        .sweep_interval(None)
+        .l2_shared(tier.clone())
+        .build()
+        .unwrap();
+    let policy = Policy::ttl(Duration::from_secs(60))
+        .jitter(0.0)
+        .xfetch_beta(0.0)
+        .stale_while_revalidate(Duration::from_secs(30))
+        .stale_if_error(Duration::from_secs(300))
+        .build()
+        .unwrap();
+    let (fresh, stale) = (CacheKey::new("fresh"), CacheKey::new("stale"));
+    let (plain, strict) = (CacheKey::new("plain"), CacheKey::new("strict"));
+    cache.store_now(&stale, Fill::new(Value::from_body("s")), &policy);
+    clock.advance(Duration::from_secs(70));
+    cache.store_now(&fresh, Fill::new(Value::from_body("f")), &policy);
+    let windowless = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    cache.store_now(&plain, Fill::new(Value::from_body("p")), &windowless);
+    // The origin said must-revalidate: never served stale, also not now.
+    let must_revalidate = Fill::new(Value::from_body("m")).no_stale(true);
+    cache.store_now(&strict, must_revalidate, &policy);
+    assert_eq!(state(&cache, &fresh, &policy), "fresh");
+    assert_eq!(state(&cache, &stale, &policy), "stale");
+
+    tier.sink().unheard();
+    // Neither answered as it is (fresh, or stale while it revalidates):
+    // the origin is asked, and its failure still gets the stale copy.
+    for key in [&fresh, &stale] {
+        assert_eq!(state(&cache, key, &policy), "stale-if-error", "{key:?}");
+    }
+    // One with no window past its fresh time (or none it may use) is a miss.
+    assert_eq!(state(&cache, &plain, &windowless), "miss");
+    assert_eq!(state(&cache, &strict, &policy), "miss");
+    // A fill after it is fresh again.
+    cache.store_now(&fresh, Fill::new(Value::from_body("f2")), &policy);
+    assert_eq!(state(&cache, &fresh, &policy), "fresh");
+}
