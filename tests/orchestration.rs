@@ -456,27 +456,53 @@ async fn xfetch_refreshes_early_with_valkey_on() {
     assert_eq!(engine.stats().misses, 1, "no client waited on the refresh");
 }
 
+/// `n` GETs of `path` at once, spread over `instances` in turn (each an
+/// app and its engine): once all but one wait on the first, the gate
+/// opens; their answers, in order.
+async fn gated_requests(
+    world: &World,
+    instances: &[(Router, TieredCache)],
+    path: &'static str,
+    n: usize,
+) -> Vec<(StatusCode, axum::http::HeaderMap, String)> {
+    let requests: Vec<_> = (0..n)
+        .map(|i| {
+            let app = instances[i % instances.len()].0.clone();
+            tokio::spawn(async move { send(&app, "GET", path).await })
+        })
+        .collect();
+    eventually("all but one waiting", || {
+        let waiting: u64 = instances.iter().map(|(_, e)| e.stats().coalesced).sum();
+        waiting == n as u64 - 1
+    })
+    .await;
+    world.gate.open();
+    let mut answers = Vec::new();
+    for r in requests {
+        answers.push(bounded("a request", r).await.unwrap());
+    }
+    answers
+}
+
+/// An instance of the test app on `engine`.
+fn instance(world: &World, engine: &TieredCache) -> (Router, TieredCache) {
+    let route = ResponseCacheLayer::new(engine.clone())
+        .route(policy())
+        .unwrap();
+    (app(world, route), engine.clone())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_origin_is_called_once_for_its_waiters_then_again() {
     let world = World::default();
-    let layer = ResponseCacheLayer::new(engine());
-    let app = app(&world, layer.route(policy()).unwrap());
-    let requests: Vec<_> = (0..50)
-        .map(|_| {
-            let app = app.clone();
-            tokio::spawn(async move { send(&app, "GET", "/fail").await })
-        })
-        .collect();
-    let engine = layer.engine().clone();
-    eventually("49 waiting", || engine.stats().coalesced == 49).await;
-    world.gate.open();
-    for r in requests {
-        let (status, _, body) = bounded("a request", r).await.unwrap();
+    let one = instance(&world, &engine());
+    for (status, _, body) in gated_requests(&world, std::slice::from_ref(&one), "/fail", 50).await {
         assert_eq!(
             (status, body.as_str()),
             (StatusCode::SERVICE_UNAVAILABLE, "down 1")
         );
     }
+    let app = one.0;
     assert_eq!(world.calls.get(), 1);
     // Nothing was stored: the next request tries the origin again.
     let (status, headers, body) = send(&app, "GET", "/fail").await;
@@ -494,41 +520,22 @@ async fn a_failing_origin_is_called_once_across_the_fleet() {
     let (a_engine, _a) = engine_on(&server).await;
     let (b_engine, _b) = engine_on(&server).await;
     server.subscribed("tc:inv", 2).await;
-    let a = app(
-        &world,
-        ResponseCacheLayer::new(a_engine.clone())
-            .route(policy())
-            .unwrap(),
-    );
-    let b = app(
-        &world,
-        ResponseCacheLayer::new(b_engine.clone())
-            .route(policy())
-            .unwrap(),
-    );
-    let requests: Vec<_> = (0..40)
-        .map(|i| {
-            let app = if i % 2 == 0 { a.clone() } else { b.clone() };
-            tokio::spawn(async move { send(&app, "GET", "/fail").await })
+    let fleet = [instance(&world, &a_engine), instance(&world, &b_engine)];
+    let answers = gated_requests(&world, &fleet, "/fail", 40).await;
+    let odd: Vec<_> = answers
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, _, body))| body != "down 1")
+        .map(|(i, (status, headers, body))| {
+            let via = if i % 2 == 0 { "A" } else { "B" };
+            (
+                via,
+                *status,
+                body,
+                header(headers, "cache-status").to_owned(),
+            )
         })
         .collect();
-    eventually("39 waiting across the fleet", || {
-        a_engine.stats().coalesced + b_engine.stats().coalesced == 39
-    })
-    .await;
-    world.gate.open();
-    let mut answers = Vec::new();
-    for (i, r) in requests.into_iter().enumerate() {
-        let (status, headers, body) = bounded("a request", r).await.unwrap();
-        let via = if i % 2 == 0 { "A" } else { "B" };
-        answers.push((
-            via,
-            status,
-            body,
-            header(&headers, "cache-status").to_owned(),
-        ));
-    }
-    let odd: Vec<_> = answers.iter().filter(|a| a.2 != "down 1").collect();
     assert!(
         odd.is_empty() && world.calls.get() == 1,
         "{} calls; odd answers {odd:?}\nA: {:?}\nB: {:?}",
@@ -543,21 +550,11 @@ async fn a_failing_origin_is_called_once_across_the_fleet() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_breaks_off_is_loaded_once_for_its_waiters() {
     let world = World::default();
-    let layer = ResponseCacheLayer::new(engine());
-    let app = app(&world, layer.route(policy()).unwrap());
-    let requests: Vec<_> = (0..20)
-        .map(|_| {
-            let app = app.clone();
-            tokio::spawn(async move { send(&app, "GET", "/broken").await })
-        })
-        .collect();
-    let engine = layer.engine().clone();
-    eventually("19 waiting", || engine.stats().coalesced == 19).await;
-    world.gate.open();
-    for r in requests {
-        let (status, _, _) = bounded("a request", r).await.unwrap();
+    let one = instance(&world, &engine());
+    for (status, _, _) in gated_requests(&world, std::slice::from_ref(&one), "/broken", 20).await {
         assert_eq!(status, StatusCode::BAD_GATEWAY);
     }
+    let app = one.0;
     assert_eq!(world.calls.get(), 1, "one origin call for the twenty");
     // Nothing was stored, nor the key marked: the next request tries again.
     let (status, headers, _) = send(&app, "GET", "/broken").await;
@@ -577,36 +574,22 @@ async fn a_body_that_breaks_off_is_loaded_once_across_the_fleet() {
     let world = World::default();
     let (a_engine, _a) = engine_on(&server).await;
     let (b_engine, _b) = engine_on(&server).await;
-    let routed = |engine: &TieredCache| {
-        app(
-            &world,
-            ResponseCacheLayer::new(engine.clone())
-                .route(policy())
-                .unwrap(),
-        )
-    };
-    let (a, b) = (routed(&a_engine), routed(&b_engine));
-    let requests: Vec<_> = (0..20)
-        .map(|i| {
-            let app = if i % 2 == 0 { a.clone() } else { b.clone() };
-            tokio::spawn(async move { send(&app, "GET", "/broken").await })
-        })
-        .collect();
-    eventually("19 waiting across the fleet", || {
-        a_engine.stats().coalesced + b_engine.stats().coalesced == 19
-    })
-    .await;
-    world.gate.open();
-    for r in requests {
-        let (status, _, _) = bounded("a request", r).await.unwrap();
+    let fleet = [instance(&world, &a_engine), instance(&world, &b_engine)];
+    for (status, _, _) in gated_requests(&world, &fleet, "/broken", 20).await {
         assert_eq!(status, StatusCode::BAD_GATEWAY);
     }
     assert_eq!(world.calls.get(), 1, "one origin call across the fleet");
 }
 
-/// A loader's error, across a fleet: one call, whichever instance made it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failing_loader_is_called_once_across_the_fleet() {
+/// What one `get_or_load` got: its result, or its task's panic.
+type LoadResult = Result<Result<Value, LoadError<String>>, tokio::task::JoinError>;
+
+/// Twenty `get_or_load`s of one key, alternating between two instances on
+/// one Valkey, each loading through `load` once all but one wait and the
+/// gate opens; what each got, and the origin's calls.
+async fn twenty_loads_across_a_fleet(
+    load: fn() -> Result<Value, String>,
+) -> (Vec<LoadResult>, usize) {
     let server = ValkeyServer::start();
     let (a, _a) = engine_on(&server).await;
     let (b, _b) = engine_on(&server).await;
@@ -623,7 +606,7 @@ async fn a_failing_loader_is_called_once_across_the_fleet() {
                     .get_or_load(&key, &policy, move || async move {
                         calls.bump();
                         gate.passed().await;
-                        Err::<Value, String>("database down".into())
+                        load()
                     })
                     .await
             })
@@ -634,58 +617,40 @@ async fn a_failing_loader_is_called_once_across_the_fleet() {
     })
     .await;
     gate.open();
-    let mut own = 0;
+    let mut results = Vec::new();
     for l in loads {
-        match bounded("a load", l).await.unwrap() {
+        results.push(bounded("a load", l).await);
+    }
+    (results, calls.get())
+}
+
+/// A loader's error, across a fleet: one call, whichever instance made it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_loader_is_called_once_across_the_fleet() {
+    let (results, calls) = twenty_loads_across_a_fleet(|| Err("database down".into())).await;
+    let mut own = 0;
+    for result in results {
+        match result.unwrap() {
             Err(LoadError::Loader(e)) if e == "database down" => own += 1,
             Err(LoadError::Failed) => {}
             other => panic!("{other:?}"),
         }
     }
-    assert_eq!((calls.get(), own), (1, 1));
+    assert_eq!((calls, own), (1, 1));
 }
 
 /// A loader that panics fails its fleet's waiters too: the instances
 /// waiting on its lock do not each call the origin that panicked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_loader_is_called_once_across_the_fleet() {
-    let server = ValkeyServer::start();
-    let (a, _a) = engine_on(&server).await;
-    let (b, _b) = engine_on(&server).await;
-    let policy = policy().build().unwrap();
-    let key = CacheKey::new("k");
-    let (calls, gate) = (Counter::new(), Gate::new());
-    let loads: Vec<_> = (0..20)
-        .map(|i| {
-            let cache = if i % 2 == 0 { a.clone() } else { b.clone() };
-            let (policy, key, calls, gate) =
-                (policy.clone(), key.clone(), calls.clone(), gate.clone());
-            tokio::spawn(async move {
-                cache
-                    .get_or_load(&key, &policy, move || async move {
-                        calls.bump();
-                        gate.passed().await;
-                        if calls.get() > 0 {
-                            panic!("loader bug");
-                        }
-                        Ok::<Value, String>(Value::from_body("never"))
-                    })
-                    .await
-            })
-        })
-        .collect();
-    eventually("19 waiting across the fleet", || {
-        a.stats().coalesced + b.stats().coalesced == 19
-    })
-    .await;
-    gate.open();
-    for l in loads {
-        match bounded("a load", l).await {
+    let (results, calls) = twenty_loads_across_a_fleet(|| panic!("loader bug")).await;
+    for result in results {
+        match result {
             Ok(Err(LoadError::Failed | LoadError::Panicked)) | Err(_) => {}
             other => panic!("{other:?}"),
         }
     }
-    assert_eq!(calls.get(), 1, "one call across the fleet");
+    assert_eq!(calls, 1, "one call across the fleet");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

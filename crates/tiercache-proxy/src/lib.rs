@@ -63,7 +63,8 @@ pub use crate::reload::Reloader;
 use crate::reload::route_table;
 
 /// What a shutdown could not hand to Valkey before its drain ran out
-/// (Valkey out of reach all along). The other instances never hear of
+/// (Valkey out of reach, or slow connections that used the drain up;
+/// writes are fills, whose loss costs misses only). The other instances never hear of
 /// these invalidations, so they may answer what they cover from L2 until
 /// it expires: purge those URLs once Valkey is back.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -206,7 +206,8 @@ const FAILED: &[u8] = b"4";
 pub(crate) const SHARED_ANSWER_TTL: Duration = Duration::from_secs(1);
 
 /// Largest shared answer carried in an unlock message; a larger one is
-/// announced as passed (the waiting instances load it themselves).
+/// announced as passed (the waiting instances load it themselves), or, for
+/// an origin failure, as failed (they answer with the failure, not its page).
 const MAX_SHARED_MESSAGE: usize = 256 * 1024;
 
 /// The message a lock's release sends on the key's done channel: `1`
@@ -227,6 +228,7 @@ pub(crate) fn unlock_message(how: &Unlocked) -> Bytes {
             message.extend_from_slice(&envelope);
             Bytes::from(message)
         }
+        Unlocked::Shared(_, true) => Bytes::from_static(FAILED),
         _ => Bytes::from_static(b"0"),
     }
 }
@@ -281,5 +283,24 @@ mod tests {
         assert_eq!(release.answer_bytes(), 0);
         release.drop_answer();
         assert!(release.leaves_word());
+    }
+
+    /// A failure page too large to carry still tells the waiters the load
+    /// failed (they would each call the failing origin); a large answer
+    /// that is no failure sends them to load it.
+    #[test]
+    fn a_failure_too_large_to_carry_is_heard_as_failed() {
+        let now = std::time::SystemTime::now();
+        let large = tiercache_core::Entry::new(
+            "k".into(),
+            Bytes::new(),
+            tiercache_core::Value::from_body(vec![b'x'; MAX_SHARED_MESSAGE + 1]),
+            tiercache_core::Times::fresh(now, now),
+            Duration::ZERO,
+        );
+        let heard =
+            |failed| read_unlock_message(&unlock_message(&Unlocked::Shared(large.clone(), failed)));
+        assert!(matches!(heard(true), Unlocked::Failed));
+        assert!(matches!(heard(false), Unlocked::Passed));
     }
 }
