@@ -32,7 +32,8 @@ pub(crate) fn engine(clock: &MockClock, seed: u64) -> TieredCache {
         .unwrap()
 }
 
-fn state(cache: &TieredCache, key: &CacheKey, policy: &Policy) -> &'static str {
+/// What a lookup of `key` finds now, in a word.
+pub(crate) fn state(cache: &TieredCache, key: &CacheKey, policy: &Policy) -> &'static str {
     match cache.lookup_at(key, cache.now(), policy, ANY) {
         Lookup::Fresh { refresh: false, .. } => "fresh",
         Lookup::Fresh { refresh: true, .. } => "fresh+xfetch",

@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use crate::tests_freshness::ANY;
+use crate::tests_freshness::state;
 use crate::*;
 
 /// A shared tier with nothing in it that keeps the engine's sink.
@@ -45,17 +45,6 @@ impl Tier for Listening {
 
     fn listen(&self, sink: Weak<dyn InvalidationSink>) {
         *self.sink.lock().unwrap() = Some(sink);
-    }
-}
-
-fn state(cache: &TieredCache, key: &CacheKey, policy: &Policy) -> &'static str {
-    use crate::engine::read::Lookup;
-    match cache.lookup_at(key, cache.now(), policy, ANY) {
-        Lookup::Fresh { .. } => "fresh",
-        Lookup::Stale { .. } => "stale",
-        Lookup::Miss { fallback: Some(_) } => "stale-if-error",
-        Lookup::Miss { fallback: None } => "miss",
-        Lookup::Revalidate { .. } => "revalidate",
     }
 }
 

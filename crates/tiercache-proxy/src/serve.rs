@@ -90,10 +90,9 @@ pub(crate) async fn serve<S, B>(
     // shutdown below).
     // And at most 128 requests at once on one connection, as nginx's
     // `http2_max_concurrent_streams` (hyper's 200); more wait on the
-    // client's side. Each stream buffers 64 KiB of its answer before it
-    // stops pulling more (one chunk larger than that is still held whole;
-    // hyper's 400 KiB let a client that opens no window hold 50 MiB a
-    // connection).
+    // client's side. Each stream buffers 64 KiB of a streamed answer before
+    // it stops pulling more (hyper's 400 KiB); a stored answer is one chunk,
+    // held whole until the client reads it (see the README).
     builder
         .http2()
         .timer(TokioTimer::new())
