@@ -34,6 +34,8 @@ enum Mode {
     BrokenBody,
     /// Waits for the gate, then answers with this status.
     HeldStatus(Gate, u16),
+    /// Waits for the gate, then answers as `BrokenBody` does.
+    HeldBroken(Gate),
     /// Waits for the gate, then answers a 200 that sets a cookie (its
     /// waiters may not share it).
     HeldSetCookie(Gate),
@@ -128,6 +130,10 @@ impl Origin {
                             .header("set-cookie", "s=1")
                             .body(Body::from(format!("body {n}")))
                             .unwrap())
+                    }
+                    Mode::HeldBroken(gate) => {
+                        gate.passed().await;
+                        Ok(Response::new(Body::new(BreaksOff::default())))
                     }
                     Mode::HeldStatus(gate, code) => {
                         gate.passed().await;
@@ -593,10 +599,49 @@ async fn a_waiter_loading_on_its_own_keeps_stale_if_error() {
 #[tokio::test(start_paused = true)]
 async fn a_request_after_an_invalidation_is_not_answered_with_the_removed_copy() {
     let t = Harness::new(stale_if_error_a_minute());
+    let gate = Gate::new();
+    let (leader, after) =
+        invalidated_while_it_fails(&t, Mode::HeldStatus(gate.clone(), 503), &gate).await;
+    assert_eq!((x_cache(&leader.1), leader.2.as_str()), ("STALE", "body 1"));
+    assert_eq!(
+        (after.0, after.2.as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, "status 503"),
+        "answered with the copy its invalidation removed"
+    );
+}
+
+/// The same when the load fails with nothing to share (its answer broke
+/// off): the request without a copy of its own gets the failure, not an
+/// origin call of its own.
+#[tokio::test(start_paused = true)]
+async fn a_request_after_an_invalidation_gets_a_failed_loads_failure_without_a_call() {
+    let t = Harness::new(stale_if_error_a_minute());
+    let gate = Gate::new();
+    let (leader, after) =
+        invalidated_while_it_fails(&t, Mode::HeldBroken(gate.clone()), &gate).await;
+    assert_eq!((x_cache(&leader.1), leader.2.as_str()), ("STALE", "body 1"));
+    assert_eq!(after.0, StatusCode::BAD_GATEWAY);
+    assert_eq!(
+        t.origin.calls.get(),
+        2,
+        "the fill, then the failed load alone"
+    );
+}
+
+/// `/r` stored, then stale: a load of it fails through `failing` (held by
+/// `gate`); a request that comes after an invalidation of `/r` waits on
+/// that load. The leader's answer and that request's.
+async fn invalidated_while_it_fails(
+    t: &Harness,
+    failing: Mode,
+    gate: &Gate,
+) -> (
+    (StatusCode, HeaderMap, String),
+    (StatusCode, HeaderMap, String),
+) {
     t.get("/r").await;
     t.advance(2000);
-    let gate = Gate::new();
-    t.origin.set(Mode::HeldStatus(gate.clone(), 503));
+    t.origin.set(failing);
     let uri: axum::http::Uri = "http://t/r".parse().unwrap();
     let (leader, after, ()) = tokio::join!(
         t.get("/r"),
@@ -614,12 +659,7 @@ async fn a_request_after_an_invalidation_is_not_answered_with_the_removed_copy()
             gate.open();
         }
     );
-    assert_eq!((x_cache(&leader.1), leader.2.as_str()), ("STALE", "body 1"));
-    assert_eq!(
-        (after.0, after.2.as_str()),
-        (StatusCode::SERVICE_UNAVAILABLE, "status 503"),
-        "answered with the copy its invalidation removed"
-    );
+    (leader, after)
 }
 
 #[tokio::test]

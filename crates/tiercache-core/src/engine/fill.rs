@@ -231,12 +231,11 @@ impl TieredCache {
                 // Another instance's load failed: so does this one's wait,
                 // as a local follower's would (its stale copy stands in).
                 FleetJoin::Failed => {
-                    if let Some(stale) = stale.filter(|e| self.stale_usable(e)) {
-                        leader.complete(FlightResult::Stale(None));
-                        return Ok(Filled::Stale(stale));
-                    }
                     leader.complete(FlightResult::Failed(FlightError::Origin));
-                    return Err(FetchError::Failed);
+                    return match stale.filter(|e| self.stale_usable(e)) {
+                        Some(stale) => Ok(Filled::Stale(stale)),
+                        None => Err(FetchError::Failed),
+                    };
                 }
                 FleetJoin::Lead(lock) => lock,
             }
@@ -312,23 +311,18 @@ impl TieredCache {
             }
             // The origin failed: the waiting requests (and instances) get
             // the failure, not a call each; nothing is marked or dropped.
+            // Each stands in its own stale copy, as this one does: one
+            // without (it came after an invalidation, or is another
+            // variant) gets the failure too, not a call of its own.
             Ok(Loaded::Failed { output }) => {
                 lock.release(Unlocked::Failed);
-                if let Some(stale) = usable {
-                    return Ok(stand_in(leader, stale));
-                }
                 leader.complete(FlightResult::Failed(FlightError::Origin));
-                Ok(Filled::Passed(output))
+                Ok(usable.map_or(Filled::Passed(output), Filled::Stale))
             }
             Err(e) => {
                 lock.release(Unlocked::Failed);
-                match usable {
-                    Some(stale) => Ok(stand_in(leader, stale)),
-                    None => {
-                        leader.complete(FlightResult::Failed(FlightError::Origin));
-                        Err(FetchError::Origin(e))
-                    }
-                }
+                leader.complete(FlightResult::Failed(FlightError::Origin));
+                usable.map(Filled::Stale).ok_or(FetchError::Origin(e))
             }
         }
     }
