@@ -346,6 +346,38 @@ mod tests {
         ));
     }
 
+    /// A prefix or a tag is as long as its caller makes it: queued while
+    /// Valkey is away, 60 KB ones weigh their bytes against the same bound.
+    #[test]
+    fn long_prefixes_and_tags_weigh_their_bytes_in_the_outbox() {
+        let outbox = Outbox::default();
+        let counters = Counters::default();
+        let at = SystemTime::UNIX_EPOCH + Duration::from_secs(100);
+        let long = vec![b'p'; 60_000];
+        for i in 0..600 {
+            let invalidation = if i % 2 == 0 {
+                Invalidation::Prefix(crate::KeyPattern::new().prefix(&long))
+            } else {
+                Invalidation::Tag(Bytes::from(long.clone()), Vec::new())
+            };
+            outbox.push(invalidation, at, &counters);
+        }
+        let state = outbox.lock();
+        let held: usize = state
+            .items
+            .iter()
+            .map(|p| match &p.invalidation {
+                Invalidation::Tag(tag, _) => tag.len(),
+                Invalidation::Prefix(pattern) => pattern.byte_len(),
+                Invalidation::Keys(_) => 0,
+            })
+            .sum();
+        assert!(
+            held <= Outbox::MAX_HASHES * 16 + long.len(),
+            "{held} bytes held"
+        );
+    }
+
     #[test]
     fn a_full_outbox_merges_its_oldest_into_one_invalidation_of_everything() {
         let outbox = Outbox::default();
