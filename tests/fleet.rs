@@ -311,7 +311,7 @@ async fn an_instance_that_missed_an_invalidation_drops_its_l1_on_reconnect() {
 /// each such while), so a write made on another instance shows there
 /// during the outage, not only once it is over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_instance_that_cannot_hear_drops_its_l1_while_the_outage_lasts() {
+async fn an_instance_that_cannot_hear_stops_answering_its_l1_as_it_is() {
     for fault in [Fault::Reset, Fault::Blackhole] {
         let server = ValkeyServer::start();
         let origin = Origin::new();

@@ -37,8 +37,9 @@ pub(crate) enum FlightResult {
     /// An answer that may be shared but was not stored (an error page, a
     /// value the loader chose not to keep); `true` for an origin failure.
     Transient(Entry, bool),
-    /// The origin failed and the leader's stale entry answered it
-    /// (stale-if-error); each follower stands in its own (see
+    /// The leader's answer failed and may not be shared (or had no room),
+    /// and its stale entry answered it (stale-if-error); each follower
+    /// stands in its own (see
     /// `TieredCache::followed`), or gets the failure, when any client may
     /// see it.
     Stale(Option<Entry>),

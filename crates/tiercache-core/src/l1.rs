@@ -327,8 +327,12 @@ impl L1 {
 
     /// Makes every entry need the origin again as of `now`: its fresh and
     /// stale-while-revalidate windows end now, and what its stale-if-error
-    /// window and validators keep stays (a scan of the whole cache).
-    pub(crate) fn expire_all(&self, now: SystemTime) {
+    /// window and validators keep stays (a scan of the whole cache). Each
+    /// rewritten entry is a new fill to the tag index: returned with its
+    /// holding, for the caller to record (under the journal's lock, which
+    /// keeps an invalidation from landing between a read and its put).
+    pub(crate) fn expire_all(&self, now: SystemTime) -> Vec<(KeyHash, Holding, Entry)> {
+        let mut rewritten = Vec::new();
         for (hash, held) in self.cache.iter() {
             let Some(entry) = held.entry() else {
                 continue;
@@ -351,9 +355,24 @@ impl L1 {
             if old.error_until <= old.fresh_until {
                 times.error_until = times.fresh_until;
             }
-            self.put_if(*hash, Held::new(entry.with_times(times)), seen);
+            // Put as a compute, not through `put_if`: the weight and the
+            // hard expiry are the entry's own, so neither the budget's
+            // settling nor the expiry index has anything new to count.
+            let held = Held::new(entry.with_times(times));
+            let holding = held.holding();
+            let result = self.cache.entry(*hash).and_compute_with(|live| {
+                if seen(live.and_then(|live| live.value().entry()).as_ref()) {
+                    Op::Put(held)
+                } else {
+                    Op::Nop
+                }
+            });
+            if matches!(result, CompResult::ReplacedWith(_)) {
+                rewritten.push((*hash, holding, entry));
+            }
         }
         self.epochs.moved_all();
+        rewritten
     }
 
     /// Drops every entry.

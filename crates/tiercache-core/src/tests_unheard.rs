@@ -87,6 +87,19 @@ async fn an_entry_unheard_of_needs_the_origin_and_keeps_stale_if_error() {
     // One with no window past its fresh time (or none it may use) is a miss.
     assert_eq!(state(&cache, &plain, &windowless), "miss");
     assert_eq!(state(&cache, &strict, &policy), "miss");
+    // Its tags still reach it (the rewrite is a new fill to the tag index).
+    let tagged = CacheKey::new("tagged");
+    let fill = Fill::new(Value::from_body("t")).tags(vec![bytes::Bytes::from_static(b"t")]);
+    cache.store_now(&tagged, fill, &policy);
+    tier.sink().unheard();
+    cache.sweep(); // which prunes tag records of fills no longer held
+    assert_eq!(state(&cache, &tagged, &policy), "stale-if-error");
+    let _ = cache.invalidate_tag("t").await;
+    assert_eq!(
+        state(&cache, &tagged, &policy),
+        "miss",
+        "the tag's invalidation missed it"
+    );
     // A fill after it is fresh again.
     cache.store_now(&fresh, Fill::new(Value::from_body("f2")), &policy);
     assert_eq!(state(&cache, &fresh, &policy), "fresh");

@@ -189,7 +189,16 @@ impl InvalidationSink for Inner {
     }
 
     fn unheard(&self) {
-        self.l1.expire_all(self.clock.now());
+        let now = self.clock.now();
+        // Under the journal's lock (an invalidation cannot land between an
+        // entry's read and its rewrite), and recorded as missed messages
+        // are: a fill in flight may be as outdated as what L1 holds.
+        self.journal.record(Scope::All, || {
+            for (hash, holding, entry) in self.l1.expire_all(now) {
+                self.record_tags(hash, &holding, entry.tags());
+            }
+        });
+        self.prune_tags_if_due();
     }
 
     fn resync(&self) {
