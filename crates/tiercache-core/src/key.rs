@@ -287,7 +287,13 @@ impl KeyPattern {
         })
     }
 
-    /// The bytes its parts hold (what it weighs where it is kept).
+    /// What it weighs where invalidations are kept, in key hashes: its
+    /// parts' bytes over a hash's 16.
+    pub(crate) fn in_hashes(&self) -> usize {
+        in_hashes(self.byte_len())
+    }
+
+    /// The bytes its parts hold.
     pub(crate) fn byte_len(&self) -> usize {
         self.parts
             .iter()
@@ -410,6 +416,12 @@ fn digest(bytes: &[u8]) -> KeyHash {
     let mut out = [0u8; 16];
     out.copy_from_slice(&hash.as_bytes()[..16]);
     KeyHash(out)
+}
+
+/// `bytes` (a tag's, a pattern's) in key hashes of 16 bytes, the unit the
+/// journal and the outbox bound what they hold by.
+pub(crate) fn in_hashes(bytes: usize) -> usize {
+    bytes.div_ceil(std::mem::size_of::<KeyHash>())
 }
 
 #[cfg(test)]

@@ -49,8 +49,8 @@ impl Scope {
     fn hashes(&self) -> usize {
         match self {
             Scope::Keys(hashes) => hashes.len(),
-            Scope::Tag(tag, hashes) => hashes.len() + tag.len().div_ceil(16),
-            Scope::Prefix(pattern) => pattern.byte_len().div_ceil(16),
+            Scope::Tag(tag, hashes) => hashes.len() + crate::key::in_hashes(tag.len()),
+            Scope::Prefix(pattern) => pattern.in_hashes(),
             Scope::All => 0,
         }
     }

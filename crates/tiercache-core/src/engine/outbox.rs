@@ -87,8 +87,8 @@ impl Pending {
     fn hashes(&self) -> usize {
         match &self.invalidation {
             Invalidation::Keys(hashes) => hashes.len(),
-            Invalidation::Tag(tag, hashes) => hashes.len() + tag.len().div_ceil(16),
-            Invalidation::Prefix(pattern) => pattern.byte_len().div_ceil(16),
+            Invalidation::Tag(tag, hashes) => hashes.len() + crate::key::in_hashes(tag.len()),
+            Invalidation::Prefix(pattern) => pattern.in_hashes(),
         }
     }
 }

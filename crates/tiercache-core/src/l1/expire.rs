@@ -21,7 +21,8 @@ impl L1 {
             let Some(entry) = held.entry() else {
                 continue;
             };
-            let (old, mut times) = (entry.times(), entry.times());
+            let old = entry.times();
+            let mut times = old;
             if times.stale_until <= now {
                 continue;
             }
