@@ -159,9 +159,10 @@ pub(crate) fn millis(t: SystemTime) -> u128 {
 const BOOKKEEPING: usize = 1864;
 /// Per tag an entry is recorded under, beyond the tag's bytes: its share of
 /// the engine's tag index, which follows L1 but is not in it (a tag of its
-/// own, as every `Vary`ing URL's two entries share, costs ~500 bytes: the
-/// index's node and set; a key in a shared tag's set, ~40 with its handle
-/// on the fill, which keeps L1's ~64-byte slot until the record is pruned).
+/// own costs a 40-byte slot of the index, ~70 with the map's spare room;
+/// a key in a shared tag's set, ~40; either with its handle on the fill,
+/// which keeps L1's ~64-byte slot until the record is pruned, and the
+/// stale records a prune has not reached yet, up to a quarter more).
 pub(crate) const TAG_ALLOWANCE: usize = 250;
 /// Per-entry memory of a reader's view beyond its fields (see [`Entry::weight`]).
 const VIEW_ALLOWANCE: usize = 240;

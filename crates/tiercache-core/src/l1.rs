@@ -90,6 +90,12 @@ impl Held {
 pub(crate) struct Holding(Weak<HeldParts>);
 
 impl Holding {
+    /// A fill L1 never held.
+    #[cfg(test)]
+    pub(crate) fn never() -> Self {
+        Self(Weak::new())
+    }
+
     /// Whether L1 still holds this fill: until moka removes it (past its
     /// hard expiry or cleared, moka hides it from reads before that).
     pub(crate) fn held(&self) -> bool {

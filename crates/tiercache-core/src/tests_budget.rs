@@ -133,3 +133,32 @@ async fn a_flood_of_unique_keys_keeps_l1_and_its_index_bounded() {
         cache.l1_index_records()
     );
 }
+
+/// The hit-for-miss marks share the budget: a flood of keys that may not
+/// be stored leaves at most a 32nd of it in marks (they had a count of
+/// their own, 100,000 marks of ~330 bytes: a whole 32 MiB budget beside a
+/// full L1), and L1 gets the rest.
+#[test]
+fn hit_for_miss_marks_hold_a_32nd_of_the_budget() {
+    let budget = 32 * 1024 * 1024;
+    let cache = TieredCache::builder()
+        .l1_capacity(budget)
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let policy = Policy::ttl(TTL).build().unwrap();
+    for i in 0..20_000 {
+        cache.mark_uncacheable(&CacheKey::new(format!("/private/{i}")), &policy);
+    }
+    let marks = &cache.inner_for_tests().uncacheable;
+    marks.run_pending_tasks();
+    let held = marks.weighted_size();
+    assert!(held <= budget / 32, "marks hold {held} bytes");
+    assert!(
+        marks.entry_count() >= 3_000,
+        "a 32nd holds ~3,100 marks: {}",
+        marks.entry_count()
+    );
+    assert_eq!(cache.l1_capacity(), budget);
+    assert!(cache.inner_for_tests().l1.capacity() + held <= budget);
+}

@@ -160,7 +160,7 @@ async fn from_a_cold_start_large_bodies_keep_the_proxy_within_its_budget() {
         None,
         &[16 * 1024, 64 * 1024],
         1.15,
-        false,
+        Shape::Plain,
         budget,
     )
     .await;
@@ -172,7 +172,39 @@ async fn from_a_cold_start_large_bodies_keep_the_proxy_within_its_budget() {
 /// the outside) and the tag index kept every tag for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_varying_urls_keeps_the_proxy_within_its_budget() {
-    flood_with(Start::Warm, None, &[1024], 1.15, true, budget_mib()).await;
+    flood_with(Start::Warm, None, &[1024], 1.15, Shape::Vary, budget_mib()).await;
+}
+
+/// Every response names 32 tags of its own (`Surrogate-Key`, as a site
+/// tagging each object by its ids): the tag index beside L1 held ~950
+/// bytes a tag where each entry paid 250 (2.3-2.7x a 32 MiB budget).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_tagged_urls_keeps_the_proxy_within_its_budget() {
+    flood_with(
+        Start::Warm,
+        None,
+        &[1024],
+        1.15,
+        Shape::Tagged,
+        budget_mib(),
+    )
+    .await;
+}
+
+/// Beside the stored flood, as many unique URLs whose answers may not be
+/// shared (`private`): each leaves a hit-for-miss mark, and the marks had
+/// a count of their own (100,000, ~330 bytes each) outside the budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_with_private_urls_keeps_the_proxy_within_its_budget() {
+    flood_with(
+        Start::Warm,
+        None,
+        &[1024],
+        1.15,
+        Shape::WithPrivate,
+        budget_mib(),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -262,41 +294,65 @@ async fn flood_within_budget(valkey: Option<&str>, sizes: &[usize], most: f64) {
 }
 
 async fn flood_from(start: Start, valkey: Option<&str>, sizes: &[usize], most: f64) {
-    flood_with(start, valkey, sizes, most, false, budget_mib()).await;
+    flood_with(start, valkey, sizes, most, Shape::Plain, budget_mib()).await;
 }
 
-/// [`flood_from`], with every stored response answering
-/// `Vary: Accept-Encoding` when `vary`, under a budget of `budget_mib`.
+/// What the stored responses of a flood carry beside their body.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Shape {
+    Plain,
+    /// `Vary: Accept-Encoding`.
+    Vary,
+    /// `Surrogate-Key` with 32 tags of the URL's own.
+    Tagged,
+    /// Plain, and as many other URLs answering `Cache-Control: private`.
+    WithPrivate,
+}
+
+/// [`flood_from`], the stored responses shaped as `shape` says, under a
+/// budget of `budget_mib`.
 async fn flood_with(
     start: Start,
     valkey: Option<&str>,
     sizes: &[usize],
     most: f64,
-    vary: bool,
+    shape: Shape,
     budget_mib: u64,
 ) {
-    let fields: &'static [(&str, &str)] = if vary {
-        &[("vary", "accept-encoding")]
-    } else {
-        &[]
-    };
     for &body_bytes in sizes {
         let body = Arc::new(vec![b'x'; body_bytes]);
         let unstored = body.clone();
+        let private = body.clone();
         let upstream = Server::start(
             Router::new()
                 .route(
                     "/b/{i}",
-                    get(move |Path(_): Path<u64>| {
+                    get(move |Path(i): Path<u64>| {
                         let body = body.clone();
                         async move {
                             let mut res =
                                 axum::response::Response::new(Body::from((*body).clone()));
-                            for (name, value) in fields {
-                                res.headers_mut().insert(*name, value.parse().unwrap());
+                            let fields = res.headers_mut();
+                            match shape {
+                                Shape::Vary => {
+                                    fields.insert("vary", "accept-encoding".parse().unwrap());
+                                }
+                                Shape::Tagged => {
+                                    let tags: Vec<String> =
+                                        (0..32).map(|t| format!("tag{t}-{i}")).collect();
+                                    fields.insert("surrogate-key", tags.join(" ").parse().unwrap());
+                                }
+                                Shape::Plain | Shape::WithPrivate => {}
                             }
                             res
                         }
+                    }),
+                )
+                .route(
+                    "/p/{i}",
+                    get(move |Path(_): Path<u64>| {
+                        let body = private.clone();
+                        async move { ([("cache-control", "private")], (*body).clone()) }
                     }),
                 )
                 .route(
@@ -327,18 +383,27 @@ async fn flood_with(
             Start::Cold => budgets().max(8),
         };
         let mut urls = times * budget as usize / (body_bytes + 4096);
-        if vary {
+        if shape == Shape::Vary {
             // Past what the variant lists could hold with 16 MiB of their
             // own (~450 bytes a URL).
             urls = urls.max(2 * 16 * 1024 * 1024 / 450);
         }
-        flood(proxy.addr, &proxy.addr.to_string(), "/b/", 0, urls, 16).await;
+        let host = proxy.addr.to_string();
+        let stored = flood(proxy.addr, &host, "/b/", 0, urls, 16);
+        if shape == Shape::WithPrivate {
+            tokio::join!(stored, flood(proxy.addr, &host, "/p/", 0, 100_000, 8));
+        } else {
+            stored.await;
+        }
         let grown = rss(pid).saturating_sub(before);
         let ratio = grown as f64 / budget as f64;
         eprintln!(
             "{body_bytes} B bodies, {urls} URLs{}{}{}: RSS grew {:.1} MiB for a {budget_mib} MiB budget ({ratio:.2}x)",
             if valkey.is_some() { ", Valkey on" } else { "" },
-            if vary { ", Vary" } else { "" },
+            match shape {
+                Shape::Plain => String::new(),
+                other => format!(", {other:?}"),
+            },
             if start == Start::Cold {
                 ", cold start"
             } else {

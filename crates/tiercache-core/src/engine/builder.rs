@@ -1,7 +1,6 @@
 //! Building the engine: L1's budget, the shared tier, the clock, the sweeper.
 
 use std::fmt;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -165,41 +164,31 @@ impl TieredCacheBuilder {
             Some(seed) => SmallRng::seed_from_u64(seed),
             None => SmallRng::from_os_rng(),
         };
-        let tags_incomplete = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let tag_keys = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let marks_clock = self.clock.clone();
         let tag_room = Inner::tag_room(self.l1_capacity);
+        let (marks_room, carved) = super::marks_room(self.l1_capacity);
         let inner = Arc::new(Inner {
-            l1: L1::new(self.l1_capacity, self.clock.clone(), counters.clone()),
+            l1: L1::new(
+                self.l1_capacity - carved,
+                self.clock.clone(),
+                counters.clone(),
+            ),
+            budget: self.l1_capacity,
             l2: self.l2,
             flights: Arc::default(),
             clock: self.clock,
             counters,
             rng: Mutex::new(rng),
             uncacheable: moka::sync::Cache::builder()
-                .max_capacity(100_000)
+                .max_capacity(marks_room)
+                .weigher(|_, _| super::MARK_WEIGHT)
                 .expire_after(super::MarkExpiry(marks_clock))
                 .build(),
-            // Pruned to follow L1 (see `engine::tags`): this bound is a
-            // safety net, past which a tag invalidation drops all of L1.
-            tags: moka::sync::Cache::builder()
-                .max_capacity(tag_room as u64)
-                .eviction_listener({
-                    let incomplete = tags_incomplete.clone();
-                    let tag_keys = tag_keys.clone();
-                    move |_, index: Arc<Mutex<super::tags::TagKeys>>, cause| {
-                        if cause == moka::notification::RemovalCause::Size {
-                            incomplete.store(true, std::sync::atomic::Ordering::Relaxed);
-                            let n = index.lock().unwrap_or_else(|e| e.into_inner()).len();
-                            let _ = tag_keys.fetch_update(Relaxed, Relaxed, |held| {
-                                Some(held.saturating_sub(n))
-                            });
-                        }
-                    }
-                })
-                .build(),
-            tags_incomplete,
-            tag_keys,
+            // Pruned to follow L1 (see `engine::tags`), with a room past
+            // which a tag invalidation drops all of L1.
+            tags: Default::default(),
+            tags_incomplete: Default::default(),
+            tag_keys: Default::default(),
             tag_room,
             tags_prune_due: std::sync::atomic::AtomicBool::new(false),
             tags_prune_at: std::sync::atomic::AtomicUsize::new(Inner::next_prune(0, tag_room)),

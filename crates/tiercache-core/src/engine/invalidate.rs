@@ -204,7 +204,7 @@ impl InvalidationSink for Inner {
     fn resync(&self) {
         self.journal.record(Scope::All, || {
             self.l1.clear();
-            self.tags.invalidate_all();
+            self.tags.clear();
             self.tag_keys.store(0, Relaxed);
         });
     }
@@ -216,19 +216,11 @@ impl Inner {
     /// evicted from it), all of L1 goes: a live key is never missed.
     fn drop_tag(&self, tag: &Bytes) -> Vec<KeyHash> {
         let incomplete = self.tags_incomplete.swap(false, Relaxed);
-        let index = self.tags.remove(tag);
-        let (mut keys, overflowed) = match &index {
-            Some(index) => {
-                let mut index = index.lock().unwrap_or_else(|e| e.into_inner());
-                let keys: Vec<KeyHash> = index.take();
-                self.forget_tag_keys(keys.len());
-                (keys, index.overflowed)
-            }
-            None => (Vec::new(), false),
-        };
+        let (mut keys, overflowed) = self.tags.take(tag);
+        self.forget_tag_keys(keys.len());
         if incomplete || overflowed {
             self.l1.clear();
-            self.tags.invalidate_all();
+            self.tags.clear();
             self.tag_keys.store(0, Relaxed);
         } else {
             // Only entries that carry the tag: a key stored again under

@@ -14,7 +14,6 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use bytes::Bytes;
 use rand::rngs::SmallRng;
 
 use crate::flight::Flights;
@@ -35,6 +34,7 @@ mod miss;
 mod outbox;
 pub(crate) mod read;
 mod store;
+mod tag_index;
 mod tags;
 
 pub use api::{Commit, LoadError};
@@ -46,7 +46,6 @@ pub use store::{Fill, Lifetime};
 
 use journal::Journal;
 use outbox::Outbox;
-use tags::TagKeys;
 
 /// A two-tier cache engine. Cheap to clone: clones share everything.
 ///
@@ -69,20 +68,23 @@ pub struct TieredCache {
 
 pub(crate) struct Inner {
     pub(crate) l1: L1,
+    /// The byte budget the engine was built with: L1's, and the
+    /// hit-for-miss marks' share of it (see [`marks_room`]).
+    budget: u64,
     l2: Option<Arc<dyn Tier>>,
     flights: Arc<Flights>,
     clock: Arc<dyn Clock>,
     counters: Arc<Counters>,
     rng: Mutex<SmallRng>,
     /// Keys whose last response could not be shared, until when (hit-for-miss).
-    uncacheable: moka::sync::Cache<KeyHash, SystemTime>,
+    pub(crate) uncacheable: moka::sync::Cache<KeyHash, SystemTime>,
     /// Tag → the keys this instance stored with it (tag invalidation without L2).
-    pub(crate) tags: moka::sync::Cache<Bytes, Arc<Mutex<TagKeys>>>,
+    pub(crate) tags: tag_index::TagIndex,
     /// The tag index lost a tag to its bound: the next tag invalidation
     /// cannot know every live key under it, and drops all of L1 instead.
-    tags_incomplete: Arc<std::sync::atomic::AtomicBool>,
+    tags_incomplete: std::sync::atomic::AtomicBool,
     /// Keys recorded across all tags (bounded by `tag_room`).
-    tag_keys: Arc<std::sync::atomic::AtomicUsize>,
+    tag_keys: std::sync::atomic::AtomicUsize,
     /// The records all tags share (see [`Inner::tag_room`]).
     tag_room: usize,
     /// A fill found the index past `tags_prune_at`: pruned once out of
@@ -105,6 +107,25 @@ pub(crate) struct Inner {
 /// A hit-for-miss mark leaves memory when it lapses on the engine's clock
 /// (a second later): its policy's `hit_for_miss_ttl`, however long, not a
 /// fixed bound.
+/// What one hit-for-miss mark holds: moka's node with its timer, the key
+/// hash and the time (~330 bytes measured, from a flood of `private` URLs
+/// through the proxy).
+pub(crate) const MARK_WEIGHT: u32 = 330;
+
+/// The bytes the hit-for-miss marks may hold for a budget of
+/// `l1_capacity`, and the part of it taken out of L1's: a 32nd of the
+/// budget (at most ~100,000 marks), so a flood of keys that may not be
+/// stored holds the process within its budget beside a full L1. A budget
+/// too small for a 32nd to hold 200 marks gets them beside it.
+pub(crate) fn marks_room(l1_capacity: u64) -> (u64, u64) {
+    let share = l1_capacity / 32;
+    let room = share.clamp(
+        200 * u64::from(MARK_WEIGHT),
+        100_000 * u64::from(MARK_WEIGHT),
+    );
+    (room, share.min(room))
+}
+
 pub(crate) struct MarkExpiry(pub(crate) Arc<dyn Clock>);
 
 impl MarkExpiry {
@@ -225,9 +246,11 @@ impl TieredCache {
         self.inner.l2.as_ref().is_none_or(|t| t.available())
     }
 
-    /// L1's byte budget.
+    /// The byte budget the cache was built with
+    /// ([`l1_capacity`](TieredCacheBuilder::l1_capacity)): L1 holds it
+    /// less the hit-for-miss marks' 32nd.
     pub fn l1_capacity(&self) -> u64 {
-        self.inner.l1.capacity()
+        self.inner.budget
     }
 
     /// Whether the engine has a shared tier (L2).

@@ -11,67 +11,17 @@
 //! Its room (see [`Inner::tag_room`]) is twice what the budget can pay
 //! for, so the prunes keep it short of the room: a crawl never pushes a
 //! tag out, nor a tag with many keys past its set (either would make the
-//! tag's invalidation drop all of L1).
+//! tag's invalidation drop all of L1). The records themselves are in
+//! [`TagIndex`](super::tag_index::TagIndex).
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use moka::ops::compute::Op;
 
 use super::Inner;
+use super::tag_index::Recorded;
 use crate::l1::Holding;
 use crate::{Entry, KeyHash};
-
-/// The keys this instance stored under one tag, each with the fill it
-/// stored under it.
-#[derive(Debug, Default)]
-pub(crate) struct TagKeys {
-    keys: HashMap<KeyHash, Holding>,
-    /// A key stored under the tag was not recorded (the index had no room
-    /// left): the tag's invalidation drops all of L1.
-    pub(super) overflowed: bool,
-    /// Pruned out of the index (no live key was left): a key is recorded
-    /// in the tag's new index instead.
-    dead: bool,
-}
-
-impl TagKeys {
-    /// Records `key` (alive in L1 as `holding`'s fill); with no `room`
-    /// left in the index the tag is marked overflowed instead. `None` when
-    /// this index left the tag index; else whether `key` was added.
-    fn record(&mut self, key: KeyHash, holding: &Holding, room: bool) -> Option<bool> {
-        if self.dead {
-            return None;
-        }
-        if self.overflowed {
-            return Some(false);
-        }
-        if let Some(recorded) = self.keys.get_mut(&key) {
-            // Its newest fill under the tag: an older one may be gone.
-            *recorded = holding.clone();
-            return Some(false);
-        }
-        if !room {
-            self.overflowed = true;
-            return Some(false);
-        }
-        self.keys.insert(key, holding.clone());
-        Some(true)
-    }
-
-    /// Drains the keys of an index taken out for the tag's invalidation:
-    /// a key recorded after it goes in the tag's next index.
-    pub(super) fn take(&mut self) -> Vec<KeyHash> {
-        self.dead = true;
-        self.keys.drain().map(|(key, _)| key).collect()
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.keys.len()
-    }
-}
 
 impl Inner {
     /// The least room of the index, in records (a key under a tag).
@@ -91,22 +41,17 @@ impl Inner {
     /// Records `hash` (just put in L1 as `holding`'s fill) under each of `tags`.
     pub(super) fn record_tags(&self, hash: KeyHash, holding: &Holding, tags: &[Bytes]) {
         for tag in tags {
-            loop {
-                let index = self.tags.get_with(tag.clone(), Default::default);
-                let room = self.tag_keys.load(Relaxed) < self.tag_room;
-                let recorded = index
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .record(hash, holding, room);
-                let Some(added) = recorded else {
-                    // Pruned away meanwhile: the tag's next index.
-                    self.forget_tag_index(tag, &index);
-                    continue;
-                };
-                if added {
+            let room = self.tag_keys.load(Relaxed) < self.tag_room;
+            match self.tags.record(tag, hash, holding, room) {
+                Recorded::Added => {
                     self.tag_keys.fetch_add(1, Relaxed);
                 }
-                break;
+                Recorded::Kept => {}
+                Recorded::NoRoom { tag_left_out } => {
+                    if tag_left_out {
+                        self.tags_incomplete.store(true, Relaxed);
+                    }
+                }
             }
         }
         if self.tag_keys.load(Relaxed) > self.tags_prune_at.load(Relaxed) {
@@ -128,19 +73,7 @@ impl Inner {
         tags: &[Bytes],
     ) {
         for gone in old.map_or(&[][..], Entry::tags) {
-            if tags.contains(gone) {
-                continue;
-            }
-            let Some(index) = self.tags.get(gone) else {
-                continue;
-            };
-            if index
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .keys
-                .remove(&hash)
-                .is_some()
-            {
+            if !tags.contains(gone) && self.tags.forget(gone, &hash) {
                 self.forget_tag_keys(1);
             }
         }
@@ -152,17 +85,6 @@ impl Inner {
         if self.tags_prune_due.load(Relaxed) && self.tags_prune_due.swap(false, Relaxed) {
             self.prune_tags();
         }
-    }
-
-    /// Takes `index` (pruned away) out of the tag index, unless the tag has
-    /// a newer one.
-    pub(super) fn forget_tag_index(&self, tag: &Bytes, index: &Arc<Mutex<TagKeys>>) {
-        self.tags
-            .entry(tag.clone())
-            .and_compute_with(|held| match held {
-                Some(held) if Arc::ptr_eq(held.value(), index) => Op::Remove,
-                _ => Op::Nop,
-            });
     }
 
     /// Takes `n` records off the count, never below zero: a clear (a
@@ -180,28 +102,12 @@ impl Inner {
     /// prune comes once the records have grown by a quarter (amortised O(1)
     /// a record), before stale records could use up the index's room. Safe
     /// beside fills: a fill is put in L1 before it is recorded, under the
-    /// set's lock a prune holds, so a record pruned here was of a fill
+    /// shard's lock a prune holds, so a record pruned here was of a fill
     /// already gone.
     pub(super) fn prune_tags(&self) {
-        let mut left = 0;
-        for (tag, index) in self.tags.iter() {
-            let dead = {
-                let mut keys = index.lock().unwrap_or_else(|e| e.into_inner());
-                keys.keys.retain(|_, fill| fill.held());
-                // A set that once held many more keys gives their room back.
-                let live = keys.keys.len();
-                if keys.keys.capacity() > 4 * live + 64 {
-                    keys.keys.shrink_to(2 * live);
-                }
-                keys.dead |= keys.keys.is_empty() && !keys.overflowed;
-                if !keys.dead {
-                    left += keys.keys.len();
-                }
-                keys.dead
-            };
-            if dead {
-                self.forget_tag_index(&tag, &index);
-            }
+        let (left, lost) = self.tags.retain(Holding::held);
+        if lost {
+            self.tags_incomplete.store(true, Relaxed);
         }
         // Records added meanwhile may be missed here: the next prune counts
         // them again.
