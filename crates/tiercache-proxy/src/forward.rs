@@ -23,6 +23,7 @@ use hyper_util::rt::TokioExecutor;
 use tiercache_http::headers::strip_hop_by_hop;
 use tiercache_http::request::{is_unkeyed, same_name};
 
+use crate::connector::{StampingConnector, on_a_kept_connection};
 use crate::read_ahead::Rooms;
 pub use crate::silences::Silences;
 
@@ -108,7 +109,7 @@ pub(crate) fn check_upstream(upstream: &Uri) -> Result<(Scheme, Authority), Stri
 /// request that came back to this proxy (its own `Via`) a 508.
 #[derive(Debug, Clone)]
 pub struct Forward {
-    client: Client<HttpConnector, Body>,
+    client: Client<StampingConnector, Body>,
     scheme: Scheme,
     authority: Authority,
     /// How long the upstream may take to send its head, and then may go
@@ -130,7 +131,7 @@ pub struct Forward {
 
 /// A client whose idle connections are kept for `idle` (none for zero), at
 /// most `max_idle` of them.
-fn pool(idle: Duration, max_idle: usize) -> Client<HttpConnector, Body> {
+fn pool(idle: Duration, max_idle: usize) -> Client<StampingConnector, Body> {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     let mut builder = Client::builder(TokioExecutor::new());
@@ -142,7 +143,7 @@ fn pool(idle: Duration, max_idle: usize) -> Client<HttpConnector, Body> {
             .pool_idle_timeout(idle)
             .pool_max_idle_per_host(max_idle);
     }
-    builder.build(connector)
+    builder.build(StampingConnector(connector))
 }
 
 impl Forward {
@@ -363,6 +364,7 @@ impl tower::Service<Request<Body>> for Forward {
                 },
                 None => None,
             };
+            let sent = std::time::Instant::now();
             let mut response = std::pin::pin!(client.request(upstream));
             let mut answered = match uploaded {
                 Some(uploaded) => tokio::select! {
@@ -377,9 +379,11 @@ impl tower::Service<Request<Body>> for Forward {
             // as it arrived (an upstream keeps idle connections for less
             // time than the pool does): sent once more, on a new one, as
             // nginx does. hyper-util resends only what it had not begun
-            // to write; a connect error is no closed connection.
+            // to write. On a connection opened for it, the upstream took
+            // the request and dropped it: once more would be a second
+            // origin call.
             if let (Ok(Err(e)), Some(again)) = (&answered, again)
-                && !e.is_connect()
+                && on_a_kept_connection(e, sent)
             {
                 answered = tokio::time::timeout(timeout, client.request(again)).await;
             }

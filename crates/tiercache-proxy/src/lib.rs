@@ -40,6 +40,7 @@
 mod admin;
 mod config;
 pub mod config_file;
+mod connector;
 pub mod forward;
 mod host;
 mod prometheus;
