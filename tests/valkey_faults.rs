@@ -732,3 +732,32 @@ async fn a_wait_given_up_while_valkey_was_down_leaves_no_subscription_behind() {
         subscribed(&server)
     );
 }
+
+/// Connecting and reconnecting send Valkey nothing it refuses: fred's
+/// `resubscribe_all` sent `SUBSCRIBE` and `PSUBSCRIBE` with nothing to
+/// name, which the server answers with an error (3 in its `errorstats`
+/// for 3 proxies after one restart: noise that alerts on errors would see,
+/// and a refusal before the lock channels' own subscriptions).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnection_sends_nothing_valkey_refuses() {
+    let mut server = ValkeyServer::start();
+    let origin = Origin::default();
+    let a = instance(&server, &origin).await;
+    server.subscribed("tc:inv", 1).await;
+    let (status, _, _) = send(&a.app, "GET", "/v/0").await;
+    assert_eq!(status, StatusCode::OK);
+    let refused = |server: &ValkeyServer| {
+        let stats = server.cmd(&["INFO", "errorstats"]);
+        stats
+            .lines()
+            .filter(|l| l.starts_with("errorstat_"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(refused(&server), Vec::<String>::new(), "on connecting");
+    server.restart();
+    server.subscribed("tc:inv", 1).await;
+    let (status, _, _) = send(&a.app, "GET", "/v/1").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(refused(&server), Vec::<String>::new(), "on reconnecting");
+}

@@ -59,7 +59,7 @@ pub(crate) async fn on_reconnect<F, Fut>(
             Err(broadcast::error::RecvError::Lagged(_)) => false,
             Err(broadcast::error::RecvError::Closed) => return,
         };
-        let _ = live.subscriber.resubscribe_all().await;
+        resubscribe(&live.subscriber).await;
         // Whether this instance served before it could hear: only a
         // subscription that went through settles it.
         let mut served_unheard = false;
@@ -160,6 +160,24 @@ pub(crate) fn subscriber(
                 .unwrap_or(ReconnectPolicy::new_exponential(0, 50, 250, 2)),
         )
         .build_subscriber_client()
+}
+
+/// Subscribes again to the lock channels the subscriber holds (the
+/// invalidation channel is subscribed by the caller). Not fred's
+/// `resubscribe_all`: it sends `SUBSCRIBE` and `PSUBSCRIBE` even with
+/// nothing to name, which the server refuses with an error, counted in
+/// its `errorstats` on every connection and reconnection.
+async fn resubscribe(subscriber: &SubscriberClient) {
+    let held = subscriber.tracked_shard_channels();
+    if held.is_empty() {
+        return;
+    }
+    let Ok(by_slot) = fred::util::group_by_hash_slot(held) else {
+        return;
+    };
+    for (_, channels) in by_slot {
+        let _ = subscriber.ssubscribe(channels).await;
+    }
 }
 
 /// Once the breaker has stayed open [`REOPEN_AFTER`] (and each
