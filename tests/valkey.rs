@@ -911,6 +911,27 @@ async fn a_fill_that_lands_after_another_instances_invalidation_is_taken_out_aga
     }
 }
 
+/// `fills_overtaken` counts fills an invalidation overtook, not every
+/// delete again that found nothing to take: an instance's own
+/// invalidation just after its fill landed (its `DEL` takes the fill, the
+/// delete again finds none) counted one (a black-box audit: one a purge
+/// or a write within 2 s of the fill, and every fill of the last 2 s on a
+/// reconnection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalidation_after_the_fill_landed_overtook_nothing() {
+    let server = ValkeyServer::start();
+    let a_tier = tier(&server.url(), "tc").await;
+    let a = engine(a_tier.clone());
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    let key = CacheKey::new("landed");
+    a.put(&key, Fill::new(Value::from_body("v1")), &policy);
+    wait_for_keys(&server, "tc:*:e", 1).await;
+    a.invalidate(&key).await.unwrap();
+    bounded("A's write queue", a_tier.flush()).await;
+    wait_for_keys(&server, "tc:*:e", 0).await;
+    assert_eq!(a.stats().l2.fills_overtaken, 0, "{:?}", a.stats().l2);
+}
+
 /// The same race, seen by a third instance: D heard B's invalidation, then
 /// read A's overtaken copy from L2 before A deleted it again, and kept it
 /// in its L1 for the copy's whole lifetime. A announces what its delete

@@ -137,8 +137,12 @@ pub struct TierReport {
     /// Lock releases sent again after a failure (they are retried until
     /// they land or the lock would have expired anyway).
     pub release_retries: u64,
-    /// Fills kept out of L2, or deleted from it again, because another
-    /// instance's invalidation overtook them on their way to Valkey.
+    /// Fills kept out of L2, or deleted from it again, because an
+    /// invalidation overtook them on their way to Valkey (another
+    /// instance's, or this one's own behind a slow queue; after a
+    /// reconnection, any fill of the last moments, since messages may have
+    /// been missed). A delete again counts only when Valkey still held
+    /// the fill.
     pub fills_overtaken: u64,
     /// Times the tier's own client was asked to reconnect because Valkey
     /// stayed out (the breaker open for seconds, a ping unanswered): a

@@ -175,11 +175,20 @@ impl ValkeyTier {
     ) -> Result<(), TierError> {
         // This instance's own fills of what it invalidates, still queued
         // (or just sent), must not land after the delete: the flush waits
-        // on them, but not on a full queue nor past its bound.
-        if let Some(scope) = Scope::of(&invalidation, &self.inner.prefix) {
-            self.inner.overtaken.heard(scope, Instant::now());
-        }
+        // on them, but not on a full queue nor past its bound. Those sent
+        // lately are deleted again once the delete has gone, in case one
+        // (a pipeline that timed out) lands after it.
+        let again = Scope::of(&invalidation, &self.inner.prefix)
+            .map(|scope| self.inner.overtaken.note(scope, Instant::now()))
+            .unwrap_or_default();
         self.flush().await;
+        let done = self.send_invalidation(invalidation).await;
+        self.inner.overtaken.delete_again(again);
+        done
+    }
+
+    /// Sends `invalidation` to Valkey: its deletes, and its message.
+    async fn send_invalidation(&self, invalidation: Invalidation) -> Result<(), TierError> {
         match invalidation {
             Invalidation::Keys(hashes) => {
                 let keys = hashes.iter().map(|h| self.entry_key_of(h)).collect();

@@ -221,30 +221,39 @@ impl Overtaken {
     /// invalidated `scope`: fills still queued that it covers are never
     /// sent, and fills sent within the grace that it covers are deleted
     /// again (queued behind the writes before).
-    pub(crate) fn heard(&self, mut scope: Scope, now: Instant) {
+    pub(crate) fn heard(&self, scope: Scope, now: Instant) {
+        let again = self.note(scope, now);
+        self.delete_again(again);
+    }
+
+    /// [`heard`](Self::heard), the deletes again left to the caller: this
+    /// instance's own invalidation queues them once its own delete has
+    /// gone, so they take only what landed after it (before it, they
+    /// took the fills the delete would have, and counted them overtaken).
+    pub(crate) fn note(&self, mut scope: Scope, now: Instant) -> Vec<Undo> {
         // Sorted once, searched by every fill it is checked against (a big
         // tag's page names thousands of keys).
         if let Scope::Keys(hashes) | Scope::Tag(_, hashes) = &mut scope {
             hashes.sort_unstable();
         }
-        let again: Vec<Undo> = {
-            let mut state = self.lock();
-            let n = self.heard.fetch_add(1, SeqCst) + 1;
-            state.sent.age(now, self.grace);
-            // Taken out: each fill is deleted again once at most.
-            let again = state.sent.take_covered(&scope);
-            state.hashes += scope.hashes();
-            state.log.push_back((n, scope));
-            while state.log.len() > HEARD_CAP
-                || (state.hashes > HEARD_HASHES && state.log.len() > 1)
-            {
-                let Some((_, old)) = state.log.pop_front() else {
-                    break;
-                };
-                state.hashes -= old.hashes();
-            }
-            again
-        };
+        let mut state = self.lock();
+        let n = self.heard.fetch_add(1, SeqCst) + 1;
+        state.sent.age(now, self.grace);
+        // Taken out: each fill is deleted again once at most.
+        let again = state.sent.take_covered(&scope);
+        state.hashes += scope.hashes();
+        state.log.push_back((n, scope));
+        while state.log.len() > HEARD_CAP || (state.hashes > HEARD_HASHES && state.log.len() > 1) {
+            let Some((_, old)) = state.log.pop_front() else {
+                break;
+            };
+            state.hashes -= old.hashes();
+        }
+        again
+    }
+
+    /// Queues a delete again of `again`, behind the writes queued before.
+    pub(crate) fn delete_again(&self, again: Vec<Undo>) {
         if again.is_empty() {
             return;
         }

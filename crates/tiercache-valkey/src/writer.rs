@@ -169,9 +169,8 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
                         stamp,
                     });
                 }
-                Command::Delete(undo) if *landed => {
-                    inner.fills_overtaken.fetch_add(undo.len() as u64, Relaxed);
-                }
+                // Counted by `apply_batch`, as Valkey answers it.
+                Command::Delete(_) if *landed => {}
                 Command::Delete(undo) => {
                     tokio::spawn(delete_until_done(Arc::downgrade(&inner), undo));
                 }
@@ -229,14 +228,10 @@ fn queued_size(commands: &[Command]) -> usize {
 async fn delete_once(inner: &Inner, undo: &[Undo]) -> bool {
     let batch = [Command::Delete(undo.to_vec())];
     let bound = inner.command_timeout * 2;
-    let landed = matches!(
+    matches!(
         tokio::time::timeout(bound, apply_batch(inner, &batch)).await,
         Ok(Ok((_, true)))
-    );
-    if landed {
-        inner.fills_overtaken.fetch_add(undo.len() as u64, Relaxed);
-    }
-    landed
+    )
 }
 
 /// Retries a delete again until it lands, for as long as the entries could
@@ -352,6 +347,16 @@ async fn apply_batch(
     };
     let mut every = landed(&(0..sent));
     let mut per_command: Vec<bool> = deciding.iter().map(landed).collect();
+    // Fills deleted again: those Valkey still held (a delete that found a
+    // newer fill, or none, overtook nothing).
+    let removed = batch
+        .iter()
+        .zip(&deciding)
+        .filter(|(command, _)| matches!(command, Command::Delete(_)))
+        .flat_map(|(_, span)| replies.get(span.clone()).unwrap_or_default())
+        .filter(|reply| matches!(reply, Ok(Value::Integer(1))))
+        .count();
+    inner.fills_overtaken.fetch_add(removed as u64, Relaxed);
     // Renewals that replaced their fill (the script answered 1): their tag
     // sets now, in a second round trip (a refused one adds none).
     let renewals = inner.client.pipeline();
