@@ -18,7 +18,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use fred::clients::{Client, Pipeline};
 use fred::prelude::{ClientLike, KeysInterface, PubsubInterface, Value};
-use fred::types::{ClusterHash, CustomCommand, Expiration};
+use fred::types::{CustomCommand, Expiration};
 use tiercache_core::Unlocked;
 use tokio::time::Instant;
 
@@ -132,10 +132,10 @@ pub(crate) async fn pipe_release(
     Ok((queued + 2, unlock_at))
 }
 
-/// `EVAL UNLOCK_SCRIPT 1 lock token`, routed by the lock key (argument 2)
-/// on a cluster: as a custom command, since pipelines have no Lua interface.
+/// `EVAL UNLOCK_SCRIPT 1 lock token`, routed by the lock key on a
+/// cluster: as a custom command, since pipelines have no Lua interface.
 fn unlock_command(release: &Release) -> (CustomCommand, Vec<Value>) {
-    let eval = CustomCommand::new_static("EVAL", ClusterHash::Offset(2), false);
+    let eval = crate::writer::eval_on(&release.lock);
     let args = vec![
         Value::from(UNLOCK_SCRIPT),
         Value::from(1),

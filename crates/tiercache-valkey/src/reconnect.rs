@@ -9,7 +9,9 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use fred::clients::SubscriberClient;
-use fred::prelude::{Builder, Client, ClientLike, PubsubInterface, ReconnectPolicy};
+use fred::prelude::{
+    Builder, Client, ClientLike, ClusterInterface, PubsubInterface, ReconnectPolicy, Server,
+};
 use fred::types::ClusterHash;
 use fred::types::config::UnresponsiveConfig;
 use tokio::sync::broadcast;
@@ -48,13 +50,28 @@ pub(crate) async fn on_reconnect<F, Fut>(
     // is one connection: any after the first is a reconnect, also to a
     // server never seen (the new primary after a Sentinel failover).
     let mut seen = std::collections::HashSet::new();
+    // On a cluster, the primaries it had when the subscriber first
+    // connected: each one's first connection is no reconnection.
+    let mut at_start: Option<std::collections::HashSet<Server>> = None;
     loop {
         let event = rx.recv().await;
         let Some(live) = bus.upgrade() else {
             return;
         };
         let first = match event {
-            Ok(server) if live.subscriber.is_clustered() => seen.insert(server),
+            // A node first seen later is no first connection: the
+            // replica promoted in place of the node that held the
+            // subscription is one (what was published meanwhile was
+            // missed), as is a node added since.
+            Ok(server) if live.subscriber.is_clustered() => {
+                let at_start = at_start.get_or_insert_with(|| {
+                    live.subscriber
+                        .cached_cluster_state()
+                        .map(|state| state.unique_primary_nodes().into_iter().collect())
+                        .unwrap_or_default()
+                });
+                at_start.remove(&server) && seen.insert(server)
+            }
             Ok(server) => seen.is_empty() && seen.insert(server),
             Err(broadcast::error::RecvError::Lagged(_)) => false,
             Err(broadcast::error::RecvError::Closed) => return,

@@ -256,6 +256,16 @@ async fn delete_until_done(inner: Weak<Inner>, undo: Vec<Undo>) {
 /// How long a failed delete again is retried.
 const DELETE_RETRY_FOR: Duration = Duration::from_secs(600);
 
+/// `EVAL` of a script on `key` alone, routed on a cluster to its slot.
+/// fred routes a custom command by its own hash only when that is
+/// `Custom(slot)`; with any other (`Offset(2)` was used) it hashes the
+/// first string argument, the script's text, so every script went to one
+/// node, which refused two thirds of them with `MOVED`.
+pub(crate) fn eval_on(key: &str) -> CustomCommand {
+    let slot = fred::util::redis_keyslot(key.as_bytes());
+    CustomCommand::new_static("EVAL", ClusterHash::Custom(slot), false)
+}
+
 /// Deletes `KEYS[1]` only while it still holds the envelope whose first
 /// bytes are `ARGV[1]` and last bytes `ARGV[2]` (see `Stamp`); when it did,
 /// publishes `ARGV[6]` on `ARGV[5]` (a `D` message: every instance drops
@@ -321,7 +331,7 @@ async fn apply_batch(
             Command::Delete(undo) => {
                 // One script a key: each entry lives in its own slot.
                 for (key, stamp, hash) in undo {
-                    let eval = CustomCommand::new_static("EVAL", ClusterHash::Offset(2), false);
+                    let eval = eval_on(key);
                     let message = crate::bus::encode_drop(&inner.bus.instance, &[*hash]);
                     let args = vec![
                         Value::from(DELETE_IF_STAMPED),
@@ -419,7 +429,7 @@ async fn pipe_fill(
         return Ok(0);
     };
     if let Some(created) = over {
-        let eval = CustomCommand::new_static("EVAL", ClusterHash::Offset(2), false);
+        let eval = eval_on(key);
         let at = &crate::codec::CREATED_AT;
         // The fill read (the renewer drops its renewal's copy itself: no
         // other instance has it, and its time may be a newer fill's).
