@@ -457,3 +457,57 @@ async fn a_subscription_moved_to_a_promoted_replica_drops_l1() {
     // Counted once L1 is dropped.
     eventually("A's resync counted", || a.engine.stats().l2.resyncs >= 1).await;
 }
+
+/// Every primary's id (`CLUSTER MYID`), by node index.
+fn node_id(cluster: &ValkeyCluster, i: usize) -> String {
+    cluster.node(i).cmd(&["CLUSTER", "MYID"]).trim().to_owned()
+}
+
+/// A read of a key a slot migration has already moved is answered `-ASK`;
+/// with one command attempt fred 10.1 takes that as fatal for its whole
+/// connection task, which closes every connection and leaves its command
+/// queue unread, while the client still says it is connected: every later
+/// command timed out, and the instance's L2 stayed off until a restart (a
+/// black-box audit: 5.5 minutes watched). The task is started again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ask_during_a_slot_migration_does_not_turn_l2_off_for_good() {
+    let cluster = ValkeyCluster::start(3);
+    let origin = Origin::default();
+    origin.gate.open();
+    let a = instance(&cluster, &origin).await;
+    assert_eq!(send(&a.app, "GET", "/p/1").await.2, "product 1");
+    a.tier.flush().await;
+    let entry = a.tier.entry_key(&url_key("/p/1"));
+    let slot = cluster.keyslot(&entry).to_string();
+    let source = (0..cluster.primaries())
+        .find(|&n| cluster.node(n).try_cmd(&["EXISTS", &entry]).is_ok())
+        .expect("a primary holds the entry's slot");
+    let target = (source + 1) % cluster.primaries();
+    let (source_id, target_id) = (node_id(&cluster, source), node_id(&cluster, target));
+    let target_port = cluster.node(target).addr().port().to_string();
+    // The slot half migrated, the entry already on the target.
+    cluster
+        .node(target)
+        .cmd(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &source_id]);
+    cluster
+        .node(source)
+        .cmd(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &target_id]);
+    cluster
+        .node(source)
+        .cmd(&["MIGRATE", "127.0.0.1", &target_port, &entry, "0", "5000"]);
+    // B reads it: `-ASK`.
+    let b = instance(&cluster, &origin).await;
+    assert_eq!(send(&b.app, "GET", "/p/1").await.2, "product 1");
+    // The migration ends.
+    for n in 0..cluster.primaries() * 2 {
+        let _ = cluster
+            .node(n)
+            .try_cmd(&["CLUSTER", "SETSLOT", &slot, "NODE", &target_id]);
+    }
+    // B uses L2 again: what A stores now, B reads from it.
+    bounded(
+        "B's L2 to serve again after the migration",
+        until_shared_through_l2(&a.app, &b.app, || a.tier.flush(), "after", 21),
+    )
+    .await;
+}

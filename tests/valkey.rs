@@ -925,6 +925,9 @@ async fn an_invalidation_after_the_fill_landed_overtook_nothing() {
     let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
     let key = CacheKey::new("landed");
     a.put(&key, Fill::new(Value::from_body("v1")), &policy);
+    // Landed, and its answer read (one still in flight when its own
+    // invalidation comes is deleted again as that comes, and counted).
+    bounded("A's write queue", a_tier.flush()).await;
     wait_for_keys(&server, "tc:*:e", 1).await;
     a.invalidate(&key).await.unwrap();
     bounded("A's write queue", a_tier.flush()).await;

@@ -197,6 +197,37 @@ async fn resubscribe(subscriber: &SubscriberClient) {
     }
 }
 
+/// Keeps a fred client's connection task running. fred 10.1 ends that
+/// task for good on an error it takes as fatal, while the client still
+/// says it is connected: on a cluster one `-ASK` reply (a read of a key a
+/// slot migration has already moved), with the single command attempt the
+/// tier gives each command, makes `process_ask` fail the whole task, which
+/// closes every connection and leaves the command queue unread. Every
+/// later command then waits out its timeout, and neither
+/// `force_reconnection` nor a new socket reaches it. A task that ended in
+/// an error is started again (it reconnects, and skips the commands whose
+/// callers gave up), counted in `reconnects_forced`; one that ended
+/// because the client quit, or whose tier is gone, is not.
+pub(crate) async fn keep_connected<C: ClientLike>(
+    client: C,
+    mut task: fred::types::ConnectHandle,
+    tier: Weak<Inner>,
+) {
+    loop {
+        let ended = task.await;
+        let Some(inner) = tier.upgrade() else {
+            return;
+        };
+        if matches!(ended, Ok(Ok(()))) {
+            return;
+        }
+        inner.reconnects_forced.fetch_add(1, Relaxed);
+        drop(inner);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        task = client.connect();
+    }
+}
+
 /// Once the breaker has stayed open [`REOPEN_AFTER`] (and each
 /// `REOPEN_AFTER` after while it stays open), pings Valkey on the tier's
 /// own client: an answer closes the breaker (an idle instance sends no

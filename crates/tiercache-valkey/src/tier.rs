@@ -174,9 +174,9 @@ impl ValkeyTier {
         config.validate()?;
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| ValkeyError::NoRuntime)?;
         let _guard = runtime.enter();
-        if !client.is_connected() {
-            let _connection = client.connect();
-        }
+        // Ours to keep running when this tier connects it (see
+        // `reconnect::keep_connected`).
+        let task = (!client.is_connected()).then(|| client.connect());
         // A heartbeat's ping unanswered for this long finds a connection
         // gone silent (see `reconnect::heartbeat`).
         let heartbeat_timeout = config.command_timeout.max(Duration::from_millis(500));
@@ -238,7 +238,19 @@ impl ValkeyTier {
             heartbeat_timeout,
             unheard_l1_for,
         ));
-        let _connection = subscriber.connect();
+        let subscribed = subscriber.connect();
+        runtime.spawn(crate::reconnect::keep_connected(
+            subscriber,
+            subscribed,
+            Arc::downgrade(&inner),
+        ));
+        if let Some(task) = task {
+            runtime.spawn(crate::reconnect::keep_connected(
+                inner.client.clone(),
+                task,
+                Arc::downgrade(&inner),
+            ));
+        }
         Ok(Self { inner })
     }
 
