@@ -424,24 +424,39 @@ fn fill_for(route: &Route, headers: &HeaderMap, status: StatusCode) -> Result<Pl
 }
 
 /// The tags a response is recorded under: the route's, those its
-/// `Surrogate-Key` header lists (space separated), and for a `Vary`ing URL
-/// its family tag. The tags of one header value share one copy of it: a
-/// tag each object has of its own is recorded for as long as the entry
-/// lives, and 32 small copies cost more than the tags' bytes.
+/// `Surrogate-Key` header lists (space separated, see [`header_tags`]),
+/// and for a `Vary`ing URL its family tag.
 fn tags_for(route: &Route, headers: &HeaderMap, family: Option<&CacheKey>) -> Vec<Bytes> {
     let mut tags: Vec<Bytes> = route.policy.tags().to_vec();
-    for value in headers.get_all(SURROGATE_KEY) {
-        let value = Bytes::copy_from_slice(value.as_bytes());
-        for tag in value.split(|b| b.is_ascii_whitespace()) {
-            if !tag.is_empty() && tags.len() < MAX_TAGS {
-                tags.push(value.slice_ref(tag));
-            }
-        }
-    }
+    let room = MAX_TAGS.saturating_sub(tags.len());
+    tags.extend(header_tags(headers, room));
     tags.extend(family.map(family_tag));
     tags.sort_unstable();
     tags.dedup();
     tags
+}
+
+/// The first `room` tags `Surrogate-Key` names, in its order, each once,
+/// sharing one copy of exactly their bytes: a tag each object has of its
+/// own is recorded for as long as the entry lives, where 32 small copies
+/// cost more than the tags' bytes, and a copy of the whole value would
+/// hold what the entry's weight does not count (tags past the cap,
+/// repeats, spaces).
+fn header_tags(headers: &HeaderMap, room: usize) -> Vec<Bytes> {
+    let mut named: Vec<&[u8]> = Vec::new();
+    for value in headers.get_all(SURROGATE_KEY) {
+        for tag in value.as_bytes().split(|b| b.is_ascii_whitespace()) {
+            if !tag.is_empty() && named.len() < room && !named.contains(&tag) {
+                named.push(tag);
+            }
+        }
+    }
+    let mut copy = bytes::BytesMut::with_capacity(named.iter().map(|t| t.len()).sum());
+    for tag in &named {
+        copy.extend_from_slice(tag);
+    }
+    let mut copy = copy.freeze();
+    named.iter().map(|tag| copy.split_to(tag.len())).collect()
 }
 
 /// The response header naming an entry's tags (surrogate keys).
@@ -456,4 +471,36 @@ fn as_get<B>(req: Request<B>) -> Request<B> {
         parts.method = Method::GET;
     }
     Request::from_parts(parts, body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A header naming more tags than are kept, some twice, with runs of
+    /// spaces: the first ones are kept once each, in its order, and hold
+    /// exactly their own bytes (slices of the whole value held it all,
+    /// though the entry's weight counted only the kept tags).
+    #[test]
+    fn header_tags_hold_only_the_bytes_of_the_tags_kept() {
+        let named: Vec<String> = (0..40).map(|i| format!("tag-{i}")).collect();
+        let value = format!("tag-0   {}  tag-1", named.join("  "));
+        let mut headers = HeaderMap::new();
+        headers.insert(SURROGATE_KEY, value.parse().unwrap());
+        let tags = header_tags(&headers, 32);
+        let expected: Vec<&str> = named.iter().take(32).map(String::as_str).collect();
+        let kept: Vec<&str> = tags
+            .iter()
+            .map(|t| std::str::from_utf8(t).unwrap())
+            .collect();
+        assert_eq!(kept, expected);
+        let start = tags.iter().map(|t| t.as_ptr() as usize).min().unwrap();
+        let end = tags
+            .iter()
+            .map(|t| t.as_ptr() as usize + t.len())
+            .max()
+            .unwrap();
+        let own: usize = tags.iter().map(Bytes::len).sum();
+        assert_eq!(end - start, own, "the tags share more than their bytes");
+    }
 }

@@ -53,16 +53,25 @@ pub(crate) struct Stamped {
     opened: Instant,
 }
 
-/// Whether the request that failed with `error`, sent at `sent`, went out
-/// on a connection opened before it: one kept alive from an earlier
-/// request. A failure before any connection was had is not.
-pub(crate) fn on_a_kept_connection(
+/// Whether the request that failed with `error`, sent at `sent`, is worth
+/// sending once more: it went out on a connection opened before it (one
+/// kept alive from an earlier request, which the upstream may have closed
+/// as it arrived), or was never written at all (hyper canceled it; hyper-util
+/// resends those itself only on a kept connection). A failure before any
+/// connection was had is not.
+pub(crate) fn worth_sending_again(
     error: &hyper_util::client::legacy::Error,
     sent: Instant,
 ) -> bool {
+    let never_written = std::error::Error::source(error)
+        .and_then(|e| e.downcast_ref::<hyper::Error>())
+        .is_some_and(hyper::Error::is_canceled);
     let Some(info) = error.connect_info() else {
         return false;
     };
+    if never_written {
+        return true;
+    }
     let mut extras = http::Extensions::new();
     info.get_extras(&mut extras);
     extras.get::<Opened>().is_some_and(|opened| opened.0 < sent)

@@ -23,7 +23,7 @@ use hyper_util::rt::TokioExecutor;
 use tiercache_http::headers::strip_hop_by_hop;
 use tiercache_http::request::{is_unkeyed, same_name};
 
-use crate::connector::{StampingConnector, on_a_kept_connection};
+use crate::connector::{StampingConnector, worth_sending_again};
 use crate::read_ahead::Rooms;
 pub use crate::silences::Silences;
 
@@ -383,7 +383,7 @@ impl tower::Service<Request<Body>> for Forward {
             // the request and dropped it: once more would be a second
             // origin call.
             if let (Ok(Err(e)), Some(again)) = (&answered, again)
-                && on_a_kept_connection(e, sent)
+                && worth_sending_again(e, sent)
             {
                 answered = tokio::time::timeout(timeout, client.request(again)).await;
             }

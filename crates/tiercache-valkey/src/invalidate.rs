@@ -178,13 +178,16 @@ impl ValkeyTier {
         // on them, but not on a full queue nor past its bound. Those sent
         // lately are deleted again once the delete has gone, in case one
         // (a pipeline that timed out) lands after it.
-        let again = Scope::of(&invalidation, &self.inner.prefix)
-            .map(|scope| self.inner.overtaken.note(scope, Instant::now()))
-            .unwrap_or_default();
+        // Queued when this ends, also when its caller gives up on it (the
+        // fills were taken out of the log: nobody else would).
+        let _again = DeleteAgainOnDrop {
+            overtaken: &self.inner.overtaken,
+            undo: Scope::of(&invalidation, &self.inner.prefix)
+                .map(|scope| self.inner.overtaken.note(scope, Instant::now()))
+                .unwrap_or_default(),
+        };
         self.flush().await;
-        let done = self.send_invalidation(invalidation).await;
-        self.inner.overtaken.delete_again(again);
-        done
+        self.send_invalidation(invalidation).await
     }
 
     /// Sends `invalidation` to Valkey: its deletes, and its message.
@@ -221,5 +224,18 @@ impl ValkeyTier {
             }
             other => self.delete_and_publish(Vec::new(), other, None).await,
         }
+    }
+}
+
+/// Fills an own invalidation took out of the sent log, deleted again
+/// once it ends, however it ends.
+struct DeleteAgainOnDrop<'a> {
+    overtaken: &'a crate::overtaken::Overtaken,
+    undo: Vec<crate::overtaken::Undo>,
+}
+
+impl Drop for DeleteAgainOnDrop<'_> {
+    fn drop(&mut self) {
+        self.overtaken.delete_again(std::mem::take(&mut self.undo));
     }
 }

@@ -76,7 +76,6 @@ pub(crate) async fn on_reconnect<F, Fut>(
             Err(broadcast::error::RecvError::Lagged(_)) => false,
             Err(broadcast::error::RecvError::Closed) => return,
         };
-        resubscribe(&live.subscriber).await;
         // Whether this instance served before it could hear: only a
         // subscription that went through settles it.
         let mut served_unheard = false;
@@ -89,6 +88,9 @@ pub(crate) async fn on_reconnect<F, Fut>(
             served_unheard = live.hearing.heard();
             live.subscribed.send_replace(true);
         }
+        // The lock channels after, apart: a round trip per slot group must
+        // not hold the invalidation channel, nor the resync.
+        tokio::spawn(resubscribe(live.subscriber.clone()));
         drop(live);
         // The first connection counts too when the instance has served
         // without hearing (Valkey was down when it started).
@@ -184,7 +186,7 @@ pub(crate) fn subscriber(
 /// `resubscribe_all`: it sends `SUBSCRIBE` and `PSUBSCRIBE` even with
 /// nothing to name, which the server refuses with an error, counted in
 /// its `errorstats` on every connection and reconnection.
-async fn resubscribe(subscriber: &SubscriberClient) {
+async fn resubscribe(subscriber: SubscriberClient) {
     let held = subscriber.tracked_shard_channels();
     if held.is_empty() {
         return;
@@ -206,24 +208,37 @@ async fn resubscribe(subscriber: &SubscriberClient) {
 /// later command then waits out its timeout, and neither
 /// `force_reconnection` nor a new socket reaches it. A task that ended in
 /// an error is started again (it reconnects, and skips the commands whose
-/// callers gave up), counted in `reconnects_forced`; one that ended
-/// because the client quit, or whose tier is gone, is not.
+/// callers gave up), counted in `reconnects_forced`: 250 ms after, and
+/// twice as long after each end that came soon after its start (an error
+/// that ends every start, a bad configuration, is not retried four times
+/// a second), up to 10 s. One that ended because the client quit (also
+/// while it was reconnecting: fred cancels it then), or whose tier is
+/// gone, is not started again.
 pub(crate) async fn keep_connected<C: ClientLike>(
     client: C,
     mut task: fred::types::ConnectHandle,
     tier: Weak<Inner>,
 ) {
+    const FIRST: Duration = Duration::from_millis(250);
+    let mut pause = FIRST;
     loop {
+        let started = tokio::time::Instant::now();
         let ended = task.await;
         let Some(inner) = tier.upgrade() else {
             return;
         };
-        if matches!(ended, Ok(Ok(()))) {
-            return;
+        match ended {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) if *e.kind() == fred::error::ErrorKind::Canceled => return,
+            _ => {}
         }
         inner.reconnects_forced.fetch_add(1, Relaxed);
         drop(inner);
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        if started.elapsed() >= Duration::from_secs(10) {
+            pause = FIRST;
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(10));
         task = client.connect();
     }
 }

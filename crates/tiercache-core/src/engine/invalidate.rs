@@ -7,7 +7,7 @@ use bytes::Bytes;
 use super::journal::Scope;
 use super::outbox::Queued;
 use super::{Inner, TieredCache};
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 
 use crate::stats::bump;
 use crate::{CacheKey, Invalidation, InvalidationSink, KeyHash, KeyPattern};
@@ -215,8 +215,11 @@ impl Inner {
     /// the index cannot know them all (the tag overflowed it, or tags were
     /// evicted from it), all of L1 goes: a live key is never missed.
     fn drop_tag(&self, tag: &Bytes) -> Vec<KeyHash> {
-        let incomplete = self.tags_incomplete.swap(false, Relaxed);
+        // Taken first, then the flag read: a prune that takes the tag's
+        // overflowed mark sets the flag under the shard's lock, so either
+        // the take finds the mark or this finds the flag.
         let (mut keys, overflowed) = self.tags.take(tag);
+        let incomplete = self.tags_incomplete.swap(false, SeqCst);
         self.forget_tag_keys(keys.len());
         if incomplete || overflowed {
             self.l1.clear();

@@ -104,9 +104,6 @@ pub(crate) struct Inner {
     shared: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
 }
 
-/// A hit-for-miss mark leaves memory when it lapses on the engine's clock
-/// (a second later): its policy's `hit_for_miss_ttl`, however long, not a
-/// fixed bound.
 /// What one hit-for-miss mark holds: moka's node with its timer, the key
 /// hash and the time (~330 bytes measured, from a flood of `private` URLs
 /// through the proxy).
@@ -126,6 +123,9 @@ pub(crate) fn marks_room(l1_capacity: u64) -> (u64, u64) {
     (room, share.min(room))
 }
 
+/// A hit-for-miss mark leaves memory when it lapses on the engine's clock
+/// (a second later): its policy's `hit_for_miss_ttl`, however long, not a
+/// fixed bound.
 pub(crate) struct MarkExpiry(pub(crate) Arc<dyn Clock>);
 
 impl MarkExpiry {

@@ -2,16 +2,24 @@
 //! plain hash maps.
 //!
 //! A tag of its own (each object's id, each `Vary`ing URL's family tag)
-//! is the common case, so a record is kept small: the tag by a 128-bit
-//! seeded hash of it (two tags would have to collide in 128 bits to share
-//! a record; the tag's bytes stay with the entries), and a tag with one
+//! is the common case, so a record is kept small: the tag by two seeded
+//! 64-bit hashes of it (the tag's bytes stay with the entries), and a tag
+//! with one
 //! key holds it inline, so such a record is one 40-byte slot of its
 //! shard's map. A moka cache of sets held ~950 bytes a tag (its node, the
 //! set's `Arc` and table, the tag's copy), 2.3× a 32 MiB budget under
 //! responses of 32 tags each, where each entry pays 250 bytes a tag.
+//!
+//! Two tags whose hashes both collide would share a record: the first one
+//! invalidated would drop only its own entries and forget the other's
+//! records, so the other's invalidation would miss them. The two hashes
+//! are foldhash's, seeded apart per process (they share its global seed),
+//! so the odds are at most those of a 64-bit collision among the tags
+//! alive at once (~n²/2⁶⁵: below 10⁻⁷ for a million tags).
 
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::KeyHash;
@@ -190,11 +198,12 @@ impl TagIndex {
     }
 
     /// Keeps the records whose fill `live` says L1 still holds, and the
-    /// tags left with one. Returns the records left, and whether an
-    /// overflowed tag was dropped with none left (its unrecorded keys may
-    /// still be in L1: the caller marks the whole index incomplete).
-    pub(crate) fn retain(&self, live: impl Fn(&Holding) -> bool) -> (usize, bool) {
-        let (mut left, mut lost) = (0, false);
+    /// tags left with one. Returns the records left. An overflowed tag
+    /// left with none loses its mark, and sets `incomplete` instead (its
+    /// unrecorded keys may still be in L1), under its shard's lock: a tag
+    /// invalidation that takes the tag after that finds the flag set.
+    pub(crate) fn retain(&self, live: impl Fn(&Holding) -> bool, incomplete: &AtomicBool) -> usize {
+        let mut left = 0;
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
             let shard = &mut *shard;
@@ -220,14 +229,16 @@ impl TagIndex {
             let tags = &shard.tags;
             let before = shard.overflowed.len();
             shard.overflowed.retain(|id| tags.contains_key(id));
-            lost |= shard.overflowed.len() < before;
+            if shard.overflowed.len() < before {
+                incomplete.store(true, SeqCst);
+            }
             // A shard that once held many more tags gives its room back.
             let n = shard.tags.len();
             if shard.tags.capacity() > 4 * n + 64 {
                 shard.tags.shrink_to(2 * n);
             }
         }
-        (left, lost)
+        left
     }
 
     /// Tags in the index.
@@ -271,8 +282,11 @@ mod tests {
         let new = index.record(b"b", key(3), &fill, false);
         assert_eq!(new, Recorded::NoRoom { tag_left_out: true });
         assert_eq!(index.len(), 1);
-        assert_eq!(index.retain(|_| true), (1, false));
-        assert_eq!(index.retain(|_| false), (0, true), "the mark went unsaid");
+        let incomplete = AtomicBool::new(false);
+        assert_eq!(index.retain(|_| true, &incomplete), 1);
+        assert!(!incomplete.load(SeqCst));
+        assert_eq!(index.retain(|_| false, &incomplete), 0);
+        assert!(incomplete.load(SeqCst), "the mark went unsaid");
         assert_eq!(index.take(b"a"), (Vec::new(), false));
         index.record(b"a", key(1), &fill, true);
         index.record(b"a", key(2), &fill, false);

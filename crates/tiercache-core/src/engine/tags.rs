@@ -105,10 +105,7 @@ impl Inner {
     /// shard's lock a prune holds, so a record pruned here was of a fill
     /// already gone.
     pub(super) fn prune_tags(&self) {
-        let (left, lost) = self.tags.retain(Holding::held);
-        if lost {
-            self.tags_incomplete.store(true, Relaxed);
-        }
+        let left = self.tags.retain(Holding::held, &self.tags_incomplete);
         // Records added meanwhile may be missed here: the next prune counts
         // them again.
         self.tag_keys.store(left, Relaxed);
