@@ -23,6 +23,7 @@ use crate::bus::{self, Ban, Bus};
 use crate::codec;
 use crate::config::{ValkeyConfig, ValkeyError};
 use crate::overtaken::Overtaken;
+use crate::reconnect::keep_connected;
 use crate::writer::{Write, writer};
 
 /// The L2 tier on Valkey. Cheap to clone.
@@ -238,18 +239,11 @@ impl ValkeyTier {
             heartbeat_timeout,
             unheard_l1_for,
         ));
+        let tier = Arc::downgrade(&inner);
         let subscribed = subscriber.connect();
-        runtime.spawn(crate::reconnect::keep_connected(
-            subscriber,
-            subscribed,
-            Arc::downgrade(&inner),
-        ));
+        runtime.spawn(keep_connected(subscriber, subscribed, tier.clone()));
         if let Some(task) = task {
-            runtime.spawn(crate::reconnect::keep_connected(
-                inner.client.clone(),
-                task,
-                Arc::downgrade(&inner),
-            ));
+            runtime.spawn(keep_connected(inner.client.clone(), task, tier));
         }
         Ok(Self { inner })
     }
