@@ -192,7 +192,7 @@ async fn corrupt_and_foreign_bytes_are_a_miss_and_get_repaired() {
     let good = {
         // The stored envelope, to damage in several ways.
         let reader = tier(&server.url(), "tc").await;
-        let value: Option<bytes::Bytes> = fred::prelude::KeysInterface::get(reader.client(), &key)
+        let value: Option<bytes::Bytes> = fred::prelude::KeysInterface::get(&reader.client(), &key)
             .await
             .unwrap();
         value.unwrap()
@@ -558,7 +558,7 @@ async fn connect_returns_once_invalidations_are_heard() {
         let mut subscribed = None;
         for _ in 0..10 {
             let reply: Vec<fred::prelude::Value> =
-                fred::prelude::PubsubInterface::pubsub_numsub(observer.client(), "sub:inv")
+                fred::prelude::PubsubInterface::pubsub_numsub(&observer.client(), "sub:inv")
                     .await
                     .unwrap();
             subscribed = reply.get(1).and_then(fred::prelude::Value::as_i64);

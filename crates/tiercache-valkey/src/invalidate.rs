@@ -26,7 +26,7 @@ impl ValkeyTier {
         at: Option<SystemTime>,
     ) -> Result<(), TierError> {
         let text = self.message(invalidation, at);
-        let pipe = self.inner.client.pipeline();
+        let pipe = self.inner.client().pipeline();
         for key in keys {
             let queued: Result<(), _> = pipe.unlink(key).await;
             queued.map_err(fred_error)?;
@@ -66,7 +66,7 @@ impl ValkeyTier {
         let set = self.tag_key(&tag);
         // The previous version's plain set, read once during an upgrade.
         let legacy = self.legacy_tag_key(&tag);
-        let pipe = self.inner.client.pipeline();
+        let pipe = self.inner.client().pipeline();
         let queued: Result<(), _> = pipe.smembers(&legacy).await;
         queued.map_err(fred_error)?;
         let queued: Result<(), _> = pipe
@@ -90,7 +90,7 @@ impl ValkeyTier {
                 sink.apply(&Invalidation::Keys(page.clone()));
             }
             let text = self.message(Invalidation::Keys(page.clone()), None);
-            let pipe = self.inner.client.pipeline();
+            let pipe = self.inner.client().pipeline();
             for hash in &page {
                 let queued: Result<(), _> = pipe.unlink(self.entry_key_of(hash)).await;
                 queued.map_err(fred_error)?;
@@ -132,7 +132,7 @@ impl ValkeyTier {
         let args = bans_script_args(raise, upto, drop);
         let done: Result<i64, _> = self
             .inner
-            .client
+            .client()
             .eval(BANS_SCRIPT, vec![bans_key(&self.inner.prefix)], args)
             .await;
         done.map(|_| ()).map_err(fred_error)
@@ -145,8 +145,12 @@ impl ValkeyTier {
     /// Each change leaves a ban recorded again meanwhile, later, in place.
     async fn prune_bans(&self, now: SystemTime) -> Result<(), TierError> {
         let key = bans_key(&self.inner.prefix);
-        let fields: std::collections::HashMap<String, String> =
-            self.inner.client.hgetall(&key).await.map_err(fred_error)?;
+        let fields: std::collections::HashMap<String, String> = self
+            .inner
+            .client()
+            .hgetall(&key)
+            .await
+            .map_err(fred_error)?;
         let cutoff = bus::millis(now).saturating_sub(BAN_RETENTION.as_millis() as u64);
         let (mut held, lapsed): (Vec<_>, Vec<_>) = fields
             .into_iter()
@@ -207,7 +211,7 @@ impl ValkeyTier {
                 let ttl = BAN_RETENTION.as_millis() as i64;
                 let kept: Result<i64, _> = self
                     .inner
-                    .client
+                    .client()
                     .pexpire(bans_key(&self.inner.prefix), ttl, None)
                     .await;
                 kept.map_err(fred_error)?;

@@ -73,10 +73,10 @@ pub(crate) async fn release_once(inner: &Inner, release: &Release) -> bool {
     // Not queued in fred while it reconnects (see `Inner::connected`),
     // nor waiting for it: the writer runs releases inline while the
     // breaker is open, and the retry comes after the backoff.
-    if !inner.client.is_connected() {
+    if !inner.client().is_connected() {
         return false;
     }
-    let client = &inner.client;
+    let client = &inner.client();
     let bound = inner.command_timeout;
     // A shared answer is left first, for a moment, where a waiter that
     // finds the lock gone (it subscribed too late) reads it: so no waiter

@@ -216,8 +216,49 @@ async fn resubscribe(subscriber: SubscriberClient) {
 /// gone, is not started again.
 pub(crate) async fn keep_connected<C: ClientLike>(
     client: C,
+    task: fred::types::ConnectHandle,
+    tier: Weak<Inner>,
+) {
+    supervise(task, tier, move |_| client.connect()).await;
+}
+
+/// [`keep_connected`] for the tier's own client, which is replaced by a
+/// new one (same settings) rather than started again: a task that dies
+/// leaves fred's count of queued commands too high (`drain_command_rx`
+/// does not take the commands it cancels off it), and a client started
+/// again flushes a write only when that count reads zero, so its
+/// commands went out late, as others timed out (a rerun from outside:
+/// L2 stayed off in three runs of four).
+pub(crate) async fn keep_client_connected(task: fred::types::ConnectHandle, tier: Weak<Inner>) {
+    supervise(task, tier, |inner| {
+        let old = inner.client();
+        let Ok(new) = rebuilt(&old) else {
+            return old.connect();
+        };
+        let task = new.connect();
+        inner.replace_client(new);
+        task
+    })
+    .await;
+}
+
+/// A new client with `old`'s settings.
+fn rebuilt(old: &Client) -> Result<Client, fred::error::Error> {
+    Builder::from_config(old.client_config())
+        .set_connection_config(old.connection_config().clone())
+        .set_performance_config(old.perf_config())
+        .set_policy(
+            old.client_reconnect_policy()
+                .unwrap_or(ReconnectPolicy::new_exponential(0, 50, 250, 2)),
+        )
+        .build()
+}
+
+/// The loop of [`keep_connected`]: `restart` starts a new task.
+async fn supervise(
     mut task: fred::types::ConnectHandle,
     tier: Weak<Inner>,
+    mut restart: impl FnMut(&Inner) -> fred::types::ConnectHandle,
 ) {
     const FIRST: Duration = Duration::from_millis(250);
     let mut pause = FIRST;
@@ -239,7 +280,10 @@ pub(crate) async fn keep_connected<C: ClientLike>(
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_secs(10));
-        task = client.connect();
+        let Some(inner) = tier.upgrade() else {
+            return;
+        };
+        task = restart(&inner);
     }
 }
 
@@ -273,10 +317,10 @@ pub(crate) async fn watchdog(tier: Weak<Inner>, timeout: Duration) {
             continue;
         }
         checked = Some(tokio::time::Instant::now());
-        if !inner.client.is_connected() {
+        if !inner.client().is_connected() {
             continue;
         }
-        let client = inner.client.clone();
+        let client = inner.client().clone();
         drop(inner);
         let answered = answers(&client, None, timeout).await;
         let Some(inner) = tier.upgrade() else {

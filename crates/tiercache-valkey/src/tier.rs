@@ -39,7 +39,9 @@ pub struct ValkeyTier {
 }
 
 pub(crate) struct Inner {
-    pub(crate) client: Client,
+    /// Replaced by a new one when fred's connection task dies (see
+    /// `reconnect::keep_connected`): read it through [`Inner::client`].
+    client: std::sync::RwLock<Client>,
     pub(crate) bus: Arc<Bus>,
     pub(crate) fill_locks: bool,
     /// See [`ValkeyConfig::max_prefix_bans`].
@@ -69,6 +71,19 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
+    /// The fred client in use now.
+    pub(crate) fn client(&self) -> Client {
+        self.client
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Puts `client` in place of the one in use.
+    pub(crate) fn replace_client(&self, client: Client) {
+        *self.client.write().unwrap_or_else(|e| e.into_inner()) = client;
+    }
+
     /// A release is done (or was never queued): the token is no longer ours.
     pub(crate) fn released(&self, token: &Bytes) {
         self.releasing
@@ -88,11 +103,11 @@ impl Inner {
     /// the breaker), so a short reconnection, or a client built by the
     /// caller and still connecting, costs a wait, not an open breaker.
     pub(crate) async fn connected(&self) -> Result<(), TierError> {
-        if !self.client.is_connected() {
+        if !self.client().is_connected() {
             let _ =
-                tokio::time::timeout(self.command_timeout, self.client.wait_for_connect()).await;
+                tokio::time::timeout(self.command_timeout, self.client().wait_for_connect()).await;
         }
-        if self.client.is_connected() {
+        if self.client().is_connected() {
             Ok(())
         } else {
             Err(TierError::new(
@@ -150,7 +165,7 @@ impl ValkeyTier {
             .map_err(|e| ValkeyError::Client(e.to_string()))?;
         let deadline = tokio::time::Instant::now() + config.connect_timeout;
         let tier = Self::build(client, config)?;
-        let _ = tokio::time::timeout_at(deadline, tier.inner.client.wait_for_connect()).await;
+        let _ = tokio::time::timeout_at(deadline, tier.inner.client().wait_for_connect()).await;
         // Serve only once invalidations are heard (within the same bound):
         // one published before the subscription would go unheard, and the
         // entry it names would stay in L1 until its ttl.
@@ -202,7 +217,7 @@ impl ValkeyTier {
         ));
         runtime.spawn(bus::dispatch(Arc::downgrade(&bus), subscriber.message_rx()));
         let inner = Arc::new(Inner {
-            client,
+            client: std::sync::RwLock::new(client),
             bus: bus.clone(),
             fill_locks: config.fill_locks,
             max_prefix_bans: config.max_prefix_bans,
@@ -243,7 +258,7 @@ impl ValkeyTier {
         let subscribed = subscriber.connect();
         runtime.spawn(keep_connected(subscriber, subscribed, tier.clone()));
         if let Some(task) = task {
-            runtime.spawn(keep_connected(inner.client.clone(), task, tier));
+            runtime.spawn(crate::reconnect::keep_client_connected(task, tier));
         }
         Ok(Self { inner })
     }
@@ -280,13 +295,14 @@ impl ValkeyTier {
         self.entry_key_of(&key.hash())
     }
 
-    /// The fred client, for callers that need the server directly.
-    pub fn client(&self) -> &Client {
-        &self.inner.client
+    /// The fred client, for callers that need the server directly (the
+    /// tier may replace it: ask again rather than keep it).
+    pub fn client(&self) -> Client {
+        self.inner.client()
     }
 
     async fn read(&self, key: &str) -> Result<(Option<Bytes>, i64), TierError> {
-        let pipe = self.inner.client.pipeline();
+        let pipe = self.inner.client().pipeline();
         let queued: Result<(), _> = pipe.get(key).await;
         queued.map_err(fred_error)?;
         let queued: Result<(), _> = pipe.pttl(key).await;
@@ -475,9 +491,8 @@ pub(crate) fn tag_key_in(prefix: &str, tag: &[u8]) -> String {
 async fn load_bans(tier: Weak<Inner>) -> Option<Vec<Ban>> {
     let inner = tier.upgrade()?;
     let key = bans_key(&inner.prefix);
-    let read = inner
-        .client
-        .hgetall::<std::collections::HashMap<String, String>, _>(key);
+    let client = inner.client();
+    let read = client.hgetall::<std::collections::HashMap<String, String>, _>(key);
     let fields = tokio::time::timeout(inner.command_timeout * 4, read)
         .await
         .ok()?

@@ -209,7 +209,7 @@ impl ValkeyTier {
         key: &CacheKey,
         holder: Option<&LockToken>,
     ) -> Result<Unlocked, TierError> {
-        let pipe = self.inner.client.pipeline();
+        let pipe = self.inner.client().pipeline();
         let queued: Result<(), _> = pipe.exists(self.entry_key(key)).await;
         queued.map_err(fred_error)?;
         if let Some(holder) = holder {
@@ -265,10 +265,10 @@ impl ValkeyTier {
         let lock = self.lock_key(key);
         self.bounded(async {
             let Some(holder) = holder else {
-                let r: Result<i64, _> = self.inner.client.exists(lock).await;
+                let r: Result<i64, _> = self.inner.client().exists(lock).await;
                 return r.map(|n| n > 0).map_err(fred_error);
             };
-            let r: Result<Option<Bytes>, _> = self.inner.client.get(lock).await;
+            let r: Result<Option<Bytes>, _> = self.inner.client().get(lock).await;
             r.map(|token| token.is_some_and(|t| t == holder.0))
                 .map_err(fred_error)
         })
@@ -296,7 +296,7 @@ impl ValkeyTier {
                 .bounded(async {
                     let r: Result<Vec<Value>, _> = self
                         .inner
-                        .client
+                        .client()
                         .eval(
                             LOCK_SCRIPT,
                             vec![lock],

@@ -307,7 +307,7 @@ async fn apply_batch(
             "not connected",
         ));
     }
-    let pipe = inner.client.pipeline();
+    let pipe = inner.client().pipeline();
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
@@ -369,7 +369,7 @@ async fn apply_batch(
     inner.fills_overtaken.fetch_add(removed as u64, Relaxed);
     // Renewals that replaced their fill (the script answered 1): their tag
     // sets now, in a second round trip (a refused one adds none).
-    let renewals = inner.client.pipeline();
+    let renewals = inner.client().pipeline();
     let mut renewed = Vec::new();
     for (i, command) in batch.iter().enumerate() {
         let Command::Set {
