@@ -199,7 +199,7 @@ async fn resubscribe(subscriber: SubscriberClient) {
     }
 }
 
-/// Keeps a fred client's connection task running. fred 10.1 ends that
+/// Keeps the tier's own fred client's connection task running. fred 10.1 ends that
 /// task for good on an error it takes as fatal, while the client still
 /// says it is connected: on a cluster one `-ASK` reply (a read of a key a
 /// slot migration has already moved), with the single command attempt the
@@ -207,24 +207,15 @@ async fn resubscribe(subscriber: SubscriberClient) {
 /// closes every connection and leaves the command queue unread. Every
 /// later command then waits out its timeout, and neither
 /// `force_reconnection` nor a new socket reaches it. A task that ended in
-/// an error is started again (it reconnects, and skips the commands whose
-/// callers gave up), counted in `reconnects_forced`: 250 ms after, and
+/// an error is replaced, counted in `reconnects_forced`: 250 ms after, and
 /// twice as long after each end that came soon after its start (an error
 /// that ends every start, a bad configuration, is not retried four times
 /// a second), up to 10 s. One that ended because the client quit (also
 /// while it was reconnecting: fred cancels it then), or whose tier is
-/// gone, is not started again.
-pub(crate) async fn keep_connected<C: ClientLike>(
-    client: C,
-    task: fred::types::ConnectHandle,
-    tier: Weak<Inner>,
-) {
-    supervise(task, tier, move |_| client.connect()).await;
-}
-
-/// [`keep_connected`] for the tier's own client, which is replaced by a
-/// new one (same settings) rather than started again: a task that dies
-/// leaves fred's count of queued commands too high (`drain_command_rx`
+/// gone, is not replaced.
+///
+/// Replaced by a new client (same settings) rather than started again: a
+/// task that dies leaves fred's count of queued commands too high (`drain_command_rx`
 /// does not take the commands it cancels off it), and a client started
 /// again flushes a write only when that count reads zero, so its
 /// commands went out late, as others timed out (a rerun from outside:
@@ -254,7 +245,7 @@ fn rebuilt(old: &Client) -> Result<Client, fred::error::Error> {
         .build()
 }
 
-/// The loop of [`keep_connected`]: `restart` starts a new task.
+/// The loop of [`keep_client_connected`]: `restart` starts a new task.
 async fn supervise(
     mut task: fred::types::ConnectHandle,
     tier: Weak<Inner>,

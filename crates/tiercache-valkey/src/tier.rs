@@ -23,7 +23,6 @@ use crate::bus::{self, Ban, Bus};
 use crate::codec;
 use crate::config::{ValkeyConfig, ValkeyError};
 use crate::overtaken::Overtaken;
-use crate::reconnect::keep_connected;
 use crate::writer::{Write, writer};
 
 /// The L2 tier on Valkey. Cheap to clone.
@@ -255,8 +254,11 @@ impl ValkeyTier {
             unheard_l1_for,
         ));
         let tier = Arc::downgrade(&inner);
-        let subscribed = subscriber.connect();
-        runtime.spawn(keep_connected(subscriber, subscribed, tier.clone()));
+        // Not kept running: started again on the same client, its writes
+        // go out late (see `reconnect::keep_client_connected`), and a new
+        // subscriber would need its streams' tasks rewired. Its heartbeat
+        // finds it deaf, and L1 then asks the origin again.
+        let _subscribed = subscriber.connect();
         if let Some(task) = task {
             runtime.spawn(crate::reconnect::keep_client_connected(task, tier));
         }
