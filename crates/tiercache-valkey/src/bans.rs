@@ -96,6 +96,33 @@ pub(crate) fn bans_script_args(
     args
 }
 
+/// Reads the recorded prefix bans (on every reconnect).
+pub(crate) async fn load_bans(tier: std::sync::Weak<crate::tier::Inner>) -> Option<Vec<Ban>> {
+    let inner = tier.upgrade()?;
+    let key = bans_key(&inner.prefix);
+    let client = inner.client();
+    let read = fred::prelude::HashesInterface::hgetall::<
+        std::collections::HashMap<String, String>,
+        _,
+    >(&client, key);
+    let fields = tokio::time::timeout(inner.command_timeout * 4, read)
+        .await
+        .ok()?
+        .ok()?;
+    let now = SystemTime::now();
+    Some(
+        fields
+            .into_iter()
+            .filter_map(|(pattern, at)| {
+                let pattern =
+                    tiercache_core::KeyPattern::from_bytes(&crate::bus::unhex(&pattern)?)?;
+                let at = std::time::UNIX_EPOCH + Duration::from_millis(at.parse().ok()?);
+                (at + BAN_RETENTION > now).then_some(Ban { pattern, at })
+            })
+            .collect(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

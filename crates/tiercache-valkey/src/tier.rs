@@ -3,12 +3,11 @@
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use bytes::Bytes;
 use fred::prelude::{
-    Builder, Client, ClientLike, EventInterface, HashesInterface, KeysInterface, ReconnectPolicy,
-    Value,
+    Builder, Client, ClientLike, EventInterface, KeysInterface, ReconnectPolicy, Value,
 };
 use rand::Rng;
 use tiercache_core::{
@@ -17,9 +16,8 @@ use tiercache_core::{
 };
 use tokio::sync::mpsc;
 
-use crate::bans::{BAN_RETENTION, bans_key};
 use crate::breaker::Breaker;
-use crate::bus::{self, Ban, Bus};
+use crate::bus::{self, Bus};
 use crate::codec;
 use crate::config::{ValkeyConfig, ValkeyError};
 use crate::overtaken::Overtaken;
@@ -246,7 +244,7 @@ impl ValkeyTier {
         runtime.spawn(crate::reconnect::on_reconnect(
             Arc::downgrade(&bus),
             subscriber.reconnect_rx(),
-            move || load_bans(weak.clone()),
+            move || crate::bans::load_bans(weak.clone()),
         ));
         runtime.spawn(crate::reconnect::heartbeat(
             Arc::downgrade(&bus),
@@ -487,27 +485,4 @@ pub(crate) fn slot_key(prefix: &str, hash: &KeyHash, suffix: &str) -> String {
 pub(crate) fn tag_key_in(prefix: &str, tag: &[u8]) -> String {
     let hash = CacheKey::builder().part(b"tag").part(tag).finish().hash();
     slot_key(prefix, &hash, "tags")
-}
-
-/// Reads the recorded prefix bans (on every reconnect).
-async fn load_bans(tier: Weak<Inner>) -> Option<Vec<Ban>> {
-    let inner = tier.upgrade()?;
-    let key = bans_key(&inner.prefix);
-    let client = inner.client();
-    let read = client.hgetall::<std::collections::HashMap<String, String>, _>(key);
-    let fields = tokio::time::timeout(inner.command_timeout * 4, read)
-        .await
-        .ok()?
-        .ok()?;
-    let now = SystemTime::now();
-    Some(
-        fields
-            .into_iter()
-            .filter_map(|(pattern, at)| {
-                let pattern = tiercache_core::KeyPattern::from_bytes(&bus::unhex(&pattern)?)?;
-                let at = std::time::UNIX_EPOCH + Duration::from_millis(at.parse().ok()?);
-                (at + BAN_RETENTION > now).then_some(Ban { pattern, at })
-            })
-            .collect(),
-    )
 }
