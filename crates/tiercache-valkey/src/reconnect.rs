@@ -176,7 +176,7 @@ pub(crate) fn subscriber(
         .set_policy(
             client
                 .client_reconnect_policy()
-                .unwrap_or(ReconnectPolicy::new_exponential(0, 50, 250, 2)),
+                .unwrap_or_else(retry_forever),
         )
         .build_subscriber_client()
 }
@@ -220,37 +220,7 @@ async fn resubscribe(subscriber: SubscriberClient) {
 /// again flushes a write only when that count reads zero, so its
 /// commands went out late, as others timed out (a rerun from outside:
 /// L2 stayed off in three runs of four).
-pub(crate) async fn keep_client_connected(task: fred::types::ConnectHandle, tier: Weak<Inner>) {
-    supervise(task, tier, |inner| {
-        let old = inner.client();
-        let Ok(new) = rebuilt(&old) else {
-            return old.connect();
-        };
-        let task = new.connect();
-        inner.replace_client(new);
-        task
-    })
-    .await;
-}
-
-/// A new client with `old`'s settings.
-fn rebuilt(old: &Client) -> Result<Client, fred::error::Error> {
-    Builder::from_config(old.client_config())
-        .set_connection_config(old.connection_config().clone())
-        .set_performance_config(old.perf_config())
-        .set_policy(
-            old.client_reconnect_policy()
-                .unwrap_or(ReconnectPolicy::new_exponential(0, 50, 250, 2)),
-        )
-        .build()
-}
-
-/// The loop of [`keep_client_connected`]: `restart` starts a new task.
-async fn supervise(
-    mut task: fred::types::ConnectHandle,
-    tier: Weak<Inner>,
-    mut restart: impl FnMut(&Inner) -> fred::types::ConnectHandle,
-) {
+pub(crate) async fn keep_client_connected(mut task: fred::types::ConnectHandle, tier: Weak<Inner>) {
     const FIRST: Duration = Duration::from_millis(250);
     let mut pause = FIRST;
     loop {
@@ -274,8 +244,33 @@ async fn supervise(
         let Some(inner) = tier.upgrade() else {
             return;
         };
-        task = restart(&inner);
+        let old = inner.client();
+        task = match rebuilt(&old) {
+            Ok(new) => {
+                let task = new.connect();
+                inner.replace_client(new);
+                task
+            }
+            Err(_) => old.connect(),
+        };
     }
+}
+
+/// A new client with `old`'s settings.
+fn rebuilt(old: &Client) -> Result<Client, fred::error::Error> {
+    Builder::from_config(old.client_config())
+        .set_connection_config(old.connection_config().clone())
+        .set_performance_config(old.perf_config())
+        .set_policy(old.client_reconnect_policy().unwrap_or_else(retry_forever))
+        .build()
+}
+
+/// The reconnection policy of a client built here, and of one built from
+/// a caller's client that has none: retry forever, never more than 250 ms
+/// apart, so a server that comes back is in use again within the breaker
+/// interval plus this.
+pub(crate) fn retry_forever() -> ReconnectPolicy {
+    ReconnectPolicy::new_exponential(0, 50, 250, 2)
 }
 
 /// Once the breaker has stayed open [`REOPEN_AFTER`] (and each
@@ -311,7 +306,7 @@ pub(crate) async fn watchdog(tier: Weak<Inner>, timeout: Duration) {
         if !inner.client().is_connected() {
             continue;
         }
-        let client = inner.client().clone();
+        let client = inner.client();
         drop(inner);
         let answered = answers(&client, None, timeout).await;
         let Some(inner) = tier.upgrade() else {

@@ -6,9 +6,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
-use fred::prelude::{
-    Builder, Client, ClientLike, EventInterface, KeysInterface, ReconnectPolicy, Value,
-};
+use fred::prelude::{Builder, Client, ClientLike, EventInterface, KeysInterface, Value};
 use rand::Rng;
 use tiercache_core::{
     BoxFuture, CacheKey, Entry, Invalidation, InvalidationSink, KeyHash, LockAttempt, LockToken,
@@ -155,9 +153,7 @@ impl ValkeyTier {
             .with_performance_config(|p| {
                 p.default_command_timeout = config.command_timeout;
             })
-            // Retry forever, never more than 250 ms apart: a server that comes back
-            // is in use again within the breaker interval plus this.
-            .set_policy(ReconnectPolicy::new_exponential(0, 50, 250, 2))
+            .set_policy(crate::reconnect::retry_forever())
             .build()
             .map_err(|e| ValkeyError::Client(e.to_string()))?;
         let deadline = tokio::time::Instant::now() + config.connect_timeout;
