@@ -72,7 +72,10 @@ async fn start_proxy(upstream: &Server, valkey: Option<&str>, budget_mib: u64) -
     let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"));
     if let Some(url) = valkey {
-        cmd.args(["--valkey", url]);
+        // These tests weigh memory, not timeouts: on a machine loaded by
+        // the tests beside them, the default 50 ms let an L2 read give up
+        // and load from the origin (a reader that loaded what Valkey held).
+        cmd.args(["--valkey", url, "--valkey-timeout", "1s"]);
     }
     let child = cmd
         .args(["--upstream", &upstream.url()])
