@@ -3,13 +3,20 @@
 //! connection (which the upstream may have closed as the request arrived:
 //! worth sending once more) from the one it opened itself (an upstream that
 //! took the request and then dropped it: sending it again would be a second
-//! origin call for one load).
+//! origin call for one load), and sharing a [`Lease`] with the answers read
+//! from it: an idle connection is closed a margin before the upstream said
+//! it would close it itself (its `Keep-Alive: timeout=N`), so no request
+//! meets that close on the way (a POST is never sent twice: it was a 502).
 
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
+use std::task::Waker;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use http::Uri;
 use hyper::rt::{Read, ReadBufCursor, Write};
@@ -41,6 +48,9 @@ impl tower::Service<Uri> for StampingConnector {
             Ok(Stamped {
                 io,
                 opened: Instant::now(),
+                lease: Arc::default(),
+                read_last: true,
+                reuse_ends: None,
             })
         })
     }
@@ -51,6 +61,11 @@ impl tower::Service<Uri> for StampingConnector {
 pub(crate) struct Stamped {
     io: TokioIo<TcpStream>,
     opened: Instant,
+    lease: Arc<Lease>,
+    /// Whether it read last: a write then begins a new exchange.
+    read_last: bool,
+    /// Fires when the idle connection stops being reused.
+    reuse_ends: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 /// Whether the request that failed with `error`, sent at `sent`, is worth
@@ -77,9 +92,83 @@ pub(crate) fn worth_sending_again(
     extras.get::<Opened>().is_some_and(|opened| opened.0 < sent)
 }
 
+/// What the upstream said of how long it keeps an idle connection, and
+/// when this one went idle: shared by a connection (which stops being
+/// reused a margin before the upstream would close it) and the answers
+/// read from it (which tell it both).
+#[derive(Debug, Default)]
+pub(crate) struct Lease {
+    /// The upstream's `Keep-Alive: timeout=N`, in milliseconds (0: none said).
+    keep_alive_ms: AtomicU64,
+    /// Requests begun on the connection: a write after a read starts one.
+    exchanges: AtomicU64,
+    /// When the last answer ended, and to which exchange it belonged.
+    idle_since: Mutex<Option<(tokio::time::Instant, u64)>>,
+    /// The connection's task, waiting to read: woken when an answer ends,
+    /// since it looked at the lease before.
+    reader: Mutex<Option<Waker>>,
+}
+
+impl Lease {
+    /// Reads the upstream's `Keep-Alive: timeout=N` from an answer's head
+    /// (before its hop-by-hop fields are stripped); the exchange the
+    /// answer belongs to, for [`Lease::ended`].
+    pub(crate) fn answered(&self, headers: &http::HeaderMap) -> u64 {
+        if let Some(seconds) = keep_alive_timeout(headers) {
+            self.keep_alive_ms
+                .store(seconds.saturating_mul(1000), Relaxed);
+        }
+        self.exchanges.load(Relaxed)
+    }
+
+    /// The answer to `exchange` was read whole: the connection is idle
+    /// from now, unless another request went out on it meanwhile.
+    pub(crate) fn ended(&self, exchange: u64) {
+        *self.idle_since.lock().unwrap() = Some((tokio::time::Instant::now(), exchange));
+        if let Some(reader) = self.reader.lock().unwrap().take() {
+            reader.wake();
+        }
+    }
+
+    /// When the idle connection stops being reused: a second (half the
+    /// timeout, for one under two seconds) before the upstream would close
+    /// it; `None` while it is in use or the upstream named no timeout.
+    fn reuse_until(&self) -> Option<tokio::time::Instant> {
+        let keep_alive = Duration::from_millis(self.keep_alive_ms.load(Relaxed));
+        if keep_alive.is_zero() {
+            return None;
+        }
+        let (since, exchange) = (*self.idle_since.lock().unwrap())?;
+        if exchange != self.exchanges.load(Relaxed) {
+            return None;
+        }
+        let margin = Duration::from_secs(1).min(keep_alive / 2);
+        Some(since + keep_alive - margin)
+    }
+}
+
+/// `timeout=N` of a `Keep-Alive` field (RFC 2068 §19.7.1.1, which servers
+/// such as Node and Apache still send), in seconds.
+fn keep_alive_timeout(headers: &http::HeaderMap) -> Option<u64> {
+    headers
+        .get_all("keep-alive")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .find_map(|param| {
+            let (name, value) = param.split_once('=')?;
+            name.trim()
+                .eq_ignore_ascii_case("timeout")
+                .then(|| value.trim().parse().ok())?
+        })
+}
+
 impl Connection for Stamped {
     fn connected(&self) -> Connected {
-        self.io.connected().extra(Opened(self.opened))
+        self.io
+            .connected()
+            .extra(Opened(self.opened))
+            .extra(self.lease.clone())
     }
 }
 
@@ -89,7 +178,35 @@ impl Read for Stamped {
         cx: &mut Context<'_>,
         buf: ReadBufCursor<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
+        let this = &mut *self;
+        if let Poll::Ready(read) = Pin::new(&mut this.io).poll_read(cx, buf) {
+            this.read_last = true;
+            return Poll::Ready(read);
+        }
+        *this.lease.reader.lock().unwrap() = Some(cx.waker().clone());
+        let Some(until) = this.lease.reuse_until() else {
+            this.reuse_ends = None;
+            return Poll::Pending;
+        };
+        let timer = this
+            .reuse_ends
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(until)));
+        if timer.deadline() != until {
+            timer.as_mut().reset(until);
+        }
+        // Ended here as the upstream would end it: hyper reads the end and
+        // takes the connection out of the pool.
+        timer.as_mut().poll(cx).map(|()| Ok(()))
+    }
+}
+
+impl Stamped {
+    /// After a write: one after a read begins an exchange.
+    fn wrote(&mut self, written: &Poll<io::Result<usize>>) {
+        if self.read_last && matches!(written, Poll::Ready(Ok(n)) if *n > 0) {
+            self.read_last = false;
+            self.lease.exchanges.fetch_add(1, Relaxed);
+        }
     }
 }
 
@@ -99,7 +216,9 @@ impl Write for Stamped {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        let written = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.wrote(&written);
+        written
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -119,6 +238,30 @@ impl Write for Stamped {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        let written = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.wrote(&written);
+        written
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_keep_alive_timeout_is_read_from_its_field() {
+        let timeout = |values: &[&str]| {
+            let mut headers = http::HeaderMap::new();
+            for v in values {
+                headers.append("keep-alive", v.parse().unwrap());
+            }
+            keep_alive_timeout(&headers)
+        };
+        assert_eq!(timeout(&["timeout=5"]), Some(5));
+        assert_eq!(timeout(&["max=100, Timeout = 15"]), Some(15));
+        assert_eq!(timeout(&["max=100", "timeout=2"]), Some(2));
+        assert_eq!(timeout(&["max=100"]), None);
+        assert_eq!(timeout(&["timeout=soon"]), None);
+        assert_eq!(timeout(&[]), None);
     }
 }

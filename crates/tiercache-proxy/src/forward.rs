@@ -23,7 +23,7 @@ use hyper_util::rt::TokioExecutor;
 use tiercache_http::headers::strip_hop_by_hop;
 use tiercache_http::request::{is_unkeyed, same_name};
 
-use crate::connector::{StampingConnector, worth_sending_again};
+use crate::connector::{Lease, StampingConnector, worth_sending_again};
 use crate::read_ahead::Rooms;
 pub use crate::silences::Silences;
 
@@ -157,10 +157,12 @@ impl Forward {
     }
 
     /// A forwarder to `upstream` whose idle connections are closed after
-    /// `idle` (none kept for zero). Keep it below the upstream's own
-    /// keep-alive timeout (Node's and uvicorn's 5 s, gunicorn's 2 s): a
-    /// request sent on a connection the upstream is closing fails (a GET or
-    /// HEAD is sent once more; another method answers 502).
+    /// `idle` (none kept for zero), or a second before the upstream's own
+    /// keep-alive timeout when its answers name it (`Keep-Alive:
+    /// timeout=N`, as Node and Apache send). For one that does not, keep it
+    /// below that timeout (uvicorn's 5 s, gunicorn's 2 s): a request sent on
+    /// a connection the upstream is closing fails (a GET or HEAD is sent
+    /// once more; another method answers 502).
     pub fn with_idle_timeout(upstream: &Uri, idle: Duration) -> Result<Self, String> {
         let (scheme, authority) = check_upstream(upstream)?;
         let client = pool(idle, usize::MAX);
@@ -394,6 +396,11 @@ impl tower::Service<Request<Body>> for Forward {
             match answered {
                 Ok(res) => {
                     let (mut parts, body) = res.into_parts();
+                    // Its `Keep-Alive` (hop-by-hop) read before it goes.
+                    let lease = parts.extensions.get::<Arc<Lease>>().cloned().map(|lease| {
+                        let exchange = lease.answered(&parts.headers);
+                        (lease, exchange)
+                    });
                     // `Trailer` is end to end (RFC 9110 §6.6.2): without it
                     // hyper sends the client no trailers.
                     let declared: Vec<HeaderValue> =
@@ -402,7 +409,9 @@ impl tower::Service<Request<Body>> for Forward {
                     for value in declared {
                         parts.headers.append(TRAILER, value);
                     }
-                    let body = Silences::new(body, timeout, "the upstream").holding(slot);
+                    let body = Silences::new(body, timeout, "the upstream")
+                        .holding(slot)
+                        .answering(lease);
                     // A slow client would hold the slot until it read the
                     // last byte: an answer that fits the room gives it
                     // back when the upstream is done.

@@ -84,8 +84,9 @@ struct Args {
     #[arg(long, value_name = "N")]
     upstream_max_connections: Option<usize>,
     /// How long an idle connection to the upstream is kept for the next
-    /// request (0: none kept); keep it below the upstream's own keep-alive
-    /// timeout (Node 5s, gunicorn 2s) [default: 60s]
+    /// request (0: none kept); an upstream's own `Keep-Alive: timeout=N`
+    /// (Node, Apache) is honoured, for others keep it below theirs
+    /// (gunicorn 2s, uvicorn 5s) [default: 60s]
     #[arg(long, value_parser = parse_duration)]
     upstream_idle_timeout: Option<Duration>,
     /// How long a client may take to send a request's head, leave a

@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -10,6 +11,8 @@ use axum::body::Body;
 use bytes::Bytes;
 use http::Request;
 use hyper::body::{Frame, SizeHint};
+
+use crate::connector::Lease;
 
 /// A body cut with an error once its sender has sent nothing for `idle`
 /// (counted from the first wait after each frame); its end (or its drop,
@@ -25,6 +28,9 @@ pub struct Silences<B> {
     /// The upstream slot the answer holds until its body ends (see
     /// [`Forward::max_connections`](crate::forward::Forward::max_connections)).
     slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The connection the answer came on, told when it has been read
+    /// whole, and the exchange it answered.
+    lease: Option<(Arc<Lease>, u64)>,
 }
 
 impl<B> Silences<B> {
@@ -36,7 +42,15 @@ impl<B> Silences<B> {
             silence: None,
             done: None,
             slot: None,
+            lease: None,
         }
+    }
+
+    /// This body, telling `lease` when it ends (or is dropped) that the
+    /// connection it came on is idle after `exchange`.
+    pub(crate) fn answering(mut self, lease: Option<(Arc<Lease>, u64)>) -> Self {
+        self.lease = lease;
+        self
     }
 
     /// This body, holding `slot` until it ends (or is dropped).
@@ -50,6 +64,9 @@ impl<B> Silences<B> {
             let _ = done.send(());
         }
         self.slot = None;
+        if let Some((lease, exchange)) = self.lease.take() {
+            lease.ended(exchange);
+        }
     }
 }
 
