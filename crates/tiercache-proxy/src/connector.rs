@@ -12,7 +12,7 @@ use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::AtomicU64;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::{Arc, Mutex};
 use std::task::Waker;
 use std::task::{Context, Poll};
@@ -50,13 +50,14 @@ impl tower::Service<Uri> for StampingConnector {
                 opened: Instant::now(),
                 lease: Arc::default(),
                 read_last: true,
+                last_read: tokio::time::Instant::now(),
                 reuse_ends: None,
             })
         })
     }
 }
 
-/// A connection to the upstream and when it was opened.
+/// A connection to the upstream, when it was opened, and its [`Lease`].
 #[derive(Debug)]
 pub(crate) struct Stamped {
     io: TokioIo<TcpStream>,
@@ -64,6 +65,8 @@ pub(crate) struct Stamped {
     lease: Arc<Lease>,
     /// Whether it read last: a write then begins a new exchange.
     read_last: bool,
+    /// When it last read: an idle connection's time counts from there.
+    last_read: tokio::time::Instant,
     /// Fires when the idle connection stops being reused.
     reuse_ends: Option<Pin<Box<tokio::time::Sleep>>>,
 }
@@ -93,57 +96,65 @@ pub(crate) fn worth_sending_again(
 }
 
 /// What the upstream said of how long it keeps an idle connection, and
-/// when this one went idle: shared by a connection (which stops being
-/// reused a margin before the upstream would close it) and the answers
-/// read from it (which tell it both).
+/// whether every answer read from this one has ended: shared by the
+/// connection (which, idle, ends itself a margin before the upstream
+/// would) and the answers read from it (which tell it both).
 #[derive(Debug, Default)]
 pub(crate) struct Lease {
-    /// The upstream's `Keep-Alive: timeout=N`, in milliseconds (0: none said).
+    /// The upstream's `Keep-Alive: timeout=N` in its last answer, in
+    /// milliseconds (0: none said).
     keep_alive_ms: AtomicU64,
-    /// Requests begun on the connection: a write after a read starts one.
-    exchanges: AtomicU64,
-    /// When the last answer ended, and to which exchange it belonged.
-    idle_since: Mutex<Option<(tokio::time::Instant, u64)>>,
+    /// Requests begun on the connection: a write after a read begins one.
+    /// (An upload that goes on after its answer began counts twice and
+    /// keeps the connection from ever looking idle: the pool's own
+    /// timeout then applies, as before.)
+    begun: AtomicU64,
+    /// Answers read from it that ended (read whole, or dropped).
+    ended: AtomicU64,
     /// The connection's task, waiting to read: woken when an answer ends,
-    /// since it looked at the lease before.
+    /// since it looked at the counts before.
     reader: Mutex<Option<Waker>>,
 }
 
 impl Lease {
-    /// Reads the upstream's `Keep-Alive: timeout=N` from an answer's head
-    /// (before its hop-by-hop fields are stripped); the exchange the
-    /// answer belongs to, for [`Lease::ended`].
-    pub(crate) fn answered(&self, headers: &http::HeaderMap) -> u64 {
-        if let Some(seconds) = keep_alive_timeout(headers) {
-            self.keep_alive_ms
-                .store(seconds.saturating_mul(1000), Relaxed);
-        }
-        self.exchanges.load(Relaxed)
+    /// Takes the upstream's `Keep-Alive: timeout=N` from an answer's head
+    /// (before its hop-by-hop fields are stripped); an answer without one
+    /// takes it back.
+    pub(crate) fn answered(&self, headers: &http::HeaderMap) {
+        let ms = keep_alive_timeout(headers).map_or(0, |seconds| seconds.saturating_mul(1000));
+        self.keep_alive_ms.store(ms, Relaxed);
     }
 
-    /// The answer to `exchange` was read whole: the connection is idle
-    /// from now, unless another request went out on it meanwhile.
-    pub(crate) fn ended(&self, exchange: u64) {
-        *self.idle_since.lock().unwrap() = Some((tokio::time::Instant::now(), exchange));
-        if let Some(reader) = self.reader.lock().unwrap().take() {
+    /// An answer read from the connection ended: once every answer has,
+    /// the connection is idle.
+    pub(crate) fn ended(&self) {
+        self.ended.fetch_add(1, SeqCst);
+        let reader = self.reader.lock().unwrap().take();
+        if let Some(reader) = reader {
             reader.wake();
         }
     }
 
-    /// When the idle connection stops being reused: a second (half the
-    /// timeout, for one under two seconds) before the upstream would close
-    /// it; `None` while it is in use or the upstream named no timeout.
-    fn reuse_until(&self) -> Option<tokio::time::Instant> {
-        let keep_alive = Duration::from_millis(self.keep_alive_ms.load(Relaxed));
-        if keep_alive.is_zero() {
-            return None;
+    /// The connection's task waits to read.
+    fn waiting(&self, waker: &Waker) {
+        let mut reader = self.reader.lock().unwrap();
+        if !reader.as_ref().is_some_and(|known| known.will_wake(waker)) {
+            *reader = Some(waker.clone());
         }
-        let (since, exchange) = (*self.idle_since.lock().unwrap())?;
-        if exchange != self.exchanges.load(Relaxed) {
+    }
+
+    /// When the connection, idle since its `last_read`, stops being
+    /// reused: a second (half the timeout, for one under two seconds)
+    /// before the upstream would close it; `None` while a request is in
+    /// flight on it (begun, its answer not ended) or the upstream named no
+    /// timeout.
+    fn reuse_until(&self, last_read: tokio::time::Instant) -> Option<tokio::time::Instant> {
+        let keep_alive = Duration::from_millis(self.keep_alive_ms.load(Relaxed));
+        if keep_alive.is_zero() || self.ended.load(SeqCst) != self.begun.load(SeqCst) {
             return None;
         }
         let margin = Duration::from_secs(1).min(keep_alive / 2);
-        Some(since + keep_alive - margin)
+        Some(last_read + keep_alive - margin)
     }
 }
 
@@ -181,10 +192,11 @@ impl Read for Stamped {
         let this = &mut *self;
         if let Poll::Ready(read) = Pin::new(&mut this.io).poll_read(cx, buf) {
             this.read_last = true;
+            this.last_read = tokio::time::Instant::now();
             return Poll::Ready(read);
         }
-        *this.lease.reader.lock().unwrap() = Some(cx.waker().clone());
-        let Some(until) = this.lease.reuse_until() else {
+        this.lease.waiting(cx.waker());
+        let Some(until) = this.lease.reuse_until(this.last_read) else {
             this.reuse_ends = None;
             return Poll::Pending;
         };
@@ -205,7 +217,7 @@ impl Stamped {
     fn wrote(&mut self, written: &Poll<io::Result<usize>>) {
         if self.read_last && matches!(written, Poll::Ready(Ok(n)) if *n > 0) {
             self.read_last = false;
-            self.lease.exchanges.fetch_add(1, Relaxed);
+            self.lease.begun.fetch_add(1, SeqCst);
         }
     }
 }

@@ -157,9 +157,10 @@ impl Forward {
     }
 
     /// A forwarder to `upstream` whose idle connections are closed after
-    /// `idle` (none kept for zero), or a second before the upstream's own
-    /// keep-alive timeout when its answers name it (`Keep-Alive:
-    /// timeout=N`, as Node and Apache send). For one that does not, keep it
+    /// `idle` (none kept for zero), or, when the upstream's answers name
+    /// its own keep-alive timeout (`Keep-Alive: timeout=N`, as Node and
+    /// Apache send), a second (half of it, under two seconds) before that
+    /// timeout ends, counted from the connection's last read. For one that does not, keep it
     /// below that timeout (uvicorn's 5 s, gunicorn's 2 s): a request sent on
     /// a connection the upstream is closing fails (a GET or HEAD is sent
     /// once more; another method answers 502).
@@ -397,10 +398,10 @@ impl tower::Service<Request<Body>> for Forward {
                 Ok(res) => {
                     let (mut parts, body) = res.into_parts();
                     // Its `Keep-Alive` (hop-by-hop) read before it goes.
-                    let lease = parts.extensions.get::<Arc<Lease>>().cloned().map(|lease| {
-                        let exchange = lease.answered(&parts.headers);
-                        (lease, exchange)
-                    });
+                    let lease = parts.extensions.get::<Arc<Lease>>().cloned();
+                    if let Some(lease) = &lease {
+                        lease.answered(&parts.headers);
+                    }
                     // `Trailer` is end to end (RFC 9110 §6.6.2): without it
                     // hyper sends the client no trailers.
                     let declared: Vec<HeaderValue> =

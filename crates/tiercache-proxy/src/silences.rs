@@ -28,9 +28,8 @@ pub struct Silences<B> {
     /// The upstream slot the answer holds until its body ends (see
     /// [`Forward::max_connections`](crate::forward::Forward::max_connections)).
     slot: Option<tokio::sync::OwnedSemaphorePermit>,
-    /// The connection the answer came on, told when it has been read
-    /// whole, and the exchange it answered.
-    lease: Option<(Arc<Lease>, u64)>,
+    /// The connection the answer came on, told when it ends.
+    lease: Option<Arc<Lease>>,
 }
 
 impl<B> Silences<B> {
@@ -46,9 +45,9 @@ impl<B> Silences<B> {
         }
     }
 
-    /// This body, telling `lease` when it ends (or is dropped) that the
-    /// connection it came on is idle after `exchange`.
-    pub(crate) fn answering(mut self, lease: Option<(Arc<Lease>, u64)>) -> Self {
+    /// This body, telling `lease` (of the connection it came on) when it
+    /// ends or is dropped.
+    pub(crate) fn answering(mut self, lease: Option<Arc<Lease>>) -> Self {
         self.lease = lease;
         self
     }
@@ -64,8 +63,8 @@ impl<B> Silences<B> {
             let _ = done.send(());
         }
         self.slot = None;
-        if let Some((lease, exchange)) = self.lease.take() {
-            lease.ended(exchange);
+        if let Some(lease) = self.lease.take() {
+            lease.ended();
         }
     }
 }
