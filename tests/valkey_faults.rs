@@ -449,6 +449,39 @@ async fn cache_status_says_when_l2_is_down() {
     );
 }
 
+/// Why L2 is off is told to the operator: each connection failure is
+/// counted and the last one's message is in the stats (`/stats`), from
+/// the first connection on. Before, nothing said it: a request just went
+/// on to the origin, and a refused connection, a TLS handshake or a
+/// password that failed looked alike, each only in Valkey's own log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn why_l2_is_off_is_in_the_stats() {
+    let origin = Origin::default();
+    let closed = tiercache_testkit::valkey::free_port();
+    let a = instance_at(&format!("redis://127.0.0.1:{closed}"), &origin).await;
+    eventually("a failure noted", || {
+        a.engine.stats().l2_last_failure.is_some() && a.engine.stats().l2.connection_errors > 0
+    })
+    .await;
+    let failure = a.engine.stats().l2_last_failure.unwrap();
+    assert!(
+        failure.message.to_ascii_lowercase().contains("refused"),
+        "{failure:?}"
+    );
+    let (status, _, _) = send(&a.app, "GET", "/v/1").await;
+    assert_eq!(status, StatusCode::OK);
+
+    let server = ValkeyServer::start();
+    let b = instance(&server, &origin).await;
+    let (status, _, _) = send(&b.app, "GET", "/v/1").await;
+    assert_eq!(status, StatusCode::OK);
+    let stats = b.engine.stats();
+    assert_eq!(
+        (stats.l2_last_failure, stats.l2.connection_errors),
+        (None, 0)
+    );
+}
+
 /// A tag's keys live in a sorted set scored by expiry and trimmed on every
 /// write: a tag every response carries stays the size of what is alive. Its
 /// invalidation goes page by page and leaves nothing behind.

@@ -70,7 +70,7 @@ pub use policy::{
 pub use stats::{Horizon, InvalidationStats, LatencyStats, Stats};
 #[cfg(any(test, feature = "test-util"))]
 pub use tier::MemoryTier;
-pub use tier::{BoxFuture, Tier, TierError, TierHit, TierReport};
+pub use tier::{BoxFuture, Tier, TierError, TierFailure, TierHit, TierReport};
 
 #[cfg(test)]
 mod tests;

@@ -40,6 +40,8 @@ pub struct Stats {
     pub l2_timeouts: u64,
     /// The shared tier's own counters (zero without one).
     pub l2: crate::TierReport,
+    /// The shared tier's last connection failure, if it ever had one.
+    pub l2_last_failure: Option<crate::TierFailure>,
     /// Entries reclaimed because they outlived their hard expiry (sweeper, read, or moka's bound).
     pub expired: u64,
     /// Entries pushed out of L1 by its byte budget.
@@ -165,7 +167,12 @@ impl Counters {
         }
     }
 
-    pub(crate) fn snapshot(&self, l2: crate::TierReport, pending: usize) -> Stats {
+    pub(crate) fn snapshot(
+        &self,
+        l2: crate::TierReport,
+        l2_last_failure: Option<crate::TierFailure>,
+        pending: usize,
+    ) -> Stats {
         let count = self.origin_loads.load(Relaxed);
         let ms = |n: u64| n as f64 / 1e6;
         Stats {
@@ -182,6 +189,7 @@ impl Counters {
             l2_errors: self.l2_errors.load(Relaxed) + l2.write_errors,
             l2_timeouts: self.l2_timeouts.load(Relaxed),
             l2,
+            l2_last_failure,
             expired: self.expired.load(Relaxed),
             evicted: self.evicted.load(Relaxed),
             sweeps: self.sweeps.load(Relaxed),

@@ -102,6 +102,38 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
     fn report(&self) -> TierReport {
         TierReport::default()
     }
+
+    /// What the tier's connection last failed with (refused, a TLS
+    /// handshake, authentication), for an operator: `None` if it never did.
+    fn last_failure(&self) -> Option<TierFailure> {
+        None
+    }
+}
+
+/// A shared tier's last connection failure (see [`Tier::last_failure`]).
+///
+/// ```
+/// let failure = tiercache_core::TierFailure::new("connection refused", 3);
+/// assert_eq!(failure.message, "connection refused");
+/// assert_eq!(failure.seconds_ago, 3);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct TierFailure {
+    /// What failed, as the tier's client said it (and the server it named).
+    pub message: String,
+    /// How long ago, in whole seconds.
+    pub seconds_ago: u64,
+}
+
+impl TierFailure {
+    /// A failure `seconds_ago` seconds ago.
+    pub fn new(message: impl Into<String>, seconds_ago: u64) -> Self {
+        Self {
+            message: message.into(),
+            seconds_ago,
+        }
+    }
 }
 
 /// What a tier counts by itself (writes happen off the request path, decode
@@ -149,6 +181,10 @@ pub struct TierReport {
     /// connection gone silent, or a server down. Requests, counted when
     /// made (one that times out included).
     pub reconnects_forced: u64,
+    /// Failures of the tier's connections (a connection or reconnection
+    /// refused, a TLS handshake or authentication that failed, one lost);
+    /// the last one's message is [`Tier::last_failure`].
+    pub connection_errors: u64,
 }
 
 /// A shared tier failed (unreachable, timed out, refused).

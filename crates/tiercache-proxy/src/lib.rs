@@ -43,6 +43,7 @@ pub mod config_file;
 mod connector;
 pub mod forward;
 mod host;
+mod l2_log;
 mod prometheus;
 pub mod read_ahead;
 mod reload;
@@ -173,7 +174,10 @@ impl Proxy {
             config.max_connections,
             stopped.clone(),
         ))];
-        let tasks = vec![prometheus::upkeep(prometheus.clone())];
+        let mut tasks = vec![prometheus::upkeep(prometheus.clone())];
+        if let Some(l2) = &l2_tier {
+            tasks.push(l2_log::tell(l2.clone()));
+        }
 
         let admin_live = Arc::new(std::sync::RwLock::new(admin::AdminLive {
             layer,

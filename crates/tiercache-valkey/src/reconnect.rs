@@ -247,6 +247,7 @@ pub(crate) async fn keep_client_connected(mut task: fred::types::ConnectHandle, 
         let old = inner.client();
         task = match rebuilt(&old) {
             Ok(new) => {
+                inner.failures.watch(&new);
                 let task = new.connect();
                 inner.replace_client(new);
                 task

@@ -63,6 +63,8 @@ pub(crate) struct Inner {
     pub(crate) fills_overtaken: AtomicU64,
     /// The watchdog's forced reconnections (`reconnect::watchdog`).
     pub(crate) reconnects_forced: AtomicU64,
+    /// What the connections failed with, for an operator.
+    pub(crate) failures: Arc<crate::failures::Failures>,
 }
 
 impl Inner {
@@ -183,6 +185,9 @@ impl ValkeyTier {
         config.validate()?;
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| ValkeyError::NoRuntime)?;
         let _guard = runtime.enter();
+        // Heard from before it connects: a first connection refused counts.
+        let failures = Arc::new(crate::failures::Failures::default());
+        failures.watch(&client);
         // Ours to keep running when this tier connects it (see
         // `reconnect::keep_connected`).
         let task = (!client.is_connected()).then(|| client.connect());
@@ -192,6 +197,7 @@ impl ValkeyTier {
         let unheard_l1_for = config.unheard_l1_for;
         let subscriber = crate::reconnect::subscriber(&client, heartbeat_timeout)
             .map_err(|e| ValkeyError::Client(e.to_string()))?;
+        failures.watch(&subscriber);
         let instance = bus::hex(&rand::rng().random::<[u8; 16]>());
         let (tx, rx) = mpsc::channel(config.write_queue);
         // The heartbeat finds a silent subscription within its spacing,
@@ -230,6 +236,7 @@ impl ValkeyTier {
             overtaken,
             fills_overtaken: AtomicU64::new(0),
             reconnects_forced: AtomicU64::new(0),
+            failures,
         });
         runtime.spawn(writer(Arc::downgrade(&inner), rx));
         runtime.spawn(crate::reconnect::watchdog(
@@ -467,7 +474,12 @@ impl Tier for ValkeyTier {
         report.release_retries = i.release_retries.load(Relaxed);
         report.fills_overtaken = i.fills_overtaken.load(Relaxed);
         report.reconnects_forced = i.reconnects_forced.load(Relaxed);
+        report.connection_errors = i.failures.count.load(Relaxed);
         report
+    }
+
+    fn last_failure(&self) -> Option<tiercache_core::TierFailure> {
+        self.inner.failures.last()
     }
 }
 

@@ -191,15 +191,12 @@ impl TieredCache {
     /// # }
     /// ```
     pub fn stats(&self) -> Stats {
-        let l2 = self
-            .inner
-            .l2
-            .as_ref()
-            .map(|t| t.report())
-            .unwrap_or_default();
-        self.inner
-            .counters
-            .snapshot(l2, self.inner.outbox.pending())
+        let l2 = self.inner.l2.as_ref();
+        self.inner.counters.snapshot(
+            l2.map(|t| t.report()).unwrap_or_default(),
+            l2.and_then(|t| t.last_failure()),
+            self.inner.outbox.pending(),
+        )
     }
 
     /// Runs one sweep now: reclaims every entry past its hard expiry on the
