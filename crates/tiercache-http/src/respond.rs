@@ -89,6 +89,7 @@ impl Route {
                 self.metrics.stale();
                 Outcome::Stale {
                     tier: answer.source,
+                    ttl: crate::headers::stale_ttl(entry.times().fresh_until, now),
                     detail: why.as_str(),
                 }
             }

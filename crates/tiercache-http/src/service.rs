@@ -187,6 +187,7 @@ where
                 let outcome = match hit.answer.served {
                     Served::Stale(why) => Outcome::Stale {
                         tier: hit.answer.source,
+                        ttl: crate::headers::stale_ttl(hit.answer.entry.times().fresh_until, now),
                         detail: why.as_str(),
                     },
                     _ => Outcome::Hit {

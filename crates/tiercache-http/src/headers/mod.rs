@@ -67,6 +67,9 @@ pub enum Outcome {
         /// The tier the stale copy came from (L2: a first load found
         /// another instance's copy inside its stale-while-revalidate window).
         tier: Source,
+        /// Its freshness left, negative: stale by this many seconds
+        /// (rounded away from zero, so a copy stale at all says so).
+        ttl: i64,
         /// Why, when not stale-while-revalidate: `origin-error`, `origin-timeout`.
         detail: Option<&'static str>,
     },
@@ -144,11 +147,22 @@ impl Outcome {
                     None => {}
                 }
             }
-            Outcome::Stale { detail, .. } => {
-                s.push_str("; fwd=stale");
-                if let Some(d) = detail {
-                    let _ = write!(s, "; detail={d}");
-                }
+            // Inside stale-while-revalidate the request was answered from
+            // the cache, not forwarded (the refresh is not its own): a
+            // hit, whose negative ttl says it is stale (RFC 9211 §2.1).
+            Outcome::Stale {
+                tier,
+                ttl,
+                detail: None,
+            } => {
+                let _ = write!(s, "; hit; ttl={ttl}; detail={}", tier.as_str());
+            }
+            // Forwarded because stale, and answered stale as the origin
+            // failed or was slow.
+            Outcome::Stale {
+                detail: Some(d), ..
+            } => {
+                let _ = write!(s, "; fwd=stale; detail={d}");
             }
             Outcome::Bypass(reason) => {
                 let _ = write!(s, "; fwd=bypass; detail={}", reason.as_str());
@@ -158,6 +172,14 @@ impl Outcome {
         }
         s
     }
+}
+
+/// The `ttl` of a copy whose freshness ended at `fresh_until`, seen at
+/// `now`: negative, rounded away from zero (a copy stale by 0.4 s is -1).
+pub(crate) fn stale_ttl(fresh_until: std::time::SystemTime, now: std::time::SystemTime) -> i64 {
+    let past = now.duration_since(fresh_until).unwrap_or_default();
+    let whole = i64::try_from(past.as_secs()).unwrap_or(i64::MAX - 1);
+    -(whole + i64::from(past.subsec_nanos() > 0))
 }
 
 /// Writes the cache headers for `outcome` into `headers`.

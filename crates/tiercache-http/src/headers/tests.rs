@@ -68,6 +68,31 @@ fn cache_status_forms() {
         Outcome::Bypass(Reason::Authorization).cache_status(),
         "tiercache; fwd=bypass; detail=authorization"
     );
+    // Stale while revalidating: answered from the cache, a hit; stale
+    // because the origin failed: forwarded.
+    let stale = |detail| Outcome::Stale {
+        tier: Source::L2,
+        ttl: -3,
+        detail,
+    };
+    assert_eq!(
+        stale(None).cache_status(),
+        "tiercache; hit; ttl=-3; detail=l2"
+    );
+    assert_eq!(
+        stale(Some("origin-error")).cache_status(),
+        "tiercache; fwd=stale; detail=origin-error"
+    );
+}
+
+#[test]
+fn a_stale_copys_ttl_is_negative_and_rounded_away_from_zero() {
+    let fresh_until = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(100);
+    let at = |ms: u64| fresh_until + std::time::Duration::from_millis(ms);
+    assert_eq!(super::stale_ttl(fresh_until, at(0)), 0);
+    assert_eq!(super::stale_ttl(fresh_until, at(400)), -1);
+    assert_eq!(super::stale_ttl(fresh_until, at(2000)), -2);
+    assert_eq!(super::stale_ttl(fresh_until, at(2001)), -3);
 }
 
 #[test]
