@@ -119,8 +119,9 @@ fn expires_lifetime(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
 /// use (`Sun, 06 Nov 1994 08:49:37 GMT`), and the obsolete RFC 850
 /// (`Sunday, 06-Nov-94 08:49:37 GMT`) and asctime (`Sun Nov  6 08:49:37
 /// 1994`) forms recipients must accept; names in any letter case, and a
-/// weekday that is not the date's (only the date counts), as nginx, Squid
-/// and Traffic Server read them. Anything else (another zone, a missing
+/// weekday that is not the date's (only the date counts; not in an RFC 850
+/// date, whose two-digit year leaves the weekday the only word on the
+/// century), as nginx, Squid and Traffic Server read them. Anything else (another zone, a missing
 /// comma, doubled spaces, a one-digit hour) is not a date. The one parser
 /// of the crate (`httpdate`, which is strict about both).
 pub fn parse_http_date(text: &str) -> Option<SystemTime> {
@@ -131,15 +132,6 @@ pub fn parse_http_date(text: &str) -> Option<SystemTime> {
 }
 
 const WEEKDAYS: [&str; 7] = ["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"];
-const LONG_WEEKDAYS: [&str; 7] = [
-    "Monday",
-    "Tuesday",
-    "Wednesday",
-    "Thursday",
-    "Friday",
-    "Saturday",
-    "Sunday",
-];
 
 /// A date the strict parser refused, with its names in their canonical
 /// case and, if it names a weekday that is not its date's, the right one
@@ -152,13 +144,13 @@ fn leniently(text: &str) -> Option<SystemTime> {
     // The weekday: before the comma (IMF-fixdate, RFC 850), else the
     // first three letters (asctime).
     let (weekday, rest) = cased.split_at(cased.find(',').unwrap_or(3.min(cased.len())));
-    let names: &[&str] = if WEEKDAYS.contains(&weekday) {
-        &WEEKDAYS
-    } else if LONG_WEEKDAYS.contains(&weekday) {
-        &LONG_WEEKDAYS
-    } else {
-        return None;
-    };
+    // Not in an RFC 850 date (a long weekday): its two-digit year leaves
+    // the weekday the only word on the century (`Wednesday, 01-Jan-69`
+    // means 1969, read as 2069 it would be fresh for decades).
+    if !WEEKDAYS.contains(&weekday) {
+        return httpdate::parse_http_date(&cased).ok();
+    }
+    let names = &WEEKDAYS;
     names
         .iter()
         .find_map(|name| httpdate::parse_http_date(&format!("{name}{rest}")).ok())
@@ -393,7 +385,6 @@ mod tests {
             "Thu, 18 Aug 2050 02:01:18 gMT",
             "thursday, 18-aug-50 02:01:18 gmt",
             "Mon, 18 Aug 2050 02:01:18 GMT",
-            "Monday, 18-Aug-50 02:01:18 GMT",
             "Sun Aug 18 02:01:18 2050",
         ] {
             assert_eq!(parse_http_date(odd), Some(t), "{odd}");
@@ -413,6 +404,9 @@ mod tests {
             "Thu, 18 Aug 2050 02.01.18 GMT",
             "Thu, 18 Aug 2050 2:01:18 GMT",
             "Xyz, 18 Aug 2050 02:01:18 GMT",
+            // An RFC 850 date's weekday is the only word on its century.
+            "Monday, 18-Aug-50 02:01:18 GMT",
+            "Wednesday, 01-Jan-69 00:00:00 GMT",
             "Thu, 31 Feb 2050 02:01:18 GMT",
             "Thu, 18 Aug 2050 02:01:18 GMT\u{e9}",
         ] {

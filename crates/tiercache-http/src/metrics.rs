@@ -23,7 +23,7 @@
 //! `tiercache_stale_served_total`, `tiercache_l2_errors_total`,
 //! `tiercache_l2_timeouts_total`, `tiercache_l2_write_drops_total`,
 //! `tiercache_l2_corrupt_total`, `tiercache_l2_breaker_trips_total`,
-//! `tiercache_l2_reconnects_forced_total`,
+//! `tiercache_l2_reconnects_forced_total`, `tiercache_l2_connection_errors_total`,
 //! `tiercache_l2_breaker_open` (gauge), `tiercache_expired_total`,
 //! `tiercache_evicted_total`, `tiercache_sweeps_total`,
 //! `tiercache_invalidations_received_total`, `tiercache_resyncs_total`,
@@ -277,6 +277,9 @@ const TOTALS: &[(&str, Read)] = &[
     ("tiercache_l2_reconnects_forced_total", |s| {
         s.l2.reconnects_forced
     }),
+    ("tiercache_l2_connection_errors_total", |s| {
+        s.l2.connection_errors
+    }),
     ("tiercache_expired_total", |s| s.expired),
     ("tiercache_evicted_total", |s| s.evicted),
     ("tiercache_sweeps_total", |s| s.sweeps),
@@ -373,6 +376,7 @@ mod tests {
         stats.refreshes_deferred = 2;
         stats.fills_cancelled = 3;
         stats.l2.reconnects_forced = 4;
+        stats.l2.connection_errors = 6;
         metrics::with_local_recorder(&recorder, || metrics.publish(&stats, 0, 0));
         let text = handle.render();
         assert!(
@@ -381,7 +385,8 @@ mod tests {
         );
         assert!(text.contains("tiercache_fills_cancelled_total 3"), "{text}");
         assert!(
-            text.contains("tiercache_l2_reconnects_forced_total 4"),
+            text.contains("tiercache_l2_reconnects_forced_total 4")
+                && text.contains("tiercache_l2_connection_errors_total 6"),
             "{text}"
         );
     }

@@ -90,6 +90,7 @@ impl Route {
                 Outcome::Stale {
                     tier: answer.source,
                     ttl: crate::headers::stale_ttl(entry.times().fresh_until, now),
+                    collapsed: answer.collapsed,
                     detail: why.as_str(),
                 }
             }

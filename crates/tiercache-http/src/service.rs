@@ -188,6 +188,7 @@ where
                     Served::Stale(why) => Outcome::Stale {
                         tier: hit.answer.source,
                         ttl: crate::headers::stale_ttl(hit.answer.entry.times().fresh_until, now),
+                        collapsed: false,
                         detail: why.as_str(),
                     },
                     _ => Outcome::Hit {

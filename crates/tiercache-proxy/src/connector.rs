@@ -104,10 +104,12 @@ pub(crate) struct Lease {
     /// The upstream's `Keep-Alive: timeout=N` in its last answer, in
     /// milliseconds (0: none said).
     keep_alive_ms: AtomicU64,
-    /// Requests begun on the connection: a write after a read begins one.
-    /// (An upload that goes on after its answer began counts twice and
-    /// keeps the connection from ever looking idle: the pool's own
-    /// timeout then applies, as before.)
+    /// Requests begun on the connection: a write after a read begins one
+    /// when every answer so far has ended (else it is the same request's:
+    /// its body after a `100 Continue`, or a request hyper sent while a
+    /// slow client still held the last answer's end). An upload that goes
+    /// on after its answer ended counts as one more, and keeps the
+    /// connection from looking idle: the pool's own timeout applies then.
     begun: AtomicU64,
     /// Answers read from it that ended (read whole, or dropped).
     ended: AtomicU64,
@@ -135,6 +137,16 @@ impl Lease {
         }
     }
 
+    /// The connection wrote after it read: a new request if every answer
+    /// so far has ended (see [`Lease::begun`]). Only the connection's own
+    /// task writes, so the load and the store do not race another write.
+    fn wrote_after_read(&self) {
+        let ended = self.ended.load(SeqCst);
+        if ended >= self.begun.load(SeqCst) {
+            self.begun.store(ended + 1, SeqCst);
+        }
+    }
+
     /// The connection's task waits to read.
     fn waiting(&self, waker: &Waker) {
         let mut reader = self.reader.lock().unwrap();
@@ -150,7 +162,7 @@ impl Lease {
     /// timeout.
     fn reuse_until(&self, last_read: tokio::time::Instant) -> Option<tokio::time::Instant> {
         let keep_alive = Duration::from_millis(self.keep_alive_ms.load(Relaxed));
-        if keep_alive.is_zero() || self.ended.load(SeqCst) != self.begun.load(SeqCst) {
+        if keep_alive.is_zero() || self.ended.load(SeqCst) < self.begun.load(SeqCst) {
             return None;
         }
         let margin = Duration::from_secs(1).min(keep_alive / 2);
@@ -196,7 +208,13 @@ impl Read for Stamped {
             return Poll::Ready(read);
         }
         this.lease.waiting(cx.waker());
-        let Some(until) = this.lease.reuse_until(this.last_read) else {
+        // Only after a read: a write since (an upload that goes on after
+        // its answer ended) is not idle.
+        let until = this
+            .read_last
+            .then(|| this.lease.reuse_until(this.last_read))
+            .flatten();
+        let Some(until) = until else {
             this.reuse_ends = None;
             return Poll::Pending;
         };
@@ -213,11 +231,11 @@ impl Read for Stamped {
 }
 
 impl Stamped {
-    /// After a write: one after a read begins an exchange.
+    /// After a write: one after a read may begin a request.
     fn wrote(&mut self, written: &Poll<io::Result<usize>>) {
         if self.read_last && matches!(written, Poll::Ready(Ok(n)) if *n > 0) {
             self.read_last = false;
-            self.lease.begun.fetch_add(1, SeqCst);
+            self.lease.wrote_after_read();
         }
     }
 }
@@ -259,6 +277,39 @@ impl Write for Stamped {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Idle only when every answer read has ended, whatever the order:
+    /// a body sent after a `100 Continue` is the same request's; an answer
+    /// whose end a slow client held while hyper sent the next request on
+    /// the connection ends late.
+    #[test]
+    fn a_connection_is_idle_once_every_answer_has_ended() {
+        let lease = Lease::default();
+        lease.keep_alive_ms.store(5_000, Relaxed);
+        let idle = || lease.reuse_until(tokio::time::Instant::now()).is_some();
+        assert!(idle(), "nothing sent yet");
+        // Head, `100 Continue` read, body: one request.
+        lease.wrote_after_read();
+        assert!(!idle());
+        lease.wrote_after_read();
+        lease.ended();
+        assert!(idle());
+        // Request 2, read whole by hyper, its end held by a slow client;
+        // request 3 sent on the connection meanwhile, and answered.
+        lease.wrote_after_read();
+        lease.wrote_after_read();
+        lease.ended();
+        assert!(idle(), "both answers read");
+        // Request 2's end comes late; request 4 is in flight.
+        lease.ended();
+        lease.wrote_after_read();
+        assert!(!idle(), "request 4 in flight");
+        lease.ended();
+        assert!(idle());
+        // No timeout named: never ended by the lease.
+        lease.keep_alive_ms.store(0, Relaxed);
+        assert!(!idle());
+    }
 
     #[test]
     fn the_keep_alive_timeout_is_read_from_its_field() {

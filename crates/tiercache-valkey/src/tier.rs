@@ -304,6 +304,12 @@ impl ValkeyTier {
         self.inner.client()
     }
 
+    /// Whether the tier's own client and its subscriber are both connected
+    /// now (what fred believes: a connection gone silent still counts).
+    pub fn is_connected(&self) -> bool {
+        self.inner.client().is_connected() && self.inner.bus.subscriber.is_connected()
+    }
+
     async fn read(&self, key: &str) -> Result<(Option<Bytes>, i64), TierError> {
         let pipe = self.inner.client().pipeline();
         let queued: Result<(), _> = pipe.get(key).await;

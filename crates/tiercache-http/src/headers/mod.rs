@@ -70,6 +70,8 @@ pub enum Outcome {
         /// Its freshness left, negative: stale by this many seconds
         /// (rounded away from zero, so a copy stale at all says so).
         ttl: i64,
+        /// Whether it came with another request's load (a follower's).
+        collapsed: bool,
         /// Why, when not stale-while-revalidate: `origin-error`, `origin-timeout`.
         detail: Option<&'static str>,
     },
@@ -153,9 +155,13 @@ impl Outcome {
             Outcome::Stale {
                 tier,
                 ttl,
+                collapsed,
                 detail: None,
             } => {
                 let _ = write!(s, "; hit; ttl={ttl}; detail={}", tier.as_str());
+                if *collapsed {
+                    s.push_str("; collapsed");
+                }
             }
             // Forwarded because stale, and answered stale as the origin
             // failed or was slow.

@@ -73,11 +73,22 @@ fn cache_status_forms() {
     let stale = |detail| Outcome::Stale {
         tier: Source::L2,
         ttl: -3,
+        collapsed: false,
         detail,
     };
     assert_eq!(
         stale(None).cache_status(),
         "tiercache; hit; ttl=-3; detail=l2"
+    );
+    let followed = Outcome::Stale {
+        tier: Source::L2,
+        ttl: -3,
+        collapsed: true,
+        detail: None,
+    };
+    assert_eq!(
+        followed.cache_status(),
+        "tiercache; hit; ttl=-3; detail=l2; collapsed"
     );
     assert_eq!(
         stale(Some("origin-error")).cache_status(),
