@@ -220,6 +220,15 @@ async fn check_config_validates_and_exits() {
             "the scheme must be redis://",
         ),
         (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--valkey",
+                "rediss://127.0.0.1:9?tls_cert=/etc/client.pem",
+            ][..],
+            "unknown parameter `tls_cert`",
+        ),
+        (
             &["--upstream", "http://127.0.0.1:9", "--max-body", "0"][..],
             "`--max-body`",
         ),

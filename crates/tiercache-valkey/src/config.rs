@@ -72,6 +72,17 @@ impl ValkeyConfig {
                     .into(),
             });
         }
+        // fred ignores a query parameter it does not know: `?tls_cert=…`
+        // would connect without the certificate, and say nothing.
+        if let Some(unknown) = unknown_parameter(url) {
+            return Err(ValkeyError::Url {
+                url: url.to_owned(),
+                reason: format!(
+                    "unknown parameter `{unknown}` (known: {}; anything else, a client certificate included, goes in fred's own Config, given with ValkeyConfig::from_fred)",
+                    URL_PARAMETERS.join(", ")
+                ),
+            });
+        }
         let normalised = url
             .strip_prefix("valkeys://")
             .map(|rest| format!("rediss://{rest}"))
@@ -285,3 +296,22 @@ impl fmt::Display for ValkeyError {
 }
 
 impl std::error::Error for ValkeyError {}
+
+/// The query parameters fred reads from a URL.
+const URL_PARAMETERS: [&str; 4] = [
+    "node",
+    "sentinelServiceName",
+    "sentinelUsername",
+    "sentinelPassword",
+];
+
+/// The first query parameter of `url` fred would ignore.
+fn unknown_parameter(url: &str) -> Option<&str> {
+    let query = url.split_once('?')?.1;
+    let query = query.split_once('#').map_or(query, |(query, _)| query);
+    query
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| pair.split_once('=').map_or(pair, |(name, _)| name))
+        .find(|name| !URL_PARAMETERS.contains(name))
+}
