@@ -293,7 +293,7 @@ impl Latency {
 }
 
 /// The shared tier, as this instance sees it.
-#[derive(Debug, Clone, Copy, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 #[non_exhaustive]
 pub struct L2State {
     /// Whether the engine has a shared tier.
@@ -322,6 +322,10 @@ pub struct L2State {
     /// Times L1 was dropped because invalidations from other instances may
     /// have been missed (the message stream was lost or went silent).
     pub resyncs: u64,
+    /// Failures of its connections (refused, TLS, a password, lost).
+    pub connection_errors: u64,
+    /// The last of them, and how long ago: why it is off.
+    pub last_failure: Option<tiercache_core::TierFailure>,
 }
 
 /// The per-second history.
@@ -380,6 +384,8 @@ impl Dashboard {
                 breaker_trips: stats.l2.breaker_trips,
                 reconnects_forced: stats.l2.reconnects_forced,
                 resyncs: stats.l2.resyncs,
+                connection_errors: stats.l2.connection_errors,
+                last_failure: stats.l2_last_failure.clone(),
             },
             invalidations: stats.invalidations,
             history: HistoryView {

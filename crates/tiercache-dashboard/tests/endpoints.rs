@@ -118,6 +118,10 @@ impl Tier for Reporting {
     fn report(&self) -> TierReport {
         self.0
     }
+
+    fn last_failure(&self) -> Option<tiercache_core::TierFailure> {
+        Some(tiercache_core::TierFailure::new("Connection refused", 2))
+    }
 }
 
 #[tokio::test]
@@ -127,6 +131,7 @@ async fn the_l2_panel_shows_the_breaker_reconnections_and_resyncs() {
     report.reconnects_forced = 2;
     report.resyncs = 5;
     report.lock_waits = 7;
+    report.connection_errors = 4;
     let engine = TieredCache::builder()
         .sweep_interval(None)
         .l2(Reporting(report))
@@ -151,8 +156,11 @@ async fn the_l2_panel_shows_the_breaker_reconnections_and_resyncs() {
         ),
         "{l2}"
     );
+    assert_eq!(l2["connection_errors"], 4, "{l2}");
+    assert_eq!(l2["last_failure"]["message"], "Connection refused", "{l2}");
+    assert_eq!(l2["last_failure"]["seconds_ago"], 2, "{l2}");
     let (_, _, page) = fetch(&app, "/admin/cache").await;
-    for id in ["l2-trips", "l2-resyncs"] {
+    for id in ["l2-trips", "l2-resyncs", "l2-failure"] {
         assert!(
             page.contains(&format!(r#"id="{id}""#)),
             "the page shows {id}"

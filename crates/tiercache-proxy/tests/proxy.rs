@@ -731,6 +731,21 @@ async fn a_shutdown_closes_what_outlives_its_drain() {
     assert!(answered.is_err(), "{answered:?}");
 }
 
+/// Reads one request head (up to its blank line) from `socket`: false if
+/// the connection ended first.
+async fn read_head(socket: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut buf = vec![0u8; 4096];
+    let mut read = 0;
+    while !buf[..read].windows(4).any(|w| w == b"\r\n\r\n") {
+        match socket.read(&mut buf[read..]).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => read += n,
+        }
+    }
+    true
+}
+
 /// An upstream on loopback that answers the first request on a connection
 /// with `ok` when `answer_first` (and closes the connection as the next
 /// one arrives), or closes it as the first one arrives: its connections
@@ -748,13 +763,8 @@ async fn closing_upstream(answer_first: bool) -> (SocketAddr, Counter, Counter) 
                 connections.bump();
                 let requests = requests.clone();
                 tokio::spawn(async move {
-                    let mut buf = vec![0u8; 4096];
-                    let mut read = 0;
-                    while !buf[..read].windows(4).any(|w| w == b"\r\n\r\n") {
-                        match socket.read(&mut buf[read..]).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => read += n,
-                        }
+                    if !read_head(&mut socket).await {
+                        return;
                     }
                     requests.bump();
                     if !answer_first {
@@ -764,7 +774,7 @@ async fn closing_upstream(answer_first: bool) -> (SocketAddr, Counter, Counter) 
                     if socket.write_all(answer).await.is_err() {
                         return;
                     }
-                    if let Ok(n) = socket.read(&mut buf).await
+                    if let Ok(n) = socket.read(&mut [0u8; 4096]).await
                         && n > 0
                     {
                         requests.bump();
@@ -783,7 +793,7 @@ async fn closing_upstream(answer_first: bool) -> (SocketAddr, Counter, Counter) 
 /// the request cross): the connections it accepted and the requests it
 /// dropped.
 async fn keep_alive_upstream() -> (SocketAddr, Counter, Counter) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream = listener.local_addr().unwrap();
     let (connections, dropped) = (Counter::new(), Counter::new());
@@ -797,13 +807,8 @@ async fn keep_alive_upstream() -> (SocketAddr, Counter, Counter) {
                 tokio::spawn(async move {
                     let mut idle_since: Option<tokio::time::Instant> = None;
                     loop {
-                        let mut buf = vec![0u8; 4096];
-                        let mut read = 0;
-                        while !buf[..read].windows(4).any(|w| w == b"\r\n\r\n") {
-                            match socket.read(&mut buf[read..]).await {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => read += n,
-                            }
+                        if !read_head(&mut socket).await {
+                            return;
                         }
                         if idle_since.is_some_and(|t| t.elapsed() > Duration::from_millis(1250)) {
                             dropped.bump();
