@@ -36,6 +36,7 @@ pub mod codec;
 mod config;
 mod failures;
 mod invalidate;
+mod keys;
 mod lock;
 mod message;
 mod overtaken;

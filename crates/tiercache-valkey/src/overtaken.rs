@@ -79,7 +79,7 @@ impl Scope {
         match invalidation {
             Invalidation::Keys(hashes) => Some(Scope::Keys(hashes.clone())),
             Invalidation::Tag(tag, hashes) => Some(Scope::Tag(
-                crate::tier::tag_key_in(prefix, tag),
+                crate::keys::tag_key_in(prefix, tag),
                 hashes.clone(),
             )),
             Invalidation::Prefix(pattern) => Some(Scope::Prefix(pattern.clone())),

@@ -13,8 +13,9 @@ use rand::Rng;
 use tiercache_core::{CacheKey, LockAttempt, LockToken, TierError, Unlocked};
 
 use crate::bus;
+use crate::keys::slot_key;
 use crate::lock::{LOCK_SCRIPT, Release, read_unlock_message, release_until_done, unlock_message};
-use crate::tier::{ValkeyTier, fred_error, slot_key};
+use crate::tier::{ValkeyTier, fred_error};
 use crate::writer::{Command, Write};
 
 /// How long a lock's re-checks must keep failing before its waiter gives
