@@ -281,8 +281,12 @@ async fn an_instance_that_missed_an_invalidation_drops_its_l1_on_reconnect() {
     );
     assert!(b.engine.l1_contains(&key("/p/9")));
 
-    // B is cut off; A updates and invalidates; B hears nothing.
+    // B is cut off; A updates and invalidates; B hears nothing. (Only once
+    // every connection through the link is closed: on a loaded machine the
+    // link's tasks could see the fault after it was lifted again, and pass
+    // the message on, which B then rightly heard: no resync to wait for.)
     link.set(Fault::Reset);
+    eventually("B's connections reset", || link.open_connections() == 0).await;
     origin.bump_version();
     a.engine.invalidate(&key("/p/9")).await.unwrap();
     eventually("the witness to hear it", || {

@@ -1192,3 +1192,68 @@ async fn an_http2_connection_carries_at_most_128_requests_at_once() {
         assert_eq!(status.unwrap(), StatusCode::OK);
     }
 }
+
+/// Why L2 is off reaches the operator on stderr: the connection failure as
+/// it happens, then `connected again` once Valkey is back, and no stream
+/// of lines in between (one a minute while a failure repeats, none more
+/// often than every 10 s). Before, the proxy said nothing at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn why_l2_is_off_is_told_on_stderr() {
+    use std::io::BufRead;
+    let mut valkey = tiercache_testkit::ValkeyServer::start();
+    valkey.kill();
+    let listen = SocketAddr::from(([127, 0, 0, 1], tiercache_testkit::valkey::free_port()));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"))
+        .args([
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--valkey",
+            &valkey.url(),
+        ])
+        .args(["--listen", &listen.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let mut told = Vec::new();
+    let mut until = async |what: &str, found: &dyn Fn(&str) -> bool| {
+        bounded(what, async {
+            loop {
+                let line = lines.recv().await.expect("the proxy's stderr ended");
+                let hit = found(&line);
+                told.push(line);
+                if hit {
+                    return;
+                }
+            }
+        })
+        .await;
+    };
+    until("the failure told", &|line| {
+        line.starts_with("tiercache-proxy: Valkey:")
+            && line.to_ascii_lowercase().contains("refused")
+    })
+    .await;
+    valkey.restart();
+    until("its end told", &|line| {
+        line == "tiercache-proxy: Valkey: connected again"
+    })
+    .await;
+    let _ = child.kill();
+    let _ = child.wait();
+    let about_valkey = told.iter().filter(|l| l.contains("Valkey:")).count();
+    assert_eq!(about_valkey, 2, "{told:#?}");
+}

@@ -76,6 +76,12 @@ impl FaultProxy {
         self.fault.send_replace(fault);
     }
 
+    /// Connections open through the proxy now (a `Reset` closes them as
+    /// their tasks get to it: wait for 0 to know every one is closed).
+    pub fn open_connections(&self) -> usize {
+        self.connections.0.lock().unwrap().len()
+    }
+
     /// From now on swallows, both ways, the traffic of the open connection
     /// the server sees coming from `peer` (the `addr=` of its `CLIENT
     /// LIST`): it stays open and silent, no reset, as a connection a NAT
