@@ -121,9 +121,12 @@ pub(crate) struct Lease {
 impl Lease {
     /// Takes the upstream's `Keep-Alive: timeout=N` from an answer's head
     /// (before its hop-by-hop fields are stripped); an answer without one
-    /// takes it back.
+    /// takes it back. Past a day it is no bound worth keeping (the pool's
+    /// own idle timeout is shorter), and no deadline is pushed past what
+    /// a clock can add.
     pub(crate) fn answered(&self, headers: &http::HeaderMap) {
-        let ms = keep_alive_timeout(headers).map_or(0, |seconds| seconds.saturating_mul(1000));
+        const DAY: u64 = 24 * 3600;
+        let ms = keep_alive_timeout(headers).map_or(0, |seconds| seconds.min(DAY) * 1000);
         self.keep_alive_ms.store(ms, Relaxed);
     }
 
@@ -325,6 +328,15 @@ mod tests {
         assert_eq!(timeout(&["max=100", "timeout=2"]), Some(2));
         assert_eq!(timeout(&["max=100"]), None);
         assert_eq!(timeout(&["timeout=soon"]), None);
+        assert_eq!(timeout(&["timeout=18446744073709551615"]), Some(u64::MAX));
+        let lease = Lease::default();
+        let mut huge = http::HeaderMap::new();
+        huge.insert(
+            "keep-alive",
+            "timeout=18446744073709551615".parse().unwrap(),
+        );
+        lease.answered(&huge);
+        assert_eq!(lease.keep_alive_ms.load(Relaxed), 24 * 3600 * 1000);
         assert_eq!(timeout(&[]), None);
     }
 }
