@@ -121,9 +121,10 @@ fn expires_lifetime(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
 /// 1994`) forms recipients must accept; names in any letter case, and a
 /// weekday that is not the date's (only the date counts; not in an RFC 850
 /// date, whose two-digit year leaves the weekday the only word on the
-/// century), as nginx, Squid and Traffic Server read them. Anything else (another zone, a missing
-/// comma, doubled spaces, a one-digit hour) is not a date. The one parser
-/// of the crate (`httpdate`, which is strict about both).
+/// century), as nginx, Squid and Traffic Server read them. Anything else
+/// (another zone, a missing comma, doubled spaces, a one-digit hour) is
+/// not a date. The one parser of the crate (`httpdate`, which is strict
+/// about both).
 pub fn parse_http_date(text: &str) -> Option<SystemTime> {
     let text = text.trim();
     httpdate::parse_http_date(text)
@@ -150,41 +151,28 @@ fn leniently(text: &str) -> Option<SystemTime> {
     if !WEEKDAYS.contains(&weekday) {
         return httpdate::parse_http_date(&cased).ok();
     }
-    let names = &WEEKDAYS;
-    names
+    WEEKDAYS
         .iter()
         .find_map(|name| httpdate::parse_http_date(&format!("{name}{rest}")).ok())
 }
 
 /// `text` with each run of letters capitalised (`thu` → `Thu`, `AUG` →
-/// `Aug`), `GMT` in capitals.
+/// `Aug`), the zone that ends it in capitals (`GMT`).
 fn canonical_case(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
-    let mut word = String::new();
-    let flush = |word: &mut String, out: &mut String| {
-        if word.eq_ignore_ascii_case("gmt") {
-            out.push_str("GMT");
-        } else {
-            for (i, c) in word.chars().enumerate() {
-                out.push(if i == 0 {
-                    c.to_ascii_uppercase()
-                } else {
-                    c.to_ascii_lowercase()
-                });
-            }
-        }
-        word.clear();
-    };
+    let mut in_word = false;
     for c in text.chars() {
-        if c.is_ascii_alphabetic() {
-            word.push(c);
+        out.push(if in_word {
+            c.to_ascii_lowercase()
         } else {
-            flush(&mut word, &mut out);
-            out.push(c);
-        }
+            c.to_ascii_uppercase()
+        });
+        in_word = c.is_ascii_alphabetic();
     }
-    flush(&mut word, &mut out);
-    out
+    match out.strip_suffix("Gmt") {
+        Some(date) => format!("{date}GMT"),
+        None => out,
+    }
 }
 
 /// Formats `t` as an IMF-fixdate.

@@ -24,10 +24,6 @@ use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
-/// When a connection was opened, in its [`Connected`] extras.
-#[derive(Debug, Clone, Copy)]
-struct Opened(Instant);
-
 /// `HttpConnector`, stamping each connection with when it was opened.
 #[derive(Debug, Clone)]
 pub(crate) struct StampingConnector(pub(crate) HttpConnector);
@@ -47,8 +43,7 @@ impl tower::Service<Uri> for StampingConnector {
             let io = connecting.await?;
             Ok(Stamped {
                 io,
-                opened: Instant::now(),
-                lease: Arc::default(),
+                lease: Arc::new(Lease::new()),
                 read_last: true,
                 last_read: tokio::time::Instant::now(),
                 reuse_ends: None,
@@ -61,7 +56,6 @@ impl tower::Service<Uri> for StampingConnector {
 #[derive(Debug)]
 pub(crate) struct Stamped {
     io: TokioIo<TcpStream>,
-    opened: Instant,
     lease: Arc<Lease>,
     /// Whether it read last: a write then begins a new exchange.
     read_last: bool,
@@ -92,15 +86,19 @@ pub(crate) fn worth_sending_again(
     }
     let mut extras = http::Extensions::new();
     info.get_extras(&mut extras);
-    extras.get::<Opened>().is_some_and(|opened| opened.0 < sent)
+    extras
+        .get::<Arc<Lease>>()
+        .is_some_and(|lease| lease.opened < sent)
 }
 
-/// What the upstream said of how long it keeps an idle connection, and
-/// whether every answer read from this one has ended: shared by the
+/// When a connection was opened, what the upstream said of how long it
+/// keeps an idle one, and whether every answer read from this one has
+/// ended: in the connection's [`Connected`] extras, shared by the
 /// connection (which, idle, ends itself a margin before the upstream
-/// would) and the answers read from it (which tell it both).
-#[derive(Debug, Default)]
+/// would) and the answers read from it (which tell it the last two).
+#[derive(Debug)]
 pub(crate) struct Lease {
+    opened: Instant,
     /// The upstream's `Keep-Alive: timeout=N` in its last answer, in
     /// milliseconds (0: none said).
     keep_alive_ms: AtomicU64,
@@ -119,6 +117,17 @@ pub(crate) struct Lease {
 }
 
 impl Lease {
+    /// The lease of a connection opened now.
+    fn new() -> Self {
+        Self {
+            opened: Instant::now(),
+            keep_alive_ms: AtomicU64::new(0),
+            begun: AtomicU64::new(0),
+            ended: AtomicU64::new(0),
+            reader: Mutex::new(None),
+        }
+    }
+
     /// Takes the upstream's `Keep-Alive: timeout=N` from an answer's head
     /// (before its hop-by-hop fields are stripped); an answer without one
     /// takes it back. Past a day it is no bound worth keeping (the pool's
@@ -191,10 +200,7 @@ fn keep_alive_timeout(headers: &http::HeaderMap) -> Option<u64> {
 
 impl Connection for Stamped {
     fn connected(&self) -> Connected {
-        self.io
-            .connected()
-            .extra(Opened(self.opened))
-            .extra(self.lease.clone())
+        self.io.connected().extra(self.lease.clone())
     }
 }
 
@@ -287,7 +293,7 @@ mod tests {
     /// the connection ends late.
     #[test]
     fn a_connection_is_idle_once_every_answer_has_ended() {
-        let lease = Lease::default();
+        let lease = Lease::new();
         lease.keep_alive_ms.store(5_000, Relaxed);
         let idle = || lease.reuse_until(tokio::time::Instant::now()).is_some();
         assert!(idle(), "nothing sent yet");
@@ -329,7 +335,7 @@ mod tests {
         assert_eq!(timeout(&["max=100"]), None);
         assert_eq!(timeout(&["timeout=soon"]), None);
         assert_eq!(timeout(&["timeout=18446744073709551615"]), Some(u64::MAX));
-        let lease = Lease::default();
+        let lease = Lease::new();
         let mut huge = http::HeaderMap::new();
         huge.insert(
             "keep-alive",

@@ -160,10 +160,10 @@ impl Forward {
     /// `idle` (none kept for zero), or, when the upstream's answers name
     /// its own keep-alive timeout (`Keep-Alive: timeout=N`, as Node and
     /// Apache send), a second (half of it, under two seconds) before that
-    /// timeout ends, counted from the connection's last read. For one that does not, keep it
-    /// below that timeout (uvicorn's 5 s, gunicorn's 2 s): a request sent on
-    /// a connection the upstream is closing fails (a GET or HEAD is sent
-    /// once more; another method answers 502).
+    /// timeout ends, counted from the connection's last read. For one that
+    /// does not, keep it below that timeout (uvicorn's 5 s, gunicorn's
+    /// 2 s): a request sent on a connection the upstream is closing fails
+    /// (a GET or HEAD is sent once more; another method answers 502).
     pub fn with_idle_timeout(upstream: &Uri, idle: Duration) -> Result<Self, String> {
         let (scheme, authority) = check_upstream(upstream)?;
         let client = pool(idle, usize::MAX);

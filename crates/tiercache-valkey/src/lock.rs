@@ -76,7 +76,7 @@ pub(crate) async fn release_once(inner: &Inner, release: &Release) -> bool {
     if !inner.client().is_connected() {
         return false;
     }
-    let client = &inner.client();
+    let client = inner.client();
     let bound = inner.command_timeout;
     // A shared answer is left first, for a moment, where a waiter that
     // finds the lock gone (it subscribed too late) reads it: so no waiter

@@ -35,7 +35,7 @@ pub struct ValkeyTier {
 
 pub(crate) struct Inner {
     /// Replaced by a new one when fred's connection task dies (see
-    /// `reconnect::keep_connected`): read it through [`Inner::client`].
+    /// `reconnect::keep_client_connected`): read it through [`Inner::client`].
     client: std::sync::RwLock<Client>,
     pub(crate) bus: Arc<Bus>,
     pub(crate) fill_locks: bool,
@@ -100,10 +100,12 @@ impl Inner {
     /// the breaker), so a short reconnection, or a client built by the
     /// caller and still connecting, costs a wait, not an open breaker.
     pub(crate) async fn connected(&self) -> Result<(), TierError> {
-        if !self.client().is_connected() {
-            let _ =
-                tokio::time::timeout(self.command_timeout, self.client().wait_for_connect()).await;
+        let client = self.client();
+        if client.is_connected() {
+            return Ok(());
         }
+        let _ = tokio::time::timeout(self.command_timeout, client.wait_for_connect()).await;
+        // Asked again: the client may have been replaced meanwhile.
         if self.client().is_connected() {
             Ok(())
         } else {
@@ -189,7 +191,7 @@ impl ValkeyTier {
         let failures = Arc::new(crate::failures::Failures::default());
         failures.watch(&client);
         // Ours to keep running when this tier connects it (see
-        // `reconnect::keep_connected`).
+        // `reconnect::keep_client_connected`).
         let task = (!client.is_connected()).then(|| client.connect());
         // A heartbeat's ping unanswered for this long finds a connection
         // gone silent (see `reconnect::heartbeat`).
