@@ -20,6 +20,7 @@ use tiercache::http::key::request_key;
 use tiercache::valkey::{ValkeyConfig, ValkeyTier};
 use tiercache::{Policy, ResponseCacheLayer, TieredCache};
 use tiercache_proxy::{Proxy, ProxyConfig};
+use tiercache_testkit::http::Events;
 use tiercache_testkit::{Counter, Server, ValkeyServer, eventually};
 use tower::ServiceExt;
 
@@ -41,8 +42,8 @@ impl Origin {
 }
 
 /// Reflects the request; `?status=`, `?cc=`, `?cdn=`, `?vary=`,
-/// `?set_cookie=`, `?ce=`, `?etag=`, `?lm=`, `?age=`, `?size=`, `?hop`
-/// shape the response (and `x-respond-status` / `x-respond-location` on
+/// `?set_cookie=`, `?ce=`, `?etag=`, `?lm=`, `?age=`, `?size=`, `?hop`,
+/// `?events` (server-sent events that never end) shape the response (and `x-respond-status` / `x-respond-location` on
 /// any method). Paths with `account` in them are private, as an account
 /// page behind lenient path matching would be. A request with `x-bad`
 /// is a 400; one with a header value over 4 KiB a 431.
@@ -114,6 +115,11 @@ pub(crate) async fn reflect(
         && inm == etag
     {
         return (StatusCode::NOT_MODIFIED, out).into_response();
+    }
+    if q.contains_key("events") {
+        set("content-type", "text/event-stream");
+        let events = Body::new(Events::every(Duration::from_millis(20)));
+        return (status, out, events).into_response();
     }
     if let Some(size) = q.get("size") {
         let size: usize = size.parse().unwrap();
@@ -328,7 +334,17 @@ impl Harness {
     }
 
     pub(crate) async fn send(&self, req: Request<Body>) -> Reply {
-        let (parts, body) = match &self.via {
+        let (parts, body) = self.send_for_head(req).await;
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body: body.collect().await.unwrap().to_bytes(),
+        }
+    }
+
+    /// The answer's head as soon as the cache gives it, its body unread.
+    pub(crate) async fn send_for_head(&self, req: Request<Body>) -> (http::response::Parts, Body) {
+        match &self.via {
             Via::Layer { app, .. } => app.clone().oneshot(req).await.unwrap().into_parts(),
             Via::Proxy { .. } => {
                 let client: Client<HttpConnector, Body> =
@@ -340,11 +356,6 @@ impl Harness {
                     .into_parts();
                 (parts, Body::new(body))
             }
-        };
-        Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body: body.collect().await.unwrap().to_bytes(),
         }
     }
 

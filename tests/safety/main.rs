@@ -16,3 +16,4 @@ mod harness;
 mod invalidation;
 mod poisoning;
 mod storage;
+mod streams;

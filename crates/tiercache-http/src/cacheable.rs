@@ -2,9 +2,9 @@
 //! and whether a response may be stored, with the reason when not.
 
 use http::header::{
-    AUTHORIZATION, CACHE_CONTROL, CONTENT_LENGTH, COOKIE, HOST, IF_MATCH, IF_MODIFIED_SINCE,
-    IF_NONE_MATCH, IF_RANGE, IF_UNMODIFIED_SINCE, PRAGMA, RANGE, SET_COOKIE, TE, TRANSFER_ENCODING,
-    VARY,
+    AUTHORIZATION, CACHE_CONTROL, CONTENT_LENGTH, CONTENT_TYPE, COOKIE, HOST, IF_MATCH,
+    IF_MODIFIED_SINCE, IF_NONE_MATCH, IF_RANGE, IF_UNMODIFIED_SINCE, PRAGMA, RANGE, SET_COOKIE, TE,
+    TRANSFER_ENCODING, UPGRADE, VARY,
 };
 use http::{HeaderMap, Method, StatusCode, request};
 
@@ -27,6 +27,11 @@ pub enum Reason {
     RequestBody,
     /// `Range`, `If-Range`, `If-Match` or `If-Unmodified-Since`: answered by the origin.
     Precondition,
+    /// `Upgrade` (a WebSocket's handshake): a request to switch protocols
+    /// on this connection, which only the origin can answer. `Upgrade: h2c`
+    /// alone is not one (no server here switches to it; it answers as
+    /// usual).
+    Upgrade,
     /// More than one `Host`, or an absolute-form target naming another host
     /// than `Host`: which one the origin uses is not knowable. Or a host
     /// longer than any DNS name with a port ([`MAX_HOST`]).
@@ -64,17 +69,22 @@ pub enum Reason {
     /// key is not remembered as uncacheable, and the requests waiting on
     /// this load try again.
     Busy,
+    /// A live stream (`text/event-stream`, `multipart/x-mixed-replace`):
+    /// it has no end to wait for, so it is passed on as it comes, to its
+    /// own client only.
+    Stream,
 }
 
 impl Reason {
     /// Every reason, in declaration order.
-    pub const ALL: [Reason; 20] = [
+    pub const ALL: [Reason; 22] = [
         Reason::Method,
         Reason::Authorization,
         Reason::Cookie,
         Reason::RequestNoStore,
         Reason::RequestBody,
         Reason::Precondition,
+        Reason::Upgrade,
         Reason::Host,
         Reason::HitForMiss,
         Reason::Status,
@@ -89,6 +99,7 @@ impl Reason {
         Reason::BodyFailed,
         Reason::NotFresh,
         Reason::Busy,
+        Reason::Stream,
     ];
 
     /// The token used in `cache-status` `detail=` and in the stats.
@@ -100,6 +111,7 @@ impl Reason {
             Reason::RequestNoStore => "request-no-store",
             Reason::RequestBody => "request-body",
             Reason::Precondition => "precondition",
+            Reason::Upgrade => "upgrade",
             Reason::Host => "host",
             Reason::HitForMiss => "hit-for-miss",
             Reason::Status => "status",
@@ -114,6 +126,7 @@ impl Reason {
             Reason::BodyFailed => "body-failed",
             Reason::NotFresh => "not-fresh",
             Reason::Busy => "busy",
+            Reason::Stream => "stream",
         }
     }
 
@@ -130,6 +143,7 @@ impl Reason {
                 | Reason::VaryStar
                 | Reason::TooLarge
                 | Reason::Body
+                | Reason::Stream
         )
     }
 }
@@ -163,6 +177,7 @@ pub(crate) struct Scan {
     pub(crate) unkeyed: bool,
     pub(crate) range: bool,
     pub(crate) te: bool,
+    pub(crate) upgrade: bool,
 }
 
 impl Scan {
@@ -185,6 +200,8 @@ impl Scan {
                 scan.conditional = true;
             } else if name == TE {
                 scan.te = true;
+            } else if name == UPGRADE {
+                scan.upgrade = true;
             } else {
                 scan.unkeyed |= crate::request::is_unkeyed(name.as_str());
             }
@@ -207,6 +224,9 @@ pub(crate) fn cacheable_scanned(req: &request::Parts, scan: &Scan) -> Result<(),
     }
     if scan.precondition {
         return Err(Reason::Precondition);
+    }
+    if scan.upgrade && asks_to_switch(&req.headers) {
+        return Err(Reason::Upgrade);
     }
     if scan.cache_control && has_directive(&req.headers, "no-store") {
         return Err(Reason::RequestNoStore);
@@ -234,6 +254,43 @@ pub(crate) fn cacheable_scanned(req: &request::Parts, scan: &Scan) -> Result<(),
         return Err(Reason::Host);
     }
     Ok(())
+}
+
+/// Whether `Upgrade` names a protocol other than `h2c` (RFC 9110 §7.8: a
+/// list of `protocol[/version]`), which the origin may switch the
+/// connection to: hyper's server hands such a request the connection
+/// whatever `Connection` says.
+fn asks_to_switch(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(UPGRADE)
+        .iter()
+        .flat_map(|value| {
+            value
+                .as_bytes()
+                .split(|&b| b == b',')
+                .map(<[u8]>::trim_ascii)
+        })
+        .any(|protocol| !protocol.is_empty() && !protocol.eq_ignore_ascii_case(b"h2c"))
+}
+
+/// Whether a response is a live stream, one whose end never comes:
+/// server-sent events, or a multipart stream that replaces itself.
+///
+/// ```
+/// use http::{HeaderMap, HeaderValue, header::CONTENT_TYPE};
+/// use tiercache_http::cacheable::is_live_stream;
+///
+/// let mut headers = HeaderMap::new();
+/// headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
+/// assert!(is_live_stream(&headers));
+/// ```
+pub fn is_live_stream(headers: &HeaderMap) -> bool {
+    headers.get_all(CONTENT_TYPE).iter().any(|value| {
+        let essence = value.as_bytes().split(|&b| b == b';').next().unwrap_or(b"");
+        let essence = essence.trim_ascii();
+        essence.eq_ignore_ascii_case(b"text/event-stream")
+            || essence.eq_ignore_ascii_case(b"multipart/x-mixed-replace")
+    })
 }
 
 /// The longest host a cacheable request may name: a DNS name (253 bytes),
@@ -427,9 +484,19 @@ mod tests {
                 Reason::Precondition,
             ),
             (vec![("host", "a"), ("host", "b")], Reason::Host),
+            (vec![("upgrade", "websocket")], Reason::Upgrade),
+            (vec![("upgrade", "h2c, WebSocket/13")], Reason::Upgrade),
+            (
+                vec![("upgrade", "h2c"), ("upgrade", "foo")],
+                Reason::Upgrade,
+            ),
             // Longer than any DNS name and port: the client's own size.
             (vec![("host", too_long.as_str())], Reason::Host),
         ];
+        for only_h2c in ["h2c", "H2C , ", ""] {
+            let upgrade = [("upgrade", only_h2c)];
+            assert_eq!(request_cacheable(&req(Method::GET, &upgrade)), Ok(()));
+        }
         let longest = format!("{}:65535", "h".repeat(253));
         assert_eq!(
             request_cacheable(&req(Method::GET, &[("host", &longest)])),

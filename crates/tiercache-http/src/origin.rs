@@ -149,6 +149,13 @@ impl Load<'_> {
         {
             return self.renewed(parts, stale).await;
         }
+        // A live stream has no end to read to (to store it, or share it
+        // with the requests waiting): it goes to its client as it comes,
+        // and the key is marked, so the next clients each get their own
+        // without waiting on another's head.
+        if crate::cacheable::is_live_stream(&parts.headers) {
+            return self.pass(parts, CacheBody::stream(body), Reason::Stream);
+        }
         let cache_control = targeted(&parts.headers, &route.config.targets);
         // An origin failure with a stale entry at hand that may stand in
         // for it (stale-if-error): the stale entry answers, nothing is

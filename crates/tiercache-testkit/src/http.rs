@@ -75,6 +75,55 @@ impl axum::body::HttpBody for BreaksOff {
     }
 }
 
+/// A body that never ends: server-sent events (`data: 0`, `data: 1`, …),
+/// one every `every`, the first at once, until its reader goes.
+///
+/// ```
+/// let events = tiercache_testkit::http::Events::every(std::time::Duration::from_millis(20));
+/// let body = axum::body::Body::new(events);
+/// # drop(body);
+/// ```
+#[derive(Debug)]
+pub struct Events {
+    sent: usize,
+    every: std::time::Duration,
+    /// Started at the first read (a timer needs the runtime).
+    ticks: Option<tokio::time::Interval>,
+}
+
+impl Events {
+    /// An event every `every`.
+    pub fn every(every: std::time::Duration) -> Self {
+        Self {
+            sent: 0,
+            every,
+            ticks: None,
+        }
+    }
+}
+
+impl axum::body::HttpBody for Events {
+    type Data = axum::body::Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        let every = self.every;
+        let ticks = self
+            .ticks
+            .get_or_insert_with(|| tokio::time::interval(every));
+        if ticks.poll_tick(cx).is_pending() {
+            return std::task::Poll::Pending;
+        }
+        let event = format!("data: {}\n\n", self.sent);
+        self.sent += 1;
+        let data = axum::body::Bytes::from(event);
+        std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(data))))
+    }
+}
+
 /// A header's value as text (empty when absent).
 pub fn header<'a>(headers: &'a HeaderMap, name: &str) -> &'a str {
     headers
