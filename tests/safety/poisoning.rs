@@ -307,3 +307,73 @@ async fn junk_accept_encodings_cannot_lock_a_url_out() {
         }
     }
 }
+
+/// A field the client names in `Connection` is this hop's (RFC 9110
+/// §7.6.1): the proxy never sends it on. Keyed or varied on as sent, the
+/// origin's answer to its absence was stored for everyone who sends it
+/// (`Accept-Language: fr` clients got the English page).
+#[tokio::test]
+async fn a_field_named_in_connection_never_keys_what_the_origin_did_not_see() {
+    for h in Harness::both().await {
+        let target = "/hello?vary=accept-language&cc=max-age%3D60";
+        let french = [("accept-language", "fr")];
+        let hidden = [("accept-language", "fr"), ("connection", "accept-language")];
+        h.get_with(target, &hidden).await;
+        let victim = h.get_with(target, &french).await;
+        assert!(
+            victim.text().contains("accept-language: fr"),
+            "{}: a French client got an answer made without its language ({})",
+            h.name,
+            victim.x_cache()
+        );
+    }
+}
+
+/// The key holds the host lower-cased; the origin must get it so too, or
+/// an answer built from the host as sent (a redirect to the canonical,
+/// lower-case host, from an origin that compares case-blind nowhere) is
+/// stored for every client of the URL.
+#[tokio::test]
+async fn the_origin_gets_the_host_as_it_was_keyed() {
+    for h in Harness::both().await {
+        let target = "/canonical?cc=max-age%3D60";
+        let upper = h.request_to("GET", target).header("host", "SHOP.TEST");
+        let stored = h.send(upper.body(Body::empty()).unwrap()).await;
+        assert!(
+            !stored.text().contains("SHOP.TEST"),
+            "{}: {}",
+            h.name,
+            stored.text()
+        );
+        assert!(stored.text().contains("host: shop.test"), "{}", h.name);
+        assert_eq!(h.get(target).await.x_cache(), "HIT", "{}", h.name);
+    }
+}
+
+/// An origin that gzips whatever the client said (`gzip;q=0` read as
+/// `gzip`, as Django's middleware does): its answer is not stored under a
+/// variant that refuses the coding, which `identity` clients share.
+#[tokio::test]
+async fn a_coding_the_request_refused_is_not_stored_for_its_variant() {
+    for h in Harness::both().await {
+        let target = "/coded?ce=gzip&vary=accept-encoding&cc=max-age%3D60";
+        h.get_with(target, &[("accept-encoding", "gzip;q=0")]).await;
+        let plain = h.get_with(target, &[("accept-encoding", "identity")]).await;
+        assert_ne!(
+            plain.x_cache(),
+            "HIT",
+            "{}: a gzip body for identity",
+            h.name
+        );
+        assert!(
+            plain.h("cache-status").ends_with("detail=encoding"),
+            "{}",
+            h.name
+        );
+        assert_eq!(h.calls(), 2, "{}", h.name);
+        // A client that accepts the coding stores it for its variant.
+        h.get_with(target, &[("accept-encoding", "gzip")]).await;
+        let again = h.get_with(target, &[("accept-encoding", "gzip")]).await;
+        assert_eq!(again.x_cache(), "HIT", "{}", h.name);
+    }
+}

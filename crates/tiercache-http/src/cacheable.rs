@@ -69,6 +69,10 @@ pub enum Reason {
     /// key is not remembered as uncacheable, and the requests waiting on
     /// this load try again.
     Busy,
+    /// Varied on `Accept-Encoding`, in a content coding the request did
+    /// not accept (an origin that reads `gzip;q=0` as `gzip`): stored, it
+    /// would answer that variant's clients, who cannot decode it.
+    Encoding,
     /// A live stream (`text/event-stream`, `multipart/x-mixed-replace`):
     /// it has no end to wait for, so it is passed on as it comes, to its
     /// own client only.
@@ -77,7 +81,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, in declaration order.
-    pub const ALL: [Reason; 22] = [
+    pub const ALL: [Reason; 23] = [
         Reason::Method,
         Reason::Authorization,
         Reason::Cookie,
@@ -99,6 +103,7 @@ impl Reason {
         Reason::BodyFailed,
         Reason::NotFresh,
         Reason::Busy,
+        Reason::Encoding,
         Reason::Stream,
     ];
 
@@ -126,6 +131,7 @@ impl Reason {
             Reason::BodyFailed => "body-failed",
             Reason::NotFresh => "not-fresh",
             Reason::Busy => "busy",
+            Reason::Encoding => "encoding",
             Reason::Stream => "stream",
         }
     }

@@ -201,6 +201,9 @@ impl Load<'_> {
             Err(reason) if shareable => return self.share(parts, body, reason).await,
             Err(reason) => return self.pass(parts, CacheBody::stream(body), reason),
         };
+        if headers::coding_refused(&self.request_headers, &parts.headers) {
+            return self.pass(parts, CacheBody::stream(body), Reason::Encoding);
+        }
         let variant = variant_for(&parts.headers, &self.request_headers);
         let varied = (!variant.is_empty()).then(|| variant_key(self.primary, &variant));
         if let Some(key) = &varied

@@ -6,7 +6,7 @@
 //! answers them, RFC 9111 §4.3.2), and what the route keys on is pushed into
 //! the key (credentials and cookies only as fingerprints).
 
-use http::header::{AUTHORIZATION, CACHE_CONTROL, COOKIE, PRAGMA, TE};
+use http::header::{AUTHORIZATION, CACHE_CONTROL, COOKIE, HOST, PRAGMA, TE};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, request};
 use tiercache_core::key::fingerprint;
 use tiercache_core::{CacheKey, KeyBuilder};
@@ -25,12 +25,14 @@ use crate::key::{request_key, target_key};
 /// ([`key_header`](crate::ResponseCacheLayer::key_header)), in every
 /// spelling: names are compared case-blind and with `_` read as `-`, since
 /// Puma and WSGI servers fold `X_Forwarded_Host` into `X-Forwarded-Host`.
-pub const UNKEYED: [&str; 26] = [
+pub const UNKEYED: [&str; 34] = [
     // host
     "x-forwarded-host",
     "x-forwarded-server",
     "x-host",
     "x-original-host",
+    "x-original-forwarded-host",
+    "x-http-host-override",
     "forwarded",
     // scheme
     "x-forwarded-proto",
@@ -41,10 +43,16 @@ pub const UNKEYED: [&str; 26] = [
     "x-url-scheme",
     "front-end-https",
     "x-forwarded-https",
+    "x-original-proto",
+    "cloudfront-forwarded-proto",
     // port
     "x-forwarded-port",
     // prefix and path
     "x-forwarded-prefix",
+    "x-forwarded-pathbase",
+    "x-forwarded-base",
+    "x-original-prefix",
+    "x-envoy-original-path",
     "x-forwarded-path",
     "x-forwarded-uri",
     "x-original-url",
@@ -62,7 +70,7 @@ pub const UNKEYED: [&str; 26] = [
 /// Whether `name` is one of [`UNKEYED`] in any spelling (case, `-` or `_`).
 pub fn is_unkeyed(name: &str) -> bool {
     // Most names start elsewhere: one byte settles them.
-    matches!(name.as_bytes().first(), Some(b'x' | b'f' | b's'))
+    matches!(name.as_bytes().first(), Some(b'x' | b'f' | b's' | b'c'))
         && UNKEYED.iter().any(|u| same_name(u, name))
 }
 
@@ -124,6 +132,7 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
     // from this thread's recent ones (see `target_keys`); a keyed one's is
     // built on, part by part.
     let mut key = Key::of(parts, keyed);
+    lower_host(parts);
     let headers = &mut parts.headers;
     let mut credentialed = false;
     if scan.authorization {
@@ -200,6 +209,36 @@ pub(crate) fn prepare(parts: &mut request::Parts, config: &HttpConfig) -> Result
         only_if_cached,
         range,
     })
+}
+
+/// Lower-cases the host the origin gets, `Host` and the target's
+/// authority, as the key holds it (RFC 3986 §6.2.2.1): an answer built
+/// from the host as sent (a case-sensitive redirect to the canonical
+/// host) would otherwise be stored for every spelling of it.
+#[inline]
+fn lower_host(parts: &mut request::Parts) {
+    let upper = |bytes: &[u8]| bytes.iter().any(u8::is_ascii_uppercase);
+    if let Some(host) = parts.headers.get(HOST)
+        && upper(host.as_bytes())
+        && let Ok(lower) = HeaderValue::from_bytes(&host.as_bytes().to_ascii_lowercase())
+    {
+        parts.headers.insert(HOST, lower);
+    }
+    if let Some(authority) = parts.uri.authority()
+        && upper(authority.as_str().as_bytes())
+    {
+        // Userinfo is no part of the host (and the proxy refuses it).
+        let (user, host) = match authority.as_str().rsplit_once('@') {
+            Some((user, host)) => (format!("{user}@"), host),
+            None => (String::new(), authority.as_str()),
+        };
+        let lower = format!("{user}{}", host.to_ascii_lowercase());
+        let mut uri = parts.uri.clone().into_parts();
+        uri.authority = http::uri::Authority::try_from(lower).ok();
+        if let Ok(uri) = http::Uri::from_parts(uri) {
+            parts.uri = uri;
+        }
+    }
 }
 
 /// A request's key while [`prepare`] builds it.

@@ -100,6 +100,32 @@ pub(crate) fn check_upstream(upstream: &Uri) -> Result<(Scheme, Authority), Stri
     Ok((scheme, authority))
 }
 
+/// Removes the fields a client names in `Connection` (RFC 9110 §7.6.1)
+/// before the cache sees the request. They are this hop's, and the
+/// forwarder never sends them on: a key or `Vary` variant built on one
+/// would store the upstream's answer to its absence for every client that
+/// sends it. Kept: `Host` (the forwarder sends the keyed host whatever
+/// `Connection` says), the framing fields (hyper frames the body itself),
+/// `TE` (the forwarder passes on `trailers`) and `Upgrade` (the cache
+/// bypasses a request asking to switch protocols).
+pub(crate) fn drop_connection_options(headers: &mut http::HeaderMap) {
+    use http::header::{CONTENT_LENGTH, TRANSFER_ENCODING, UPGRADE};
+    if !headers.contains_key(CONNECTION) {
+        return;
+    }
+    let kept = [HOST, CONTENT_LENGTH, TRANSFER_ENCODING, TE, UPGRADE];
+    let named: Vec<HeaderName> = headers
+        .get_all(CONNECTION)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim_ascii()).ok())
+        .filter(|n| !kept.contains(n))
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+}
+
 /// Forwards each request to `upstream`, as a reverse proxy should: hop-by-hop
 /// fields (and those named in `Connection`) removed both ways, `Host` the
 /// host the cache keyed on, `X-Forwarded-For/Host/Proto` set by the proxy

@@ -129,7 +129,8 @@ impl Service<Request<Body>> for Dispatch {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: Request<Body>) -> Self::Future {
+    fn call(&mut self, mut req: Request<Body>) -> Self::Future {
+        crate::forward::drop_connection_options(req.headers_mut());
         if let Some(why) = crate::host::host_problem(&req) {
             let head = req.method() == http::Method::HEAD;
             let text = format!("tiercache-proxy: {why}\n");

@@ -18,7 +18,7 @@ use crate::values;
 
 mod labelled;
 mod view;
-pub(crate) use view::{HeadView, view};
+pub(crate) use view::{HeadView, coding_refused, view};
 
 /// `x-cache`: `HIT`, `MISS`, `STALE`, `BYPASS`.
 pub const X_CACHE: HeaderName = HeaderName::from_static("x-cache");

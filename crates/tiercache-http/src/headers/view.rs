@@ -50,6 +50,29 @@ impl HeadView {
     }
 }
 
+/// Whether a response names `Accept-Encoding` in `Vary`.
+fn varies_on_accept_encoding(headers: &HeaderMap) -> bool {
+    headers.get_all(VARY).iter().any(|v| {
+        v.as_bytes()
+            .split(|&b| b == b',')
+            .any(|n| n.trim_ascii().eq_ignore_ascii_case(b"accept-encoding"))
+    })
+}
+
+/// Whether `response`, varied on `Accept-Encoding`, is in a known coding
+/// its `request` did not accept (an origin that reads `gzip;q=0` as
+/// `gzip`): a hit on such an entry is not checked against the coding (its
+/// variant is taken to settle it), so it must not be stored for that
+/// variant, which clients that cannot decode it share.
+pub(crate) fn coding_refused(request: &HeaderMap, response: &HeaderMap) -> bool {
+    response.get(CONTENT_ENCODING).is_some_and(|coding| {
+        let coding = coding.as_bytes().trim_ascii();
+        known_coding(coding)
+            && varies_on_accept_encoding(response)
+            && !accepts_encoding(request, coding)
+    })
+}
+
 /// The view of `entry`, built on first use with `targets` (RFC 9213 fields).
 // On every L1 hit: inlined into the application's crate too.
 #[inline]
@@ -90,11 +113,7 @@ fn head_view(entry: &Entry, targets: &[HeaderName]) -> HeadView {
         }
     }
     let revalidate = has_directive(&targeted(&headers, targets), "no-cache");
-    let varied_on_encoding = headers.get_all(VARY).iter().any(|v| {
-        v.as_bytes()
-            .split(|&b| b == b',')
-            .any(|n| n.trim_ascii().eq_ignore_ascii_case(b"accept-encoding"))
-    });
+    let varied_on_encoding = varies_on_accept_encoding(&headers);
     // The coding decides who may get the entry, unless its variant already
     // does: a known coding varied on `Accept-Encoding`. Unknown codings
     // share one variant (so a client cannot mint variants), so theirs is
