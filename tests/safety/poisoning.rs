@@ -377,3 +377,58 @@ async fn a_coding_the_request_refused_is_not_stored_for_its_variant() {
         assert_eq!(again.x_cache(), "HIT", "{}", h.name);
     }
 }
+
+/// The proxy's rules are chosen on the path as the upstream resolves it:
+/// matched as sent, other spellings of a `cache = false` path (an encoded
+/// letter, a doubled slash, a dot segment, upper case, a `;` parameter)
+/// escaped the rule and were stored, though the upstream answered each
+/// as the page the rule keeps out of the cache.
+#[tokio::test]
+async fn a_pass_rule_holds_for_every_spelling_of_its_paths() {
+    let origin = Origin::default();
+    let server = tiercache_testkit::Server::start(origin_app(&origin, None)).await;
+    let mut config = tiercache_proxy::ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)));
+    config.ttl = Some(TTL);
+    config.routes = vec![tiercache_proxy::routes::Route::pass("/api/cart/*")];
+    let proxy = tiercache_proxy::Proxy::start(config).await.unwrap();
+    let get = |path: &str| {
+        let req = Request::get(format!("http://{}{path}", proxy.addr()));
+        req.header("host", HOST).body(Body::empty()).unwrap()
+    };
+    let spellings = [
+        "/api/cart/items",
+        "/api/%63art/items",
+        "/api//cart/items",
+        "/api/./cart/items",
+        "/api/x/../cart/items",
+        "/API/Cart/items",
+        "/api/cart;x/items",
+        "/api%2fcart/items",
+    ];
+    for (i, path) in spellings.iter().enumerate() {
+        for _ in 0..2 {
+            let res =
+                hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                    .build_http::<Body>()
+                    .request(get(path))
+                    .await
+                    .unwrap();
+            assert_eq!(res.status(), StatusCode::OK, "{path}");
+            assert!(!res.headers().contains_key("x-cache"), "{path}: cached");
+        }
+        assert_eq!(
+            origin.calls.get(),
+            2 * (i + 1),
+            "{path}: answered from storage"
+        );
+    }
+    // Another path is cached as ever.
+    for expected in ["MISS", "HIT"] {
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http::<Body>();
+        let res = client.request(get("/api/items")).await.unwrap();
+        assert_eq!(res.headers()["x-cache"], expected);
+    }
+}

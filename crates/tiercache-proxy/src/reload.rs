@@ -98,7 +98,9 @@ pub(crate) fn route_table(
         } else {
             pass(&config.with(&route.settings))
         };
-        table.routes.push((route.path.clone(), service));
+        // Matched against the path lower-cased (see `resolved_path`).
+        let glob = routes::Glob::new(route.path.as_str().to_ascii_lowercase());
+        table.routes.push((glob, service));
     }
     Ok((table, layer))
 }

@@ -141,12 +141,105 @@ impl Service<Request<Body>> for Dispatch {
         if table.forward.came_back(req.headers()) {
             return table.looped.clone().call(req);
         }
-        let path = req.uri().path();
+        let path = resolved_path(req.uri().path());
         let mut service = table
             .routes
             .iter()
-            .find(|(glob, _)| glob.matches(path))
+            .find(|(glob, _)| glob.matches(&path))
             .map_or_else(|| table.default.clone(), |(_, s)| s.clone());
         service.call(req)
+    }
+}
+
+/// The path as an upstream most likely resolves it, for choosing a rule
+/// (never keyed or sent on): percent-encodings decoded, `\` read as `/`,
+/// each segment's `;` parameters dropped (as Java servers do), `.` and
+/// `..` segments resolved, repeated slashes merged, and letters
+/// lower-cased (the globs are too). Matched as sent, `/api/%63art/items`,
+/// `/api//cart/items` or `/API/cart;x/items` escaped a `cache = false`
+/// rule for `/api/cart/*` and were stored, though the upstream answered
+/// each as the cart.
+pub(crate) fn resolved_path(path: &str) -> std::borrow::Cow<'_, str> {
+    let plain = |b: &u8| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'~');
+    let bytes = path.as_bytes();
+    // Most paths hold nothing to resolve: no copy.
+    if !bytes
+        .windows(2)
+        .any(|w| w[0] == b'/' && matches!(w[1], b'/' | b'.'))
+        && bytes.iter().all(|b| plain(b) || matches!(b, b'/' | b'.'))
+    {
+        return std::borrow::Cow::Borrowed(path);
+    }
+    let hex = |b: u8| (b as char).to_digit(16);
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        match (
+            b,
+            bytes.get(i + 1).copied().and_then(hex),
+            bytes.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(high), Some(low)) => {
+                decoded.push((high * 16 + low) as u8);
+                i += 3;
+                continue;
+            }
+            (b'\\', ..) => decoded.push(b'/'),
+            _ => decoded.push(b),
+        }
+        i += 1;
+    }
+    let mut segments: Vec<&[u8]> = Vec::new();
+    for segment in decoded.split(|&b| b == b'/') {
+        let segment = segment.split(|&b| b == b';').next().unwrap_or_default();
+        match segment {
+            b"" | b"." => {}
+            b".." => {
+                segments.pop();
+            }
+            _ => segments.push(segment),
+        }
+    }
+    let mut resolved = Vec::with_capacity(decoded.len() + 1);
+    for segment in &segments {
+        resolved.push(b'/');
+        resolved.extend_from_slice(segment);
+    }
+    // A trailing slash stays (`/static/` is not `/static`).
+    if segments.is_empty() || decoded.ends_with(b"/") {
+        resolved.push(b'/');
+    }
+    resolved.make_ascii_lowercase();
+    std::borrow::Cow::Owned(String::from_utf8_lossy(&resolved).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::resolved_path;
+
+    #[test]
+    fn a_path_is_resolved_as_an_upstream_would() {
+        for (sent, resolved) in [
+            ("/api/cart/items", "/api/cart/items"),
+            ("/api/%63art/items", "/api/cart/items"),
+            ("/api%2Fcart/items", "/api/cart/items"),
+            ("/api//cart/./items", "/api/cart/items"),
+            ("/api/x/../cart/items", "/api/cart/items"),
+            ("/../../api/cart/items", "/api/cart/items"),
+            ("/api\\cart\\items", "/api/cart/items"),
+            ("/api/cart;jsessionid=1/items;x", "/api/cart/items"),
+            ("/API/Cart/Items", "/api/cart/items"),
+            ("/static/", "/static/"),
+            ("/static//", "/static/"),
+            ("/", "/"),
+            ("/..", "/"),
+        ] {
+            assert_eq!(resolved_path(sent), resolved, "{sent}");
+        }
+        assert!(matches!(
+            resolved_path("/static/site.v2.css"),
+            std::borrow::Cow::Borrowed(_)
+        ));
     }
 }
