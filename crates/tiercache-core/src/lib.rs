@@ -89,4 +89,6 @@ mod tests_renew;
 #[cfg(test)]
 mod tests_tags;
 #[cfg(test)]
+mod tests_takeover;
+#[cfg(test)]
 mod tests_unheard;
