@@ -832,3 +832,24 @@ async fn nested_routers_never_share_an_entry_under_the_stripped_path() {
     assert_eq!(body, "one /users v0");
     assert_eq!(headers["x-cache"], "HIT");
 }
+
+/// Inside a nested router the handler gets the path axum routed by, and
+/// the host as the cache keyed it (lower-cased): an HTTP/2 request names
+/// its host only in the target (`:authority`), and a handler that builds
+/// a redirect from an upper-case one would have it stored for everyone.
+#[tokio::test]
+async fn a_nested_handler_gets_the_host_as_it_was_keyed() {
+    let layer = cache();
+    let inner = Router::new().route(
+        "/page",
+        get(|uri: axum::http::Uri| async move { format!("{uri}") })
+            .layer(layer.route(policy()).unwrap()),
+    );
+    let app = Router::new().nest("/app", inner);
+    let req = Request::get("http://SHOP.test/app/page")
+        .body(Body::empty())
+        .unwrap();
+    let (_, headers, body) = send(&app, req).await;
+    assert_eq!(headers["x-cache"], "MISS");
+    assert_eq!(body, "http://shop.test/page");
+}

@@ -405,6 +405,11 @@ async fn a_pass_rule_holds_for_every_spelling_of_its_paths() {
         "/API/Cart/items",
         "/api/cart;x/items",
         "/api%2fcart/items",
+        // Spellings that resolve out of the rule: the upstream may serve
+        // them as the cart all the same.
+        "/api/cart/x/..%2f..%2fitems",
+        "/api/cart/x/..;/..;/items",
+        "/api/cart/.",
     ];
     for (i, path) in spellings.iter().enumerate() {
         for _ in 0..2 {

@@ -78,6 +78,10 @@ pub(crate) enum Waited {
 #[derive(Debug)]
 struct Slot {
     tx: watch::Sender<Option<FlightResult>>,
+    /// Bumped when a slower flight this one took over ends with an answer
+    /// its followers may not share: those waiting then are released (see
+    /// `Flights::finish`); those that join later are not.
+    released: watch::Sender<u64>,
     deadline: Instant,
 }
 
@@ -133,13 +137,17 @@ impl Flights {
         if let Some(slot) = map.get(&key)
             && slot.deadline + grace > now
         {
+            let mut released = slot.released.subscribe();
+            released.mark_unchanged();
             return Join::Follower(Follower {
                 rx: slot.tx.subscribe(),
+                released,
                 deadline: slot.deadline,
             });
         }
         let slot = Arc::new(Slot {
             tx: watch::channel(None).0,
+            released: watch::channel(0).0,
             deadline: now + wait,
         });
         // A stalled flight's slot is replaced: its leader finishes alone.
@@ -192,22 +200,21 @@ impl Flights {
                 other => other.cloned(),
             }
         };
-        // A leader that was only slow, not stalled: its answer is the one
-        // the requests waiting on the flight that took its over were
-        // waiting for (that flight's leader still finishes its own load,
-        // and later joiners get this answer at once), instead of each
-        // waiter taking the flight over in turn. That holds for an answer
-        // they may not share too: released, they each load alone now
-        // (they waited on the next leader before, one more taking the
-        // flight over at each deadline, so twenty requests of an 8 s long
-        // poll were answered 5 s apart). Not passed on: a retry or an
-        // abandoned or panicked load, which say nothing of the newer one.
-        let answers = !matches!(
-            result,
-            FlightResult::Retry
-                | FlightResult::Failed(FlightError::Abandoned | FlightError::Panicked)
-        );
-        if let Some(newer) = newer.filter(|_| answers) {
+        // A leader that was only slow, not stalled: what it stored answers
+        // the requests waiting on the flight that took its over too (that
+        // flight's leader still finishes its own load, and later joiners
+        // get this answer at once), instead of each waiter taking the
+        // flight over in turn. An answer they may not share releases the
+        // ones waiting now to load alone (they waited on the next leader
+        // before, one more taking the flight over at each deadline: twenty
+        // requests of an 8 s long poll were answered 5 s apart); not the
+        // later ones, whose flight's leader may yet store what they want.
+        // Nothing else is passed on: a failure, an overtaken or transient
+        // answer is this flight's, not the newer one's.
+        if let (Some(newer), FlightResult::Released) = (&newer, &result) {
+            newer.released.send_modify(|n| *n += 1);
+        }
+        if let (Some(newer), FlightResult::Shared(..)) = (newer, &result) {
             newer.tx.send_if_modified(|value| {
                 value.is_none() && {
                     *value = Some(result.clone());
@@ -294,16 +301,28 @@ impl Drop for Leader {
 #[derive(Debug)]
 pub(crate) struct Follower {
     rx: watch::Receiver<Option<FlightResult>>,
+    /// Changes when a slower flight this one took over is released.
+    released: watch::Receiver<u64>,
     deadline: Instant,
 }
 
 impl Follower {
     /// Waits for the leader's result, at most until the flight's deadline.
     pub(crate) async fn wait(mut self) -> Waited {
-        let result =
-            tokio::time::timeout_at(self.deadline, self.rx.wait_for(Option::is_some)).await;
+        let released = &mut self.released;
+        let answered = async {
+            tokio::select! {
+                biased;
+                value = self.rx.wait_for(Option::is_some) => {
+                    value.map(|v| v.clone().unwrap_or(FlightResult::Released))
+                }
+                // The sender lives as long as its slot: an error is no news.
+                Ok(()) = released.changed() => Ok(FlightResult::Released),
+            }
+        };
+        let result = tokio::time::timeout_at(self.deadline, answered).await;
         match result {
-            Ok(Ok(value)) => Waited::Done(value.clone().unwrap_or(FlightResult::Released)),
+            Ok(Ok(value)) => Waited::Done(value),
             // The sender lives in the map and the leader; both gone without a
             // value cannot happen (Drop sends), but fail safe.
             Ok(Err(_)) => Waited::Done(FlightResult::Failed(FlightError::Abandoned)),

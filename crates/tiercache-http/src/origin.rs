@@ -151,8 +151,7 @@ impl Load<'_> {
         }
         // A live stream has no end to read to (to store it, or share it
         // with the requests waiting): it goes to its client as it comes,
-        // and the key is marked, so the next clients each get their own
-        // without waiting on another's head.
+        // and those waiting are released to open their own.
         if crate::cacheable::is_live_stream(&parts.headers) {
             return self.pass(parts, CacheBody::stream(body), Reason::Stream);
         }

@@ -69,9 +69,14 @@ pub const UNKEYED: [&str; 34] = [
 
 /// Whether `name` is one of [`UNKEYED`] in any spelling (case, `-` or `_`).
 pub fn is_unkeyed(name: &str) -> bool {
-    // Most names start elsewhere: one byte settles them.
-    matches!(name.as_bytes().first(), Some(b'x' | b'f' | b's' | b'c'))
-        && UNKEYED.iter().any(|u| same_name(u, name))
+    // Most names start elsewhere: one byte settles them (and for `c`, the
+    // one such name's length: `cookie`, `cache-control` and `connection`
+    // are in every other request).
+    match name.as_bytes().first() {
+        Some(b'x' | b'f' | b's') => UNKEYED.iter().any(|u| same_name(u, name)),
+        Some(b'c') => same_name("cloudfront-forwarded-proto", name),
+        _ => false,
+    }
 }
 
 /// Header names compared case-blind, with `_` and `-` alike.

@@ -317,7 +317,17 @@ fn key_on_original_uri(parts: &mut http::request::Parts) {
 
 /// `req` with the URI its inner service routes by (see [`key_on_original_uri`]).
 pub(crate) fn for_inner<B>(mut req: Request<B>) -> Request<B> {
-    if let Some(InnerUri(uri)) = req.extensions_mut().remove() {
+    if let Some(InnerUri(mut uri)) = req.extensions_mut().remove() {
+        // The host as keyed (`prepare` lower-cases it), the path as routed.
+        if let (Some(keyed), Some(inner)) = (req.uri().authority(), uri.authority())
+            && keyed.as_str() != inner.as_str()
+        {
+            let mut parts = uri.clone().into_parts();
+            parts.authority = Some(keyed.clone());
+            if let Ok(lowered) = http::Uri::from_parts(parts) {
+                uri = lowered;
+            }
+        }
         *req.uri_mut() = uri;
     }
     req

@@ -98,9 +98,10 @@ pub(crate) fn route_table(
         } else {
             pass(&config.with(&route.settings))
         };
-        // Matched against the path lower-cased (see `resolved_path`).
-        let glob = routes::Glob::new(route.path.as_str().to_ascii_lowercase());
-        table.routes.push((glob, service));
+        // Matched against the path as sent, and lower-cased against the
+        // path as resolved (see `routes::resolved_path`).
+        let folded = routes::Glob::new(route.path.as_str().to_ascii_lowercase());
+        table.routes.push((route.path.clone(), folded, service));
     }
     Ok((table, layer))
 }

@@ -105,11 +105,14 @@ pub(crate) type RouteService =
 /// The routes in force, swapped whole on a reload.
 #[derive(Clone)]
 pub(crate) struct Table {
-    pub(crate) routes: Vec<(Glob, RouteService)>,
+    /// Each rule's glob as written, the same lower-cased (matched against
+    /// the path as resolved, see [`resolved_path`]), and its service.
+    pub(crate) routes: Vec<(Glob, Glob, RouteService)>,
     pub(crate) default: RouteService,
     /// The upstream alone (no cache), for a request that came back to this
-    /// proxy: it answers 508 at once, where through the cache the request
-    /// would wait on its own load for the lock timeout.
+    /// proxy (it answers 508 at once, where through the cache the request
+    /// would wait on its own load for the lock timeout), and for one whose
+    /// path picks one rule as sent and another as resolved.
     pub(crate) looped: RouteService,
     pub(crate) forward: crate::forward::Forward,
 }
@@ -141,12 +144,24 @@ impl Service<Request<Body>> for Dispatch {
         if table.forward.came_back(req.headers()) {
             return table.looped.clone().call(req);
         }
-        let path = resolved_path(req.uri().path());
-        let mut service = table
-            .routes
+        // The rule the path picks as sent and as an upstream resolves it:
+        // when they differ, which one the upstream serves is not knowable,
+        // so neither caches it (as sent alone, `/api/%63art/items` escaped
+        // a `cache = false` rule for `/api/cart/*`; as resolved alone,
+        // `/api/cart/x/..%2f..%2fitems`, which most upstreams serve as the
+        // cart, landed in a cached rule).
+        let path = req.uri().path();
+        let resolved = resolved_path(path);
+        let routes = &table.routes;
+        let as_sent = routes.iter().position(|(glob, _, _)| glob.matches(path));
+        let as_resolved = routes
             .iter()
-            .find(|(glob, _)| glob.matches(&path))
-            .map_or_else(|| table.default.clone(), |(_, s)| s.clone());
+            .position(|(_, folded, _)| folded.matches(&resolved));
+        let mut service = match (as_sent, as_resolved) {
+            (Some(i), Some(j)) if i == j => routes[i].2.clone(),
+            (None, None) => table.default.clone(),
+            _ => table.looped.clone(),
+        };
         service.call(req)
     }
 }
@@ -155,10 +170,7 @@ impl Service<Request<Body>> for Dispatch {
 /// (never keyed or sent on): percent-encodings decoded, `\` read as `/`,
 /// each segment's `;` parameters dropped (as Java servers do), `.` and
 /// `..` segments resolved, repeated slashes merged, and letters
-/// lower-cased (the globs are too). Matched as sent, `/api/%63art/items`,
-/// `/api//cart/items` or `/API/cart;x/items` escaped a `cache = false`
-/// rule for `/api/cart/*` and were stored, though the upstream answered
-/// each as the cart.
+/// lower-cased (the globs are too).
 pub(crate) fn resolved_path(path: &str) -> std::borrow::Cow<'_, str> {
     let plain = |b: &u8| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'~');
     let bytes = path.as_bytes();
@@ -185,14 +197,17 @@ pub(crate) fn resolved_path(path: &str) -> std::borrow::Cow<'_, str> {
                 i += 3;
                 continue;
             }
-            (b'\\', ..) => decoded.push(b'/'),
             _ => decoded.push(b),
         }
         i += 1;
     }
     let mut segments: Vec<&[u8]> = Vec::new();
-    for segment in decoded.split(|&b| b == b'/') {
+    // Whether the last segment names a directory (`/a/`, `/a/.`, `/a/b/..`
+    // are all `/a/`, RFC 3986 §5.2.4): its slash stays.
+    let mut directory = false;
+    for segment in decoded.split(|&b| b == b'/' || b == b'\\') {
         let segment = segment.split(|&b| b == b';').next().unwrap_or_default();
+        directory = matches!(segment, b"" | b"." | b"..");
         match segment {
             b"" | b"." => {}
             b".." => {
@@ -206,8 +221,7 @@ pub(crate) fn resolved_path(path: &str) -> std::borrow::Cow<'_, str> {
         resolved.push(b'/');
         resolved.extend_from_slice(segment);
     }
-    // A trailing slash stays (`/static/` is not `/static`).
-    if segments.is_empty() || decoded.ends_with(b"/") {
+    if segments.is_empty() || directory {
         resolved.push(b'/');
     }
     resolved.make_ascii_lowercase();
@@ -228,6 +242,11 @@ mod tests {
             ("/api/x/../cart/items", "/api/cart/items"),
             ("/../../api/cart/items", "/api/cart/items"),
             ("/api\\cart\\items", "/api/cart/items"),
+            ("/api%5Ccart", "/api/cart"),
+            ("/api/cart/.", "/api/cart/"),
+            ("/api/cart/x/..", "/api/cart/"),
+            ("/api/cart/;", "/api/cart/"),
+            ("/api/cart/x/..%2f..%2fitems", "/api/items"),
             ("/api/cart;jsessionid=1/items;x", "/api/cart/items"),
             ("/API/Cart/Items", "/api/cart/items"),
             ("/static/", "/static/"),

@@ -135,10 +135,10 @@ async fn a_stalled_leader_is_taken_over_by_one_request() {
     assert_eq!(flights.in_flight(), 0);
 }
 
-/// A slow leader's answer reaches the followers of the flight that
-/// took it over, and whoever joins that flight later, an answer that
-/// may not be shared too (they are released to load alone); an
-/// abandoned load does not.
+/// A slow leader's stored answer reaches the followers of the flight
+/// that took it over, and whoever joins that flight later; one that may
+/// not be shared releases the followers waiting then (to load alone),
+/// not later ones; an abandoned load reaches none.
 #[tokio::test(start_paused = true)]
 async fn a_slow_leaders_shared_answer_reaches_the_newer_flight() {
     let flights = Arc::new(Flights::default());
@@ -185,7 +185,15 @@ async fn a_slow_leaders_shared_answer_reaches_the_newer_flight() {
         waiting.wait().await,
         Waited::Done(FlightResult::Released)
     ));
-    new.complete(FlightResult::Released);
+    // One that joins later waits on the newer flight's own answer.
+    let Join::Follower(later) = flights.join(key, wait) else {
+        panic!("the newer flight is still its leader's")
+    };
+    new.complete(FlightResult::Shared(entry(), Source::Origin));
+    assert!(matches!(
+        later.wait().await,
+        Waited::Done(FlightResult::Shared(..))
+    ));
 
     // Abandoned (its task cancelled): the newer flight's followers
     // wait on its own leader.
