@@ -135,6 +135,26 @@ async fn a_stalled_leader_is_taken_over_by_one_request() {
     assert_eq!(flights.in_flight(), 0);
 }
 
+/// A flight on `key` whose leader is slow, taken over at its deadline:
+/// the slow leader, the new one, and a follower of the new flight.
+async fn taken_over(
+    flights: &Arc<Flights>,
+    key: KeyHash,
+    wait: Duration,
+) -> (Leader, Leader, Follower) {
+    let Join::Leader(slow) = flights.join(key, wait) else {
+        panic!("no flight yet")
+    };
+    tokio::time::sleep(wait).await;
+    let Join::Leader(new) = flights.join(key, wait) else {
+        panic!("the slow flight is taken over at its deadline")
+    };
+    let Join::Follower(waiting) = flights.join(key, wait) else {
+        panic!("the next request follows the new leader")
+    };
+    (slow, new, waiting)
+}
+
 /// A slow leader's stored answer reaches the followers of the flight
 /// that took it over, and whoever joins that flight later; one that may
 /// not be shared releases the followers waiting then (to load alone),
@@ -144,16 +164,7 @@ async fn a_slow_leaders_shared_answer_reaches_the_newer_flight() {
     let flights = Arc::new(Flights::default());
     let wait = Duration::from_millis(100);
     let key = CacheKey::new("k").hash();
-    let Join::Leader(slow) = flights.join(key, wait) else {
-        panic!()
-    };
-    tokio::time::sleep(wait).await;
-    let Join::Leader(new) = flights.join(key, wait) else {
-        panic!()
-    };
-    let Join::Follower(waiting) = flights.join(key, wait) else {
-        panic!()
-    };
+    let (slow, new, waiting) = taken_over(&flights, key, wait).await;
     slow.complete(FlightResult::Shared(entry(), Source::Origin));
     assert!(matches!(
         waiting.wait().await,
@@ -170,16 +181,7 @@ async fn a_slow_leaders_shared_answer_reaches_the_newer_flight() {
     assert_eq!(flights.in_flight(), 0);
 
     // Released (not shareable): the newer flight's followers go alone.
-    let Join::Leader(slow) = flights.join(key, wait) else {
-        panic!()
-    };
-    tokio::time::sleep(wait).await;
-    let Join::Leader(new) = flights.join(key, wait) else {
-        panic!()
-    };
-    let Join::Follower(waiting) = flights.join(key, wait) else {
-        panic!()
-    };
+    let (slow, new, waiting) = taken_over(&flights, key, wait).await;
     slow.complete(FlightResult::Released);
     assert!(matches!(
         waiting.wait().await,
@@ -197,16 +199,7 @@ async fn a_slow_leaders_shared_answer_reaches_the_newer_flight() {
 
     // Abandoned (its task cancelled): the newer flight's followers
     // wait on its own leader.
-    let Join::Leader(slow) = flights.join(key, wait) else {
-        panic!()
-    };
-    tokio::time::sleep(wait).await;
-    let Join::Leader(_new) = flights.join(key, wait) else {
-        panic!()
-    };
-    let Join::Follower(waiting) = flights.join(key, wait) else {
-        panic!()
-    };
+    let (slow, _new, waiting) = taken_over(&flights, key, wait).await;
     drop(slow);
     assert!(matches!(waiting.wait().await, Waited::TimedOut));
 }
