@@ -853,3 +853,69 @@ async fn a_nested_handler_gets_the_host_as_it_was_keyed() {
     assert_eq!(headers["x-cache"], "MISS");
     assert_eq!(body, "http://shop.test/page");
 }
+
+/// A body that never ends, though nothing says it is a stream (NDJSON
+/// under a route ttl): read whole to be stored, it held its client's
+/// head and its origin connection for as long as it went on (up to
+/// `max_body`, days at an event a second), clients gone or not. A body
+/// slower than the lifetime it would be stored for is given up on when
+/// that lifetime has passed: what came is passed on with the rest, and
+/// nothing is stored.
+#[tokio::test(start_paused = true)]
+async fn a_body_slower_than_its_lifetime_is_passed_on_not_stored() {
+    struct Endless(
+        #[allow(dead_code)] tokio::sync::oneshot::Sender<()>,
+        tokio::time::Interval,
+    );
+    impl http_body::Body for Endless {
+        type Data = axum::body::Bytes;
+        type Error = std::io::Error;
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+            match self.1.poll_tick(cx) {
+                std::task::Poll::Pending => std::task::Poll::Pending,
+                std::task::Poll::Ready(_) => {
+                    let line = axum::body::Bytes::from_static(b"{}\n");
+                    std::task::Poll::Ready(Some(Ok(http_body::Frame::data(line))))
+                }
+            }
+        }
+    }
+    let (sender, dropped) = tokio::sync::oneshot::channel();
+    let sender = std::sync::Arc::new(std::sync::Mutex::new(Some(sender)));
+    let layer = cache();
+    let ndjson = move || {
+        let sender = sender.lock().unwrap().take().expect("one call");
+        let every = tokio::time::interval(Duration::from_secs(1));
+        let body = Body::new(Endless(sender, every));
+        async move { ([("content-type", "application/x-ndjson")], body) }
+    };
+    let app = Router::new().route("/feed", get(ndjson).layer(layer.route(policy()).unwrap()));
+    let started = tokio::time::Instant::now();
+    let res = app.clone().oneshot(get_req("/feed")).await.unwrap();
+    // Within the longest lifetime the route's jitter band may draw.
+    assert!(
+        started.elapsed() <= TTL.mul_f64(1.5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        res.headers()["cache-status"]
+            .to_str()
+            .unwrap()
+            .contains("detail=not-fresh")
+    );
+    let mut body = res.into_body();
+    let came = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert!(
+        came.len() > 3 && came.chunks(3).all(|line| line == b"{}\n"),
+        "{came:?}"
+    );
+    // The client goes: so does the origin's body, at once.
+    drop(body);
+    bounded("the origin's body dropped", dropped)
+        .await
+        .unwrap_err();
+}

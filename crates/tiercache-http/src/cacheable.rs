@@ -61,7 +61,8 @@ pub enum Reason {
     /// or stalled past its timeout): an origin failure, so stale-if-error
     /// answers for it and the key is not remembered as uncacheable.
     BodyFailed,
-    /// The origin declared it already stale (`max-age=0`, an `Age` past its lifetime).
+    /// The origin declared it already stale (`max-age=0`, an `Age` past its
+    /// lifetime), or its body took longer to come than it would stay usable.
     NotFresh,
     /// Other bodies being read to be stored held their bound (a pool of a
     /// sixteenth of L1's budget, and the one place outside it): this one

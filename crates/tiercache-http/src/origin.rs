@@ -214,7 +214,21 @@ impl Load<'_> {
         {
             return self.pass(parts, CacheBody::stream(body), Reason::VaryLimit);
         }
-        let body = match self.read(&parts, body).await {
+        // A body slower than it would stay usable (fresh, or stale while
+        // revalidated) is not worth the wait (an endless one held its
+        // client's head and the origin's connection up to `max_body`):
+        // past that, what came goes on with the rest, unstored.
+        let fresh = match plan.lifetime {
+            Lifetime::Declared(left) => left,
+            Lifetime::Route => route.policy.band().1,
+            Lifetime::Negative => route.policy.negative(),
+        };
+        let stale = (plan.origin.stale_while_revalidate)
+            .unwrap_or_default()
+            .max(route.policy.swr_window());
+        let worth = fresh.saturating_sub(plan.spent).saturating_add(stale);
+        let within = tokio::time::Instant::now().checked_add(worth);
+        let body = match self.read(&parts, body, within).await {
             Ok(read) => read,
             Err((body, reason)) => return self.pass(parts, body, reason),
         };
@@ -253,7 +267,7 @@ impl Load<'_> {
         ResB: Body<Data = Bytes>,
         ResB::Error: Into<BoxError>,
     {
-        match self.read(&parts, body).await {
+        match self.read(&parts, body, None).await {
             Ok(body) => {
                 let took = self.started.elapsed();
                 self.route.metrics.origin(took);

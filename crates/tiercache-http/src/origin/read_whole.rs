@@ -19,11 +19,13 @@ impl Load<'_> {
     /// connection's read buffer is free again at once and nothing stored
     /// keeps it alive. What cannot be stored (too large, trailers, a read
     /// error) comes back as a body that replays what was read and streams
-    /// the rest, the same bytes.
+    /// the rest, the same bytes; so does one still coming at `within`
+    /// (`NotFresh`: it would be stale once read).
     pub(super) async fn read<ResB>(
         &self,
         parts: &response::Parts,
         body: ResB,
+        within: Option<tokio::time::Instant>,
     ) -> Result<Bytes, (CacheBody<ResB>, Reason)>
     where
         ResB: Body<Data = Bytes>,
@@ -52,7 +54,21 @@ impl Load<'_> {
             frames.extend(last);
             frames
         };
-        while let Some(frame) = body.frame().await {
+        loop {
+            let next = match within {
+                Some(at) => match tokio::time::timeout_at(at, body.frame()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        let frames = replay(read, None);
+                        return Err((
+                            CacheBody::replay(frames, None, Some(body)),
+                            Reason::NotFresh,
+                        ));
+                    }
+                },
+                None => body.frame().await,
+            };
+            let Some(frame) = next else { break };
             match frame {
                 Ok(frame) => {
                     let Some(data) = frame.data_ref() else {
