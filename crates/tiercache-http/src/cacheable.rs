@@ -380,10 +380,15 @@ pub fn response_shareable(
 
 /// Whether `Vary` lists `*`, in any field or position.
 pub fn vary_star(headers: &HeaderMap) -> bool {
+    varies_on(headers, b"*")
+}
+
+/// Whether `Vary` lists `name` (case-blind), in any field or position.
+pub(crate) fn varies_on(headers: &HeaderMap, name: &[u8]) -> bool {
     headers.get_all(VARY).iter().any(|v| {
         v.as_bytes()
             .split(|&b| b == b',')
-            .any(|n| n.trim_ascii() == b"*")
+            .any(|n| n.trim_ascii().eq_ignore_ascii_case(name))
     })
 }
 

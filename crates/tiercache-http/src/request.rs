@@ -233,11 +233,9 @@ fn lower_host(parts: &mut request::Parts) {
         && upper(authority.as_str().as_bytes())
     {
         // Userinfo is no part of the host (and the proxy refuses it).
-        let (user, host) = match authority.as_str().rsplit_once('@') {
-            Some((user, host)) => (format!("{user}@"), host),
-            None => (String::new(), authority.as_str()),
-        };
-        let lower = format!("{user}{}", host.to_ascii_lowercase());
+        let host_at = authority.as_str().rfind('@').map_or(0, |at| at + 1);
+        let mut lower = authority.as_str().to_owned();
+        lower[host_at..].make_ascii_lowercase();
         let mut uri = parts.uri.clone().into_parts();
         uri.authority = http::uri::Authority::try_from(lower).ok();
         if let Ok(uri) = http::Uri::from_parts(uri) {

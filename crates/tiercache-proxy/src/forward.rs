@@ -20,7 +20,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use tiercache_http::headers::strip_hop_by_hop;
+use tiercache_http::headers::{connection_options, strip_hop_by_hop};
 use tiercache_http::request::{is_unkeyed, same_name};
 
 use crate::connector::{Lease, StampingConnector, worth_sending_again};
@@ -114,15 +114,10 @@ pub(crate) fn drop_connection_options(headers: &mut http::HeaderMap) {
         return;
     }
     let kept = [HOST, CONTENT_LENGTH, TRANSFER_ENCODING, TE, UPGRADE];
-    let named: Vec<HeaderName> = headers
-        .get_all(CONNECTION)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim_ascii()).ok())
-        .filter(|n| !kept.contains(n))
-        .collect();
-    for name in named {
-        headers.remove(name);
+    for name in connection_options(headers) {
+        if !kept.contains(&name) {
+            headers.remove(name);
+        }
     }
 }
 

@@ -279,15 +279,19 @@ pub const HOP_BY_HOP: [&str; 8] = [
     "transfer-encoding",
 ];
 
-/// Removes hop-by-hop fields, `upgrade`, and every field named in `Connection`.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let listed: Vec<HeaderName> = headers
+/// The field names `Connection` lists (RFC 9110 §7.6.1), in every field.
+pub fn connection_options(headers: &HeaderMap) -> Vec<HeaderName> {
+    headers
         .get_all(CONNECTION)
         .iter()
         .flat_map(|v| v.as_bytes().split(|&b| b == b','))
         .filter_map(|n| HeaderName::from_bytes(n.trim_ascii()).ok())
-        .collect();
-    for name in listed {
+        .collect()
+}
+
+/// Removes hop-by-hop fields, `upgrade`, and every field named in `Connection`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    for name in connection_options(headers) {
         headers.remove(name);
     }
     for name in HOP_BY_HOP {

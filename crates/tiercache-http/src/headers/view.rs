@@ -3,12 +3,13 @@
 
 use std::time::SystemTime;
 
-use http::header::{CONTENT_ENCODING, CONTENT_LENGTH, DATE, ETAG, LAST_MODIFIED, VARY};
+use http::header::{CONTENT_ENCODING, CONTENT_LENGTH, DATE, ETAG, LAST_MODIFIED};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use tiercache_core::Entry;
 
 use super::{OWN_FIELDS, accepts_encoding};
 use crate::cache_control::{has_directive, targeted};
+use crate::cacheable::varies_on;
 use crate::freshness::parse_http_date;
 use crate::key::known_coding;
 use crate::request::Conditional;
@@ -50,15 +51,6 @@ impl HeadView {
     }
 }
 
-/// Whether a response names `Accept-Encoding` in `Vary`.
-fn varies_on_accept_encoding(headers: &HeaderMap) -> bool {
-    headers.get_all(VARY).iter().any(|v| {
-        v.as_bytes()
-            .split(|&b| b == b',')
-            .any(|n| n.trim_ascii().eq_ignore_ascii_case(b"accept-encoding"))
-    })
-}
-
 /// Whether `response`, varied on `Accept-Encoding`, is in a known coding
 /// its `request` did not accept (an origin that reads `gzip;q=0` as
 /// `gzip`): a hit on such an entry is not checked against the coding (its
@@ -68,7 +60,7 @@ pub(crate) fn coding_refused(request: &HeaderMap, response: &HeaderMap) -> bool 
     response.get(CONTENT_ENCODING).is_some_and(|coding| {
         let coding = coding.as_bytes().trim_ascii();
         known_coding(coding)
-            && varies_on_accept_encoding(response)
+            && varies_on(response, b"accept-encoding")
             && !accepts_encoding(request, coding)
     })
 }
@@ -113,7 +105,7 @@ fn head_view(entry: &Entry, targets: &[HeaderName]) -> HeadView {
         }
     }
     let revalidate = has_directive(&targeted(&headers, targets), "no-cache");
-    let varied_on_encoding = varies_on_accept_encoding(&headers);
+    let varied_on_encoding = varies_on(&headers, b"accept-encoding");
     // The coding decides who may get the entry, unless its variant already
     // does: a known coding varied on `Accept-Encoding`. Unknown codings
     // share one variant (so a client cannot mint variants), so theirs is
