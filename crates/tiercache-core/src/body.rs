@@ -135,6 +135,14 @@ impl BodyBuilder {
         self.len
     }
 
+    /// What was pushed so far.
+    pub fn as_slice(&self) -> &[u8] {
+        match &self.buf {
+            Buf::Pages(pages) => &pages.as_ref()[..self.len],
+            Buf::Heap(heap) => heap,
+        }
+    }
+
     /// Whether nothing was pushed.
     pub fn is_empty(&self) -> bool {
         self.len == 0

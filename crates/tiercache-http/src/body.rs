@@ -1,12 +1,14 @@
 //! The response body type of [`crate::ResponseCache`].
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
+use tokio::sync::mpsc;
 
 /// An error from the origin's body, boxed.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -35,6 +37,35 @@ pin_project! {
             // in place while the cache read it.
             rest: Option<Pin<Box<B>>>,
         },
+        // A body being read to be stored, sent on as it is read (see
+        // `Teed`), and the fetch that reads and stores it.
+        Tee {
+            frames: mpsc::UnboundedReceiver<Teed<B>>,
+            rest: Option<Pin<Box<CacheBody<B>>>>,
+            fetch: Option<Fetch>,
+        },
+    }
+}
+
+/// What the read of a body being stored sends on to its client as it reads.
+#[derive(Debug)]
+pub(crate) enum Teed<B> {
+    /// A frame, as read.
+    Frame(Frame<Bytes>),
+    /// What the read does not store, whole: the rest of the body (past
+    /// `max_body`, after trailers or at a deadline), or its error.
+    Rest(CacheBody<B>),
+}
+
+/// The fetch a teed body's read runs in, held (and polled) by the body
+/// until it ends: dropped, the fill is left to run on or cancelled as for
+/// a client that went away; polled, what it does after the read (a load's
+/// store) is done before the body's last frame.
+pub(crate) struct Fetch(Pin<Box<dyn Future<Output = ()> + Send>>);
+
+impl std::fmt::Debug for Fetch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Fetch")
     }
 }
 
@@ -59,6 +90,26 @@ impl<B> CacheBody<B> {
         Self {
             kind: Kind::Stream { body },
         }
+    }
+
+    /// The frames a body's read sends on as it reads (see [`Teed`]).
+    pub(crate) fn tee_frames(frames: mpsc::UnboundedReceiver<Teed<B>>) -> Self {
+        Self {
+            kind: Kind::Tee {
+                frames,
+                rest: None,
+                fetch: None,
+            },
+        }
+    }
+
+    /// A body of [`tee_frames`](Self::tee_frames) that holds `fetch`, the
+    /// fetch reading it, and runs it to its end before its own.
+    pub(crate) fn driving(mut self, fetch: impl Future<Output = ()> + Send + 'static) -> Self {
+        if let Kind::Tee { fetch: held, .. } = &mut self.kind {
+            *held = Some(Fetch(Box::pin(fetch)));
+        }
+        self
     }
 
     /// Frames already read, then an error or the rest of the origin's body.
@@ -108,6 +159,40 @@ where
                     None => Poll::Ready(None),
                 }
             }
+            KindProj::Tee {
+                frames,
+                rest,
+                fetch,
+            } => {
+                if let Some(Fetch(run)) = fetch
+                    && run.as_mut().poll(cx).is_ready()
+                {
+                    *fetch = None;
+                }
+                loop {
+                    let next = match rest {
+                        Some(rest) => ready!(rest.as_mut().poll_frame(cx)),
+                        None => match ready!(frames.poll_recv(cx)) {
+                            Some(Teed::Frame(frame)) => return Poll::Ready(Some(Ok(frame))),
+                            Some(Teed::Rest(body)) => {
+                                *rest = Some(Box::pin(body));
+                                continue;
+                            }
+                            None => None,
+                        },
+                    };
+                    if let Some(frame) = next {
+                        return Poll::Ready(Some(frame));
+                    }
+                    // Ended (polled again, an empty body answers).
+                    *rest = Some(Box::pin(CacheBody::empty()));
+                    // The end waits on the fetch: it stores what was read.
+                    return match fetch {
+                        Some(_) => Poll::Pending,
+                        None => Poll::Ready(None),
+                    };
+                }
+            }
         }
     }
 
@@ -124,6 +209,7 @@ where
                     && error.is_none()
                     && rest.as_ref().is_none_or(|r| r.is_end_stream())
             }
+            Kind::Tee { .. } => false,
         }
     }
 
@@ -163,6 +249,8 @@ where
                 }
                 hint
             }
+            // The origin's `Content-Length`, if any, frames it.
+            Kind::Tee { .. } => SizeHint::new(),
         }
     }
 }

@@ -23,26 +23,34 @@ use crate::cache_control::targeted;
 use crate::cacheable::{Reason, response_shareable, response_storable, status_heuristic};
 use crate::freshness::OriginFreshness;
 use crate::headers;
-use crate::key::{family_of, family_tag, variant_for, variant_key};
+use crate::key::{family_of, variant_for, variant_key};
 use crate::route::Route;
 
 mod read_whole;
 mod renew;
+mod tags;
+mod tee;
+
+pub use tags::SURROGATE_KEY;
+use tags::tags_for;
+pub(crate) use tee::Early;
 
 /// A response the origin gave this request alone, and why it was not stored.
 pub(crate) type Passed<B> = (Response<CacheBody<B>>, Reason);
 
 /// One request's way to the origin: the wrapped service and the request.
-pub(crate) struct HttpOrigin<S, ReqB> {
+pub(crate) struct HttpOrigin<S, ReqB, ResB> {
     pub(crate) route: Arc<Route>,
     pub(crate) inner: S,
     pub(crate) req: Request<ReqB>,
     /// The URL's key (variant keys derive from it; hit-for-miss marks it).
     pub(crate) primary: CacheKey,
     pub(crate) credentialed: bool,
+    /// Where a body read to be stored goes on early (see [`tee`]).
+    pub(crate) early: Option<Early<ResB>>,
 }
 
-impl<S, ReqB> Select for HttpOrigin<S, ReqB> {
+impl<S, ReqB, ResB> Select for HttpOrigin<S, ReqB, ResB> {
     fn accepts(&self, entry: &Entry) -> bool {
         self.route.fits(entry, self.req.headers())
     }
@@ -61,7 +69,7 @@ impl<S, ReqB> Select for HttpOrigin<S, ReqB> {
     }
 }
 
-impl<S, ReqB, ResB> Origin for HttpOrigin<S, ReqB>
+impl<S, ReqB, ResB> Origin for HttpOrigin<S, ReqB, ResB>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Send + 'static,
     S::Future: Send + 'static,
@@ -80,6 +88,7 @@ where
             req,
             primary,
             credentialed,
+            early,
         } = self;
         let req = as_get(req);
         let req = match &stale {
@@ -100,7 +109,7 @@ where
                 return Err(e);
             }
         };
-        Ok(load.answer(res, stale.as_ref()).await)
+        Ok(load.answer(res, stale.as_ref(), early).await)
     }
 }
 
@@ -126,6 +135,7 @@ impl Load<'_> {
         self,
         res: Response<ResB>,
         revalidating: Option<&Entry>,
+        early: Option<Early<ResB>>,
     ) -> Loaded<Passed<ResB>>
     where
         ResB: Body<Data = Bytes>,
@@ -228,7 +238,7 @@ impl Load<'_> {
             .max(route.policy.swr_window());
         let worth = fresh.saturating_sub(plan.spent).saturating_add(stale);
         let within = tokio::time::Instant::now().checked_add(worth);
-        let body = match self.read(&parts, body, within).await {
+        let body = match self.read(&parts, body, within, early).await {
             Ok(read) => read,
             Err((body, reason)) => return self.pass(parts, body, reason),
         };
@@ -267,7 +277,7 @@ impl Load<'_> {
         ResB: Body<Data = Bytes>,
         ResB::Error: Into<BoxError>,
     {
-        match self.read(&parts, body, None).await {
+        match self.read(&parts, body, None, None).await {
             Ok(body) => {
                 let took = self.started.elapsed();
                 self.route.metrics.origin(took);
@@ -445,47 +455,6 @@ fn fill_for(route: &Route, headers: &HeaderMap, status: StatusCode) -> Result<Pl
         spent,
     })
 }
-
-/// The tags a response is recorded under: the route's, those its
-/// `Surrogate-Key` header lists (space separated, see [`header_tags`]),
-/// and for a `Vary`ing URL its family tag.
-fn tags_for(route: &Route, headers: &HeaderMap, family: Option<&CacheKey>) -> Vec<Bytes> {
-    let mut tags: Vec<Bytes> = route.policy.tags().to_vec();
-    let room = MAX_TAGS.saturating_sub(tags.len());
-    tags.extend(header_tags(headers, room));
-    tags.extend(family.map(family_tag));
-    tags.sort_unstable();
-    tags.dedup();
-    tags
-}
-
-/// The first `room` tags `Surrogate-Key` names, in its order, each once,
-/// sharing one copy of exactly their bytes: a tag each object has of its
-/// own is recorded for as long as the entry lives, where 32 small copies
-/// cost more than the tags' bytes, and a copy of the whole value would
-/// hold what the entry's weight does not count (tags past the cap,
-/// repeats, spaces).
-fn header_tags(headers: &HeaderMap, room: usize) -> Vec<Bytes> {
-    let mut named: Vec<&[u8]> = Vec::new();
-    for value in headers.get_all(SURROGATE_KEY) {
-        for tag in value.as_bytes().split(|b| b.is_ascii_whitespace()) {
-            if !tag.is_empty() && named.len() < room && !named.contains(&tag) {
-                named.push(tag);
-            }
-        }
-    }
-    let mut copy = bytes::BytesMut::with_capacity(named.iter().map(|t| t.len()).sum());
-    for tag in &named {
-        copy.extend_from_slice(tag);
-    }
-    let mut copy = copy.freeze();
-    named.iter().map(|tag| copy.split_to(tag.len())).collect()
-}
-
-/// The response header naming an entry's tags (surrogate keys).
-pub const SURROGATE_KEY: HeaderName = HeaderName::from_static("surrogate-key");
-/// Most tags one response is recorded under (each costs a write to L2).
-const MAX_TAGS: usize = 32;
 
 /// A HEAD is loaded as a GET so the entry it fills has the body.
 fn as_get<B>(req: Request<B>) -> Request<B> {

@@ -80,6 +80,20 @@ impl Route {
         }
     }
 
+    /// A response sent on while its body is read to be stored (see
+    /// `origin::tee`): a miss, stored only once read whole, so not said to
+    /// be stored.
+    pub(crate) fn answered_early<B>(&self, res: &mut Response<CacheBody<B>>) {
+        self.metrics.served(Source::Origin);
+        let outcome = Outcome::Miss {
+            stored: false,
+            reason: None,
+            collapsed: false,
+            l2_down: !self.engine.l2_available(),
+        };
+        self.label(res.headers_mut(), &outcome);
+    }
+
     /// The response for an entry the engine answered with.
     pub(crate) fn answer<B>(&self, answer: &Answer, ask: &Ask) -> Response<CacheBody<B>> {
         let now = self.engine.now();

@@ -208,6 +208,7 @@ where
                         req: Request::from_parts(parts, body),
                         primary: prepared.key,
                         credentialed: ask.credentialed,
+                        early: None,
                     };
                     refresh.spawn(origin);
                 }
@@ -237,17 +238,41 @@ where
                 range.restore(&mut parts.headers);
             }
         }
+        // A body still coming after a while goes on to this request as it
+        // is read to be stored, unless the request wants the entry itself.
+        let (early, answered_early) =
+            if ask.head || ask.range.is_some() || !ask.conditional.is_empty() {
+                (None, None)
+            } else {
+                let (early, answered) = tokio::sync::oneshot::channel();
+                (Some(early), Some(answered))
+            };
         let origin = HttpOrigin {
             route: route.clone(),
             inner: self.take_ready(),
             req: Request::from_parts(parts, body),
             primary: prepared.key,
             credentialed: ask.credentialed,
+            early,
         };
         drop(entered);
         let future = async move {
-            let fetched = miss.run(origin).await;
-            route.respond(fetched, &ask)
+            let mut run = Box::pin(miss.run(origin));
+            let Some(answered_early) = answered_early else {
+                return route.respond(run.await, &ask);
+            };
+            tokio::select! {
+                biased;
+                fetched = &mut run => route.respond(fetched, &ask),
+                Ok(mut res) = answered_early => {
+                    route.answered_early(&mut res);
+                    let body = std::mem::replace(res.body_mut(), CacheBody::empty());
+                    *res.body_mut() = body.driving(async move {
+                        let _ = run.await;
+                    });
+                    Ok(res)
+                }
+            }
         };
         ResponseFuture::boxed(Box::pin(future.instrument(span)))
     }

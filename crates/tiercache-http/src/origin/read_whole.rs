@@ -2,6 +2,7 @@
 //! `max_body` and the engine's bound on bodies being read.
 
 use std::collections::VecDeque;
+use std::pin::Pin;
 
 use bytes::Bytes;
 use http::response;
@@ -10,6 +11,7 @@ use http_body_util::BodyExt;
 use tiercache_core::body::BodyBuilder;
 
 use super::Load;
+use super::tee::{Early, Tee};
 use crate::body::{BoxError, CacheBody};
 use crate::cacheable::{Reason, content_length};
 
@@ -20,12 +22,16 @@ impl Load<'_> {
     /// keeps it alive. What cannot be stored (too large, trailers, a read
     /// error) comes back as a body that replays what was read and streams
     /// the rest, the same bytes; so does one still coming at `within`
-    /// (`NotFresh`: it would be stale once read).
+    /// (`NotFresh`: it would be stale once read). With `early`, a body
+    /// still coming [`TEE_AFTER`](super::tee::TEE_AFTER) past its first
+    /// bytes goes on to its client as it is read (see [`Tee`]); what is
+    /// not stored then follows it there.
     pub(super) async fn read<ResB>(
         &self,
         parts: &response::Parts,
         body: ResB,
         within: Option<tokio::time::Instant>,
+        early: Option<Early<ResB>>,
     ) -> Result<Bytes, (CacheBody<ResB>, Reason)>
     where
         ResB: Body<Data = Bytes>,
@@ -45,25 +51,21 @@ impl Load<'_> {
         }
         let mut body = Box::pin(body);
         let mut read = BodyBuilder::with_capacity(announced.unwrap_or(0) as usize);
-        // What was read and the frame that stopped the read, to replay.
-        let replay = |read: BodyBuilder, last: Option<Frame<Bytes>>| {
-            let mut frames = VecDeque::new();
-            if !read.is_empty() {
-                frames.push_back(Frame::data(read.into_bytes()));
-            }
-            frames.extend(last);
-            frames
-        };
+        let mut tee = Tee::new(early);
         loop {
-            let next = match within {
+            let stop = match (within, tee.due()) {
+                (Some(at), Some(due)) => Some(at.min(due)),
+                (at, due) => at.or(due),
+            };
+            let next = match stop {
                 Some(at) => match tokio::time::timeout_at(at, body.frame()).await {
                     Ok(next) => next,
+                    Err(_) if within.is_some_and(|w| w <= at) => {
+                        return unstored(&mut tee, read, None, None, Some(body), Reason::NotFresh);
+                    }
                     Err(_) => {
-                        let frames = replay(read, None);
-                        return Err((
-                            CacheBody::replay(frames, None, Some(body)),
-                            Reason::NotFresh,
-                        ));
+                        tee.start(parts, read.as_slice());
+                        continue;
                     }
                 },
                 None => body.frame().await,
@@ -73,30 +75,69 @@ impl Load<'_> {
                 Ok(frame) => {
                     let Some(data) = frame.data_ref() else {
                         // Trailers cannot be stored: replay what was read, untouched.
-                        let frames = replay(read, Some(frame));
-                        return Err((CacheBody::replay(frames, None, Some(body)), Reason::Body));
+                        return unstored(
+                            &mut tee,
+                            read,
+                            Some(frame),
+                            None,
+                            Some(body),
+                            Reason::Body,
+                        );
                     };
                     if read.len() + data.len() > max {
-                        let frames = replay(read, Some(frame));
-                        return Err((
-                            CacheBody::replay(frames, None, Some(body)),
+                        return unstored(
+                            &mut tee,
+                            read,
+                            Some(frame),
+                            None,
+                            Some(body),
                             Reason::TooLarge,
-                        ));
+                        );
                     }
                     if !share.grow_to(read.len() + data.len()) {
-                        let frames = replay(read, Some(frame));
-                        return Err((CacheBody::replay(frames, None, Some(body)), Reason::Busy));
+                        return unstored(
+                            &mut tee,
+                            read,
+                            Some(frame),
+                            None,
+                            Some(body),
+                            Reason::Busy,
+                        );
                     }
                     read.push(data);
+                    tee.read(data);
                 }
                 Err(e) => {
-                    return Err((
-                        CacheBody::replay(replay(read, None), Some(e.into()), None),
+                    return unstored(
+                        &mut tee,
+                        read,
+                        None,
+                        Some(e.into()),
+                        None,
                         Reason::BodyFailed,
-                    ));
+                    );
                 }
             }
         }
         Ok(read.finish())
     }
+}
+
+/// What a read does not store: what was read (unless it went on to the
+/// client already), the frame that stopped the read, then an error or the
+/// rest of the body; sent on after what was, if the read was sending.
+fn unstored<B>(
+    tee: &mut Tee<B>,
+    read: BodyBuilder,
+    last: Option<Frame<Bytes>>,
+    error: Option<BoxError>,
+    rest: Option<Pin<Box<B>>>,
+    why: Reason,
+) -> Result<Bytes, (CacheBody<B>, Reason)> {
+    let mut frames = VecDeque::new();
+    if !read.is_empty() && !tee.on() {
+        frames.push_back(Frame::data(read.into_bytes()));
+    }
+    frames.extend(last);
+    Err((tee.rest(CacheBody::replay(frames, error, rest)), why))
 }

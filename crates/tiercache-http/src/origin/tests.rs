@@ -1,3 +1,4 @@
+use super::tags::header_tags;
 use super::*;
 
 /// A header naming more tags than are kept, some twice, with runs of
