@@ -32,6 +32,9 @@ enum Mode {
     /// A 200 whose body breaks off after a few bytes (a reset or a stalled
     /// upstream cut by its timeout).
     BrokenBody,
+    /// As `BrokenBody`, the break 300 ms after the first bytes (long
+    /// enough for a body read to be stored to go on to its client).
+    SlowBrokenBody,
     /// Waits for the gate, then answers with this status.
     HeldStatus(Gate, u16),
     /// Waits for the gate, then answers as `BrokenBody` does.
@@ -97,6 +100,9 @@ impl Origin {
                         Ok(b.body(Body::from(format!("body {n}"))).unwrap())
                     }
                     Mode::BrokenBody => Ok(Response::new(Body::new(BreaksOff::default()))),
+                    Mode::SlowBrokenBody => Ok(Response::new(Body::new(BreaksOff::after(
+                        std::time::Duration::from_millis(300),
+                    )))),
                     Mode::Ranged if req.headers().contains_key("range") => Ok(Response::builder()
                         .status(416)
                         .header("cache-control", "max-age=60")
@@ -456,6 +462,8 @@ async fn stale_if_error_covers_each_error_kind() {
         Mode::Status(504),
         Mode::Fail,
         Mode::BrokenBody,
+        // The stale entry answers it: what is read is not sent on early.
+        Mode::SlowBrokenBody,
     ] {
         let t = Harness::new(stale_if_error_a_minute());
         t.get("/r").await;

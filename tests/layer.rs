@@ -1093,3 +1093,91 @@ async fn a_client_gone_while_its_body_goes_on_leaves_it_stored() {
     );
     assert_eq!(calls.get(), 1);
 }
+
+/// The read finds the body over `max_body` in the same turn as it sent
+/// the response on (the next frame was there already): the request
+/// answers with that response, whole, not with the read's own (empty,
+/// its bytes gone to the first).
+#[tokio::test(start_paused = true)]
+async fn a_body_found_too_large_as_it_goes_on_reaches_its_client_whole() {
+    /// `12345`, then nothing until 100 ms later, then (after one more
+    /// poll) `67890abc` and `!` at once.
+    struct Burst(u8, Option<std::pin::Pin<Box<tokio::time::Sleep>>>);
+    impl http_body::Body for Burst {
+        type Data = bytes::Bytes;
+        type Error = std::io::Error;
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<std::io::Result<http_body::Frame<bytes::Bytes>>>> {
+            use std::task::Poll;
+            let data = |d: &'static str| Poll::Ready(Some(Ok(http_body::Frame::data(d.into()))));
+            self.0 += 1;
+            match self.0 {
+                1 => data("12345"),
+                2 => {
+                    let sleep = self.1.get_or_insert_with(|| {
+                        Box::pin(tokio::time::sleep(Duration::from_millis(100)))
+                    });
+                    if sleep.as_mut().poll(cx).is_pending() {
+                        self.0 -= 1;
+                        return Poll::Pending;
+                    }
+                    cx.waker().wake_by_ref();
+                    Poll::Pending
+                }
+                3 => data("67890abc"),
+                4 => data("!"),
+                _ => Poll::Ready(None),
+            }
+        }
+    }
+    let layer = cache();
+    let route = layer.route(policy()).unwrap().max_body(10);
+    let body = Body::new(Burst(0, None));
+    let (app, calls) = fed_app(route, vec![body]);
+    let (status, _, text) = bounded("the answer", send(&app, get_req("/fed"))).await;
+    assert_eq!((status, text.as_str()), (StatusCode::OK, "1234567890abc!"));
+    assert_eq!(calls.get(), 1);
+}
+
+/// A read that stops without an end (the origin's body panicked while it
+/// went on as it came) reaches its client as an error: a body cut short,
+/// never a clean end.
+#[tokio::test(start_paused = true)]
+async fn a_read_cut_short_as_it_goes_on_is_an_error_for_its_client() {
+    struct Panics(u8, tokio::sync::oneshot::Receiver<()>);
+    impl http_body::Body for Panics {
+        type Data = bytes::Bytes;
+        type Error = std::io::Error;
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<std::io::Result<http_body::Frame<bytes::Bytes>>>> {
+            if self.0 == 0 {
+                self.0 = 1;
+                let first = bytes::Bytes::from_static(b"first ");
+                return std::task::Poll::Ready(Some(Ok(http_body::Frame::data(first))));
+            }
+            if std::pin::Pin::new(&mut self.1).poll(cx).is_pending() {
+                return std::task::Poll::Pending;
+            }
+            panic!("the origin's body panics midway");
+        }
+    }
+    let layer = cache();
+    let (panic_now, told) = tokio::sync::oneshot::channel();
+    let (app, _) = fed_app(
+        layer.route(policy()).unwrap(),
+        vec![Body::new(Panics(0, told))],
+    );
+    let res = bounded("the head", app.clone().oneshot(get_req("/fed")))
+        .await
+        .unwrap();
+    let mut body = res.into_body();
+    assert_eq!(next_data(&mut body).await, "first ");
+    panic_now.send(()).unwrap();
+    let cut = bounded("the cut", body.frame()).await;
+    assert!(matches!(cut, Some(Err(_))), "{cut:?}");
+    assert_eq!(layer.engine().l1_entry_count(), 0);
+}

@@ -1,7 +1,6 @@
 //! The response body type of [`crate::ResponseCache`].
 
 use std::collections::VecDeque;
-use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
@@ -38,11 +37,11 @@ pin_project! {
             rest: Option<Pin<Box<B>>>,
         },
         // A body being read to be stored, sent on as it is read (see
-        // `Teed`), and the fetch that reads and stores it.
+        // `Teed`).
         Tee {
             frames: mpsc::UnboundedReceiver<Teed<B>>,
             rest: Option<Pin<Box<CacheBody<B>>>>,
-            fetch: Option<Fetch>,
+            ended: bool,
         },
     }
 }
@@ -55,18 +54,9 @@ pub(crate) enum Teed<B> {
     /// What the read does not store, whole: the rest of the body (past
     /// `max_body`, after trailers or at a deadline), or its error.
     Rest(CacheBody<B>),
-}
-
-/// The fetch a teed body's read runs in, held (and polled) by the body
-/// until it ends: dropped, the fill is left to run on or cancelled as for
-/// a client that went away; polled, what it does after the read (a load's
-/// store) is done before the body's last frame.
-pub(crate) struct Fetch(Pin<Box<dyn Future<Output = ()> + Send>>);
-
-impl std::fmt::Debug for Fetch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Fetch")
-    }
+    /// The body was read whole. Frames that stop without it (a read
+    /// cancelled, or panicked) are a body cut short, an error.
+    End,
 }
 
 impl<B> CacheBody<B> {
@@ -93,23 +83,14 @@ impl<B> CacheBody<B> {
     }
 
     /// The frames a body's read sends on as it reads (see [`Teed`]).
-    pub(crate) fn tee_frames(frames: mpsc::UnboundedReceiver<Teed<B>>) -> Self {
+    pub(crate) fn tee(frames: mpsc::UnboundedReceiver<Teed<B>>) -> Self {
         Self {
             kind: Kind::Tee {
                 frames,
                 rest: None,
-                fetch: None,
+                ended: false,
             },
         }
-    }
-
-    /// A body of [`tee_frames`](Self::tee_frames) that holds `fetch`, the
-    /// fetch reading it, and runs it to its end before its own.
-    pub(crate) fn driving(mut self, fetch: impl Future<Output = ()> + Send + 'static) -> Self {
-        if let Kind::Tee { fetch: held, .. } = &mut self.kind {
-            *held = Some(Fetch(Box::pin(fetch)));
-        }
-        self
     }
 
     /// Frames already read, then an error or the rest of the origin's body.
@@ -162,35 +143,27 @@ where
             KindProj::Tee {
                 frames,
                 rest,
-                fetch,
+                ended,
             } => {
-                if let Some(Fetch(run)) = fetch
-                    && run.as_mut().poll(cx).is_ready()
-                {
-                    *fetch = None;
+                if let Some(rest) = rest {
+                    return rest.as_mut().poll_frame(cx);
                 }
-                loop {
-                    let next = match rest {
-                        Some(rest) => ready!(rest.as_mut().poll_frame(cx)),
-                        None => match ready!(frames.poll_recv(cx)) {
-                            Some(Teed::Frame(frame)) => return Poll::Ready(Some(Ok(frame))),
-                            Some(Teed::Rest(body)) => {
-                                *rest = Some(Box::pin(body));
-                                continue;
-                            }
-                            None => None,
-                        },
-                    };
-                    if let Some(frame) = next {
-                        return Poll::Ready(Some(frame));
+                if *ended {
+                    return Poll::Ready(None);
+                }
+                match ready!(frames.poll_recv(cx)) {
+                    Some(Teed::Frame(frame)) => Poll::Ready(Some(Ok(frame))),
+                    Some(Teed::Rest(body)) => rest.insert(Box::pin(body)).as_mut().poll_frame(cx),
+                    Some(Teed::End) => {
+                        *ended = true;
+                        Poll::Ready(None)
                     }
-                    // Ended (polled again, an empty body answers).
-                    *rest = Some(Box::pin(CacheBody::empty()));
-                    // The end waits on the fetch: it stores what was read.
-                    return match fetch {
-                        Some(_) => Poll::Pending,
-                        None => Poll::Ready(None),
-                    };
+                    None => {
+                        *ended = true;
+                        Poll::Ready(Some(Err(
+                            "the origin's answer was cut short while it was read".into(),
+                        )))
+                    }
                 }
             }
         }
@@ -209,7 +182,10 @@ where
                     && error.is_none()
                     && rest.as_ref().is_none_or(|r| r.is_end_stream())
             }
-            Kind::Tee { .. } => false,
+            Kind::Tee { rest, ended, .. } => match rest {
+                Some(rest) => rest.is_end_stream(),
+                None => *ended,
+            },
         }
     }
 

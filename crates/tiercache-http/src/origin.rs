@@ -90,6 +90,10 @@ where
             credentialed,
             early,
         } = self;
+        // A stale entry at hand may answer in the load's place (past the
+        // soft timeout, or for a body that breaks off: stale-if-error), so
+        // what is read is not sent on before it is whole.
+        let early = early.filter(|_| stale.is_none());
         let req = as_get(req);
         let req = match &stale {
             Some(stale) => with_validators(req, stale),

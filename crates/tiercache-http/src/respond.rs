@@ -82,14 +82,19 @@ impl Route {
 
     /// A response sent on while its body is read to be stored (see
     /// `origin::tee`): a miss, stored only once read whole, so not said to
-    /// be stored.
-    pub(crate) fn answered_early<B>(&self, res: &mut Response<CacheBody<B>>) {
-        self.metrics.served(Source::Origin);
-        let outcome = Outcome::Miss {
-            stored: false,
-            reason: None,
-            collapsed: false,
-            l2_down: !self.engine.l2_available(),
+    /// be stored; or, for a key marked uncacheable, the bypass it is
+    /// counted as already.
+    pub(crate) fn answered_early<B>(&self, res: &mut Response<CacheBody<B>>, hit_for_miss: bool) {
+        let outcome = if hit_for_miss {
+            Outcome::Bypass(Reason::HitForMiss)
+        } else {
+            self.metrics.served(Source::Origin);
+            Outcome::Miss {
+                stored: false,
+                reason: None,
+                collapsed: false,
+                l2_down: !self.engine.l2_available(),
+            }
         };
         self.label(res.headers_mut(), &outcome);
     }

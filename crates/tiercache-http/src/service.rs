@@ -231,7 +231,8 @@ where
             };
             return ResponseFuture::boxed(Box::pin(future.instrument(span)));
         }
-        if miss.hit_for_miss() {
+        let hit_for_miss = miss.hit_for_miss();
+        if hit_for_miss {
             route.metrics.bypass(Reason::HitForMiss);
             // Alone and unstored: the origin answers the range itself.
             if let Some(range) = &ask.range {
@@ -258,21 +259,29 @@ where
         drop(entered);
         let future = async move {
             let mut run = Box::pin(miss.run(origin));
-            let Some(answered_early) = answered_early else {
+            let Some(mut answered_early) = answered_early else {
                 return route.respond(run.await, &ask);
             };
-            tokio::select! {
+            let mut res = tokio::select! {
                 biased;
-                fetched = &mut run => route.respond(fetched, &ask),
-                Ok(mut res) = answered_early => {
-                    route.answered_early(&mut res);
-                    let body = std::mem::replace(res.body_mut(), CacheBody::empty());
-                    *res.body_mut() = body.driving(async move {
+                fetched = &mut run => match answered_early.try_recv() {
+                    // Sent early, then the fetch ended (what it passed on
+                    // went to the early response): that one answers.
+                    Ok(res) => res,
+                    Err(_) => return route.respond(fetched, &ask),
+                },
+                Ok(res) = &mut answered_early => {
+                    // The fetch runs on by itself, to store the body: the
+                    // client may stop reading it (HTTP/1 stops at its
+                    // `Content-Length`), or go.
+                    tokio::spawn(async move {
                         let _ = run.await;
                     });
-                    Ok(res)
+                    res
                 }
-            }
+            };
+            route.answered_early(&mut res, hit_for_miss);
+            Ok(res)
         };
         ResponseFuture::boxed(Box::pin(future.instrument(span)))
     }

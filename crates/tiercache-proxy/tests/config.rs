@@ -17,7 +17,7 @@ use hyper_util::rt::TokioExecutor;
 use tiercache_proxy::{Proxy, ProxyConfig, config_file};
 use tiercache_testkit::http::h2c;
 use tiercache_testkit::valkey::free_port;
-use tiercache_testkit::{Counter, Server, bounded};
+use tiercache_testkit::{Counter, Server, bounded, eventually};
 
 async fn upstream() -> (Server, Counter) {
     let calls = Counter::new();
@@ -705,6 +705,73 @@ async fn a_slow_upstream_body_reaches_the_client_as_it_comes_and_is_stored() {
         (StatusCode::OK, "HIT", "first last")
     );
     assert_eq!(connections.get(), 1);
+    accept.abort();
+}
+
+/// A URL marked uncacheable (its first answer was `private`) whose next
+/// answer may be stored, with a `Content-Length`, slow: it reaches its
+/// client as it comes (a bypass), and is stored even though HTTP/1 stops
+/// reading the response at its length (the store ran in the response's
+/// body, never polled to its end, before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_answer_to_a_marked_url_goes_on_as_it_comes_and_is_stored() {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = listener.local_addr().unwrap();
+    let (release, released) = tokio::sync::oneshot::channel::<()>();
+    let connections = Counter::new();
+    let served = connections.clone();
+    let accept = tokio::spawn(async move {
+        let mut released = Some(released);
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let n = served.bump();
+            let _ = read_head(&mut socket).await;
+            if n == 1 {
+                let head = "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\
+                            cache-control: private\r\nconnection: close\r\n\r\nhello";
+                let _ = socket.write_all(head.as_bytes()).await;
+                continue;
+            }
+            let head = "HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\
+                        cache-control: max-age=60\r\n\r\nfirst";
+            socket.write_all(head.as_bytes()).await.unwrap();
+            let _ = released.take().unwrap().await;
+            socket.write_all(b"12345").await.unwrap();
+            std::future::pending::<()>().await;
+        }
+    });
+    let config = ProxyConfig::new(format!("http://{upstream}").parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let proxy = Proxy::start(config).await.unwrap();
+    let (_, headers, text) = bounded("the private answer", fetch(proxy.addr(), "/m")).await;
+    assert_eq!((h(&headers, "x-cache"), text.as_str()), ("MISS", "hello"));
+    let client = Client::builder(TokioExecutor::new()).build_http::<Body>();
+    let req = Request::get(format!("http://{}/m", proxy.addr()))
+        .body(Body::empty())
+        .unwrap();
+    let res = bounded("the head", client.request(req)).await.unwrap();
+    assert_eq!(h(res.headers(), "x-cache"), "BYPASS");
+    let mut body = res.into_body();
+    let first = bounded("the first bytes", body.frame())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.into_data().unwrap(), "first");
+    release.send(()).unwrap();
+    let rest = bounded("the rest", body.collect())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert_eq!(rest, "12345");
+    let engine = proxy.engine().clone();
+    eventually("stored", || engine.l1_entry_count() == 1).await;
+    let (_, headers, text) = bounded("a hit", fetch(proxy.addr(), "/m")).await;
+    assert_eq!(
+        (h(&headers, "x-cache"), text.as_str()),
+        ("HIT", "first12345")
+    );
+    assert_eq!(connections.get(), 2);
     accept.abort();
 }
 

@@ -119,6 +119,7 @@ impl Load<'_> {
                 }
             }
         }
+        tee.end();
         Ok(read.finish())
     }
 }

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::header::TRAILER;
 use http::{Response, response};
 use http_body::Frame;
 use tokio::sync::{mpsc, oneshot};
@@ -67,8 +68,11 @@ impl<B> Tee<B> {
                 due.get_or_insert_with(|| Instant::now() + TEE_AFTER);
             }
             Self::On(frames) => {
+                // A copy: the origin's frame may be a slice of its
+                // connection's read buffer, which a slow client would keep.
+                let copy = Bytes::copy_from_slice(data);
                 // A client gone: the read goes on to store the body.
-                if frames.send(Teed::Frame(Frame::data(data.clone()))).is_err() {
+                if frames.send(Teed::Frame(Frame::data(copy))).is_err() {
                     *self = Self::Off;
                 }
             }
@@ -79,23 +83,32 @@ impl<B> Tee<B> {
     /// with what came, `read` (a copy: the frames read were let go), and
     /// the rest as it comes.
     pub(super) fn start(&mut self, parts: &response::Parts, read: &[u8]) {
-        if !matches!(self, Self::Waiting { .. }) {
-            return;
-        }
         let Self::Waiting { early, .. } = std::mem::replace(self, Self::Off) else {
-            return;
+            unreachable!("started only while waiting (`due`)");
         };
         let (frames, receiver) = mpsc::unbounded_channel();
         let _ = frames.send(Teed::Frame(Frame::data(Bytes::copy_from_slice(read))));
-        let mut res = Response::new(CacheBody::tee_frames(receiver));
+        let mut res = Response::new(CacheBody::tee(receiver));
         *res.status_mut() = parts.status;
         *res.version_mut() = parts.version;
-        *res.headers_mut() = parts.headers.clone();
-        crate::headers::strip_hop_by_hop(res.headers_mut());
+        let mut headers = parts.headers.clone();
+        crate::headers::strip_hop_by_hop(&mut headers);
+        // Trailers reach an HTTP/1 client only when the head declares them.
+        for declared in parts.headers.get_all(TRAILER) {
+            headers.append(TRAILER, declared.clone());
+        }
+        *res.headers_mut() = headers;
         // Taken, unless the request was answered meanwhile (a stale entry
         // at the soft timeout): the read then goes on as before.
         if early.send(res).is_ok() {
             *self = Self::On(frames);
+        }
+    }
+
+    /// The body was read whole: its client's ends too.
+    pub(super) fn end(&mut self) {
+        if let Self::On(frames) = std::mem::replace(self, Self::Off) {
+            let _ = frames.send(Teed::End);
         }
     }
 
