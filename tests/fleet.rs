@@ -447,3 +447,95 @@ async fn a_failure_that_may_not_be_shared_is_not_handed_to_another_instance() {
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(body, "failed 3", "B's own origin call");
 }
+
+/// An origin that answers a stored value after `took`, and records what
+/// the engine tells it of its request's waits.
+struct Watched {
+    took: Duration,
+    events: std::sync::Arc<std::sync::Mutex<Vec<tiercache::core::Event>>>,
+}
+
+impl tiercache::core::Select for Watched {
+    fn observe(&self, event: tiercache::core::Event) {
+        self.events.lock().unwrap().push(event);
+    }
+}
+
+impl tiercache::core::Origin for Watched {
+    type Output = ();
+    type Error = ();
+
+    async fn load(
+        self,
+        _stale: Option<tiercache::core::Entry>,
+    ) -> Result<tiercache::core::Loaded<()>, ()> {
+        use tiercache::core::{Fill, Loaded, Value};
+        tokio::time::sleep(self.took).await;
+        Ok(Loaded::Store(Fill::new(Value::from_body("stored"))))
+    }
+}
+
+/// Two instances, a flight's wait of 300 ms, an origin of 1 s: one
+/// request on the first, then three at once on the second. Each of the
+/// second's three waited (one on the first's fleet lock, two on the one
+/// that leads there), and each is counted once as coalesced and gives one
+/// wait sample, whatever flights and locks it waited on after: a request
+/// that followed a flight, then took it over and waited on the fleet
+/// lock, was counted twice (the second's `coalesced` was 5 of 3 requests).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_request_waiting_across_the_fleet_is_counted_once() {
+    use tiercache::core::Event;
+    let server = ValkeyServer::start();
+    let mut engines = Vec::new();
+    for _ in 0..2 {
+        let config = ValkeyConfig::from_url(&server.url())
+            .unwrap()
+            .connect_timeout(Duration::from_secs(10))
+            .command_timeout(Duration::from_secs(1));
+        let tier = ValkeyTier::connect(config).await.unwrap();
+        let engine = TieredCache::builder()
+            .l2(tier)
+            .sweep_interval(None)
+            .build()
+            .unwrap();
+        engines.push(engine);
+    }
+    let policy = Policy::ttl(Duration::from_secs(60))
+        .lock_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let fetch = |engine: &TieredCache, events| {
+        let (engine, policy) = (engine.clone(), policy.clone());
+        let origin = Watched {
+            took: Duration::from_secs(1),
+            events,
+        };
+        tokio::spawn(async move {
+            let key = CacheKey::new("fleet-wait");
+            assert!(engine.fetch(&key, &policy, origin).await.is_ok());
+        })
+    };
+    let first = fetch(&engines[0], Default::default());
+    eventually("the first instance's lock", || {
+        server.keys("tc:*:lock").len() == 1
+    })
+    .await;
+    let second: Vec<_> = (0..3).map(|_| fetch(&engines[1], events.clone())).collect();
+    bounded("the first", first).await.unwrap();
+    for request in second {
+        bounded("a request on the second", request).await.unwrap();
+    }
+    let waits = events
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| matches!(e, Event::LockWait(_)))
+        .count();
+    assert_eq!(
+        (engines[1].stats().coalesced, waits),
+        (3, 3),
+        "{:?}",
+        events.lock().unwrap()
+    );
+}

@@ -30,9 +30,12 @@ pub struct Stats {
     /// `max_detached_fills` others ran on without theirs (a fill that
     /// finished at that very moment may be counted too).
     pub fills_cancelled: u64,
-    /// Requests that waited on another request's origin load instead of making their own.
+    /// Requests that waited on another request's origin load (on this
+    /// instance, or another's through the fleet lock), once each, whether
+    /// they got its answer or loaded their own past the deadline.
     pub coalesced: u64,
-    /// Followers that gave up waiting after `lock_timeout` and went to the origin.
+    /// Requests whose wait on another's load reached its deadline
+    /// (`lock_timeout`), once each however many flights they followed.
     pub lock_timeouts: u64,
     /// Failed or timed-out L2 reads (each fell through to the origin) and failed L2 writes.
     pub l2_errors: u64,

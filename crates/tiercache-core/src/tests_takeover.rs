@@ -70,3 +70,72 @@ async fn an_answer_that_may_not_be_shared_releases_every_waiting_request() {
         "the last request waited {last:?}: {answered:?}"
     );
 }
+
+/// An origin that answers a stored value after `took`, and records what
+/// the engine tells it of its request's waits.
+struct Watched {
+    took: Duration,
+    events: std::sync::Arc<std::sync::Mutex<Vec<Event>>>,
+}
+
+impl Select for Watched {
+    fn observe(&self, event: Event) {
+        self.events.lock().unwrap().push(event);
+    }
+}
+
+impl Origin for Watched {
+    type Output = ();
+    type Error = ();
+
+    async fn load(self, _stale: Option<Entry>) -> Result<Loaded<()>, ()> {
+        tokio::time::sleep(self.took).await;
+        Ok(Loaded::Store(Fill::new(Value::from_body("stored"))))
+    }
+}
+
+/// Five requests at once, an origin of 1 s, a flight's wait of 300 ms:
+/// each of the four that waited is counted once as coalesced, once as a
+/// lock timeout, and gives one wait sample, however many flights it
+/// followed (one taken over at each deadline). They were counted at
+/// every deadline each reached: 9 lock timeouts, 10 wait samples.
+#[tokio::test(start_paused = true)]
+async fn each_request_that_waited_is_counted_once() {
+    let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
+    let policy = Policy::ttl(Duration::from_secs(60))
+        .lock_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let requests: Vec<_> = (0..5)
+        .map(|_| {
+            let (cache, policy) = (cache.clone(), policy.clone());
+            let origin = Watched {
+                took: Duration::from_secs(1),
+                events: events.clone(),
+            };
+            tokio::spawn(async move {
+                let fetched = cache.fetch(&CacheKey::new("k"), &policy, origin).await;
+                assert!(fetched.is_ok());
+            })
+        })
+        .collect();
+    for request in requests {
+        request.await.unwrap();
+    }
+    let stats = cache.stats();
+    let events = events.lock().unwrap();
+    let waits = events
+        .iter()
+        .filter(|e| matches!(e, Event::LockWait(_)))
+        .count();
+    let timeouts = events
+        .iter()
+        .filter(|e| matches!(e, Event::LockTimeout))
+        .count();
+    assert_eq!(
+        (stats.coalesced, stats.lock_timeouts, waits, timeouts),
+        (4, 4, 4, 4),
+        "{events:?}"
+    );
+}

@@ -8,9 +8,9 @@
 //! | `tiercache_requests_total` | counter | `route`, `outcome` (`hit`, `miss`, `stale`, `bypass`), `tier` (`l1`, `l2`, `origin`; `none` for an `only-if-cached` miss, answered 504) |
 //! | `tiercache_bypass_total` | counter | `route`, `reason` (`authorization`, `cookie`, `method`, …) |
 //! | `tiercache_not_stored_total` | counter | `route`, `reason` (`set-cookie`, `private`, `too-large`, …) |
-//! | `tiercache_origin_duration_seconds` | histogram | `route`: every origin call's time (XFetch's δ) |
-//! | `tiercache_lock_wait_seconds` | histogram | `route`: waits on another request's load (its count: the route's coalesced waiters) |
-//! | `tiercache_route_lock_timeouts_total` | counter | `route`: waits that gave up after the policy's `lock_timeout` |
+//! | `tiercache_origin_duration_seconds` | histogram | `route`: every origin load's time (misses, refreshes, hit-for-miss; XFetch's δ) |
+//! | `tiercache_lock_wait_seconds` | histogram | `route`: one sample a request that waited on another's load, all of its wait (its count: the route's coalesced requests) |
+//! | `tiercache_route_lock_timeouts_total` | counter | `route`: requests whose wait reached the policy's `lock_timeout`, once each |
 //! | `tiercache_route_early_refreshes_total` | counter | `route`: XFetch refreshes started before expiry |
 //!
 //! For the engine, set from its counters by a task the layer starts (inside a
@@ -101,7 +101,203 @@ impl Sink {
         let key = Key::from_name(name);
         self.with(|r| r.register_gauge(&key, &METADATA))
     }
+
+    /// Says what each metric counts (Prometheus's `# HELP`), to whichever
+    /// recorder is in force now (one installed late hears it at the next
+    /// publish).
+    fn describe(&self) {
+        self.with(|r| {
+            for &(name, kind, help) in HELP {
+                let help = metrics::SharedString::const_str(help);
+                match kind {
+                    Kind::Counter => r.describe_counter(name.into(), None, help),
+                    Kind::Gauge => r.describe_gauge(name.into(), None, help),
+                    Kind::Histogram => {
+                        r.describe_histogram(name.into(), Some(metrics::Unit::Seconds), help)
+                    }
+                }
+            }
+        });
+    }
 }
+
+/// A metric's kind, for its description.
+#[derive(Clone, Copy)]
+enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// What each metric counts, as a scrape's `# HELP` says it.
+const HELP: &[(&str, Kind, &str)] = &[
+    (
+        "tiercache_requests_total",
+        Kind::Counter,
+        "Requests a cached route answered, by outcome (hit, miss, stale, bypass) and tier (l1, l2, origin; none: an only-if-cached request nothing stored answered, a 504).",
+    ),
+    (
+        "tiercache_bypass_total",
+        Kind::Counter,
+        "Requests that went to the origin past the cache, by reason (a key marked uncacheable: hit-for-miss).",
+    ),
+    (
+        "tiercache_not_stored_total",
+        Kind::Counter,
+        "Origin answers not stored, by reason (those of hit-for-miss bypasses included).",
+    ),
+    (
+        "tiercache_origin_duration_seconds",
+        Kind::Histogram,
+        "Each origin load the cache made (misses, refreshes, hit-for-miss; not other bypasses): XFetch's rebuild time.",
+    ),
+    (
+        "tiercache_lock_wait_seconds",
+        Kind::Histogram,
+        "Each request's whole wait on other requests' loads, one sample a waiting request.",
+    ),
+    (
+        "tiercache_route_lock_timeouts_total",
+        Kind::Counter,
+        "Requests whose wait on another request's load reached the flight's deadline, once each.",
+    ),
+    (
+        "tiercache_route_early_refreshes_total",
+        Kind::Counter,
+        "XFetch refreshes started before expiry.",
+    ),
+    (
+        "tiercache_origin_loads_total",
+        Kind::Counter,
+        "Origin loads the engine made (misses, refreshes, hit-for-miss; not other bypasses).",
+    ),
+    (
+        "tiercache_coalesced_total",
+        Kind::Counter,
+        "Requests that waited on another request's load (on this instance or, through the fleet lock, another), once each, whether they got its answer or loaded their own past the deadline.",
+    ),
+    (
+        "tiercache_lock_timeouts_total",
+        Kind::Counter,
+        "Requests whose wait on another's load reached its deadline, once each.",
+    ),
+    (
+        "tiercache_early_refreshes_total",
+        Kind::Counter,
+        "Refreshes started before expiry (XFetch).",
+    ),
+    (
+        "tiercache_refreshes_deferred_total",
+        Kind::Counter,
+        "Refreshes not started because max_refreshes were running.",
+    ),
+    (
+        "tiercache_fills_cancelled_total",
+        Kind::Counter,
+        "Fills cancelled after their caller left, no max_detached_fills slot free and nobody waiting on them.",
+    ),
+    (
+        "tiercache_stale_served_total",
+        Kind::Counter,
+        "Stale entries served (stale-while-revalidate, stale-if-error, the soft timeout).",
+    ),
+    (
+        "tiercache_l2_errors_total",
+        Kind::Counter,
+        "L2 operations that failed.",
+    ),
+    (
+        "tiercache_l2_timeouts_total",
+        Kind::Counter,
+        "L2 operations that timed out.",
+    ),
+    (
+        "tiercache_l2_write_drops_total",
+        Kind::Counter,
+        "L2 writes dropped because the write queue was full.",
+    ),
+    (
+        "tiercache_l2_corrupt_total",
+        Kind::Counter,
+        "L2 values read that could not be decoded (corrupt or foreign bytes), each read.",
+    ),
+    (
+        "tiercache_l2_breaker_trips_total",
+        Kind::Counter,
+        "Times the L2 circuit breaker opened.",
+    ),
+    (
+        "tiercache_l2_reconnects_forced_total",
+        Kind::Counter,
+        "L2 clients replaced after their connections stopped answering.",
+    ),
+    (
+        "tiercache_l2_connection_errors_total",
+        Kind::Counter,
+        "L2 connection failures (refused, TLS, authentication, lost).",
+    ),
+    (
+        "tiercache_l2_breaker_open",
+        Kind::Gauge,
+        "1 while the L2 circuit breaker is open.",
+    ),
+    (
+        "tiercache_expired_total",
+        Kind::Counter,
+        "L1 entries removed past their expiry (by the sweep or a read).",
+    ),
+    (
+        "tiercache_evicted_total",
+        Kind::Counter,
+        "L1 entries evicted to stay within the budget.",
+    ),
+    (
+        "tiercache_sweeps_total",
+        Kind::Counter,
+        "Sweeps of expired L1 entries.",
+    ),
+    (
+        "tiercache_invalidations_received_total",
+        Kind::Counter,
+        "Invalidations received from other instances.",
+    ),
+    (
+        "tiercache_resyncs_total",
+        Kind::Counter,
+        "Times the invalidation stream was lost and L1 dropped as a precaution.",
+    ),
+    (
+        "tiercache_fleet_locks_acquired_total",
+        Kind::Counter,
+        "Fleet-wide fill locks this instance took.",
+    ),
+    (
+        "tiercache_fleet_lock_waits_total",
+        Kind::Counter,
+        "Waits on a fill lock another instance held.",
+    ),
+    (
+        "tiercache_l1_bytes",
+        Kind::Gauge,
+        "Bytes L1 holds, weighed against its budget.",
+    ),
+    ("tiercache_l1_entries", Kind::Gauge, "Entries L1 holds."),
+    (
+        "tiercache_hit_ratio",
+        Kind::Gauge,
+        "(hits + stale) / (hits + stale + misses) since the engine started; only-if-cached 504s and bypasses left out.",
+    ),
+    (
+        "tiercache_body_mappings",
+        Kind::Gauge,
+        "Page mappings of large bodies, spares included.",
+    ),
+    (
+        "tiercache_body_heap_fallbacks_total",
+        Kind::Counter,
+        "Large bodies stored on the heap: past the mappings' cap, or refused one by the system.",
+    ),
+];
 
 /// A handle registered on its first use.
 type Lazy<T> = OnceLock<T>;
@@ -341,6 +537,7 @@ impl EngineMetrics {
     }
 
     pub(crate) fn publish(&self, stats: &Stats, l1_bytes: u64, l1_entries: u64) {
+        self.sink.describe();
         for (name, read) in TOTALS {
             self.sink.counter(name, Vec::new()).absolute(read(stats));
         }
@@ -389,6 +586,31 @@ mod tests {
                 && text.contains("tiercache_l2_connection_errors_total 6"),
             "{text}"
         );
+    }
+
+    /// Each metric a scrape shows says what it counts (`# HELP`).
+    #[test]
+    fn every_metric_is_described() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let metrics = EngineMetrics::new(Sink::default());
+        let route = RouteMetrics::new("r", Sink::default());
+        metrics::with_local_recorder(&recorder, || {
+            metrics.publish(&Stats::default(), 0, 0);
+            route.lock_wait(Duration::from_millis(1));
+            route.lock_timeout();
+        });
+        let text = handle.render();
+        let described = |name: &str| text.contains(&format!("# HELP {name} "));
+        let shown: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split(' ').next())
+            .collect();
+        assert!(shown.len() > 20, "{text}");
+        for name in shown {
+            assert!(described(name), "{name} has no # HELP:\n{text}");
+        }
     }
 
     /// Large bodies' page mappings are a process resource: their count and

@@ -11,8 +11,8 @@ use crate::fleet::{FleetJoin, FleetLock};
 use crate::flight::{FlightError, FlightResult, Leader};
 use crate::stats::bump;
 use crate::{
-    Answer, CacheKey, Entry, FetchError, Fetched, Freshness, Loaded, Origin, Panic, Policy, Select,
-    Served, Source, StaleReason, Unlocked,
+    Answer, CacheKey, Entry, Event, FetchError, Fetched, Freshness, Loaded, Origin, Panic, Policy,
+    Select, Served, Source, StaleReason, Unlocked,
 };
 
 /// What the leader's fill produced.
@@ -56,6 +56,13 @@ impl<O: Select> Select for Locked<O> {
             .unwrap_or_else(|e| e.into_inner())
             .must_revalidate(entry)
     }
+
+    fn observe(&self, event: Event) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .observe(event);
+    }
 }
 
 /// What a follower does with its leader's result.
@@ -82,6 +89,12 @@ pub(super) struct Lead {
     pub(super) stale: Option<Entry>,
     /// Skip L2 and the fleet lock: revalidate `stale` with the origin.
     pub(super) revalidate: bool,
+    /// The request was counted as waiting on another's load already (it
+    /// followed a flight first), or is no request (a refresh): a wait on
+    /// the fleet lock is not counted again.
+    pub(super) counted: bool,
+    /// The request's wait reached a flight's deadline already (counted).
+    pub(super) timed_out: bool,
     /// A refresh of this entry: only a newer copy from L2 replaces it.
     pub(super) current: Option<Entry>,
 }
@@ -168,6 +181,8 @@ impl TieredCache {
             policy,
             mut stale,
             revalidate,
+            counted,
+            timed_out,
             current,
         } = lead;
         // Noted before anything is read: an invalidation after this point
@@ -211,10 +226,14 @@ impl TieredCache {
         } else {
             let fits = |e: &Entry| origin.accepts(e) && !origin.must_revalidate(e) && newer(e);
             let wait = leader.time_left();
-            match self
-                .lead_fleet(&keys.flight, &policy, wait, epoch, fits)
-                .await
-            {
+            let waits = (counted, timed_out);
+            let (join, waited) = self
+                .lead_fleet(&keys.flight, &policy, wait, epoch, fits, waits)
+                .await;
+            if let Some(waited) = waited.filter(|_| !counted) {
+                origin.observe(Event::LockWait(waited));
+            }
+            match join {
                 FleetJoin::Filled(entry) => {
                     return Ok(self.filled_from_l2(leader, entry));
                 }

@@ -21,7 +21,9 @@ impl TieredCache {
     /// waiter, and the others wait on that one. Past the deadline a new
     /// holder is waited on once more (for the policy's wait at most); the
     /// same holder still there is stuck, and the request loads without
-    /// the lock (counted as a lock timeout).
+    /// the lock (counted as a lock timeout). With how long it waited, if it
+    /// did; `(counted, timed_out)`: the request's wait, and its lock
+    /// timeout, were counted already (a request is counted once).
     pub(crate) async fn lead_fleet(
         &self,
         key: &CacheKey,
@@ -29,27 +31,57 @@ impl TieredCache {
         wait: Duration,
         epoch: u64,
         accept: impl Fn(&Entry) -> bool,
-    ) -> FleetJoin {
+        (counted, timed_out): (bool, bool),
+    ) -> (FleetJoin, Option<Duration>) {
         let Some(l2) = self.inner.l2.clone() else {
-            return FleetJoin::Lead(FleetLock::local());
+            return (FleetJoin::Lead(FleetLock::local()), None);
         };
         // The lock outlives a slow fill by the policy's whole wait: the
         // flight's own deadline abandons a stalled leader before it.
         let hold = policy.lock_wait();
-        let mut deadline = Instant::now() + wait;
-        let mut extended = false;
-        let (mut held_for, mut holder) = match l2.try_lock(key, hold).await {
+        let (held_for, holder) = match l2.try_lock(key, hold).await {
             Ok(LockAttempt::Acquired(token)) => {
-                return self.took_lock(&l2, key, token, epoch, &accept).await;
+                return (self.took_lock(&l2, key, token, epoch, &accept).await, None);
             }
             Ok(LockAttempt::Held { left, holder }) => (left, holder),
-            Ok(_) => return FleetJoin::Lead(FleetLock::local()),
+            Ok(_) => return (FleetJoin::Lead(FleetLock::local()), None),
             Err(_) => {
                 bump(&self.inner.counters.l2_errors);
-                return FleetJoin::Lead(FleetLock::local());
+                return (FleetJoin::Lead(FleetLock::local()), None);
             }
         };
-        bump(&self.inner.counters.coalesced);
+        if !counted {
+            bump(&self.inner.counters.coalesced);
+        }
+        let started = Instant::now();
+        let held = HeldLock {
+            l2: &l2,
+            hold,
+            deadline: started + wait,
+            held_for,
+            holder,
+        };
+        let join = self.wait_fleet(key, held, epoch, &accept, timed_out).await;
+        (join, Some(started.elapsed()))
+    }
+
+    /// Waits on the fleet lock's holders in turn (see [`lead_fleet`](Self::lead_fleet)).
+    async fn wait_fleet(
+        &self,
+        key: &CacheKey,
+        held: HeldLock<'_>,
+        epoch: u64,
+        accept: &impl Fn(&Entry) -> bool,
+        timed_out: bool,
+    ) -> FleetJoin {
+        let HeldLock {
+            l2,
+            hold,
+            mut deadline,
+            mut held_for,
+            mut holder,
+        } = held;
+        let mut extended = false;
         // Waits on each holder in turn: one that lets go without a fill
         // (its load had no room to keep its answer, or its lock is gone)
         // hands the lock to one of its waiters, and the others wait on that
@@ -76,14 +108,14 @@ impl TieredCache {
                 }
                 _ => {}
             }
-            if let Some(entry) = self.lookup_l2(key, epoch, &accept).await {
+            if let Some(entry) = self.lookup_l2(key, epoch, accept).await {
                 return FleetJoin::Filled(entry);
             }
             let attempt = l2.try_lock(key, hold).await;
             let now = Instant::now();
             match attempt {
                 Ok(LockAttempt::Acquired(token)) => {
-                    return self.took_lock(&l2, key, token, epoch, &accept).await;
+                    return self.took_lock(l2, key, token, epoch, accept).await;
                 }
                 Ok(LockAttempt::Held { left, holder: next })
                     if deadline > now || (!extended && next.is_some() && next != holder) =>
@@ -99,7 +131,9 @@ impl TieredCache {
                     (held_for, holder) = (left, next);
                 }
                 _ => {
-                    bump(&self.inner.counters.lock_timeouts);
+                    if !timed_out {
+                        bump(&self.inner.counters.lock_timeouts);
+                    }
                     return FleetJoin::Lead(FleetLock::local());
                 }
             }
@@ -129,4 +163,15 @@ impl TieredCache {
         }
         FleetJoin::Lead(lock)
     }
+}
+
+/// The fleet lock as a wait on it begins: who holds it, for how long, and
+/// until when this request waits.
+struct HeldLock<'a> {
+    l2: &'a std::sync::Arc<dyn crate::Tier>,
+    /// How long a lock taken is held (the policy's wait).
+    hold: Duration,
+    deadline: Instant,
+    held_for: Duration,
+    holder: Option<crate::LockToken>,
 }

@@ -84,6 +84,10 @@ impl Miss {
                 .await;
         }
         let mut collapsed = false;
+        // Counted once a request: all of its wait on others' loads, however
+        // many flights it followed, and whether a wait reached a deadline.
+        let mut waited = std::time::Duration::ZERO;
+        let mut timed_out = false;
         // Joined again once after an overtaken answer; a second overtaken
         // one (a key invalidated faster than it loads) loads alone.
         let mut rejoined = false;
@@ -107,6 +111,9 @@ impl Miss {
                 .join(keys.flight.hash(), policy.lock_wait())
             {
                 Join::Leader(leader) => {
+                    if collapsed {
+                        origin.observe(Event::LockWait(waited));
+                    }
                     // Joining again (the flight was abandoned, busy,
                     // overtaken or past its deadline): the request that
                     // led before this one may have stored the key, its
@@ -125,6 +132,8 @@ impl Miss {
                         policy,
                         stale: fallback,
                         revalidate,
+                        counted: collapsed,
+                        timed_out,
                         current: None,
                     };
                     return engine.lead(lead, origin).await;
@@ -136,29 +145,34 @@ impl Miss {
                 collapsed = true;
             }
             let started = Instant::now();
-            let waited = match &stand_in {
+            let outcome = match &stand_in {
                 Some((stale, at)) => match tokio::time::timeout_at(*at, follower.wait()).await {
                     Ok(waited) => waited,
                     Err(_) => {
-                        origin.observe(Event::LockWait(started.elapsed()));
+                        origin.observe(Event::LockWait(waited + started.elapsed()));
                         let why = StaleReason::OriginTimeout;
                         return Ok(engine.answered_stale(stale.clone(), why, true));
                     }
                 },
                 None => follower.wait().await,
             };
-            origin.observe(Event::LockWait(started.elapsed()));
-            match waited {
+            waited += started.elapsed();
+            match outcome {
                 Waited::Done(FlightResult::Failed(FlightError::Abandoned)) => continue,
                 Waited::Done(result) => {
-                    return match engine.followed(result, fallback.clone(), &origin, joined) {
-                        Followed::Answer(answer) => Ok(answer),
-                        Followed::Error(e) => Err(e),
+                    let followed = engine.followed(result, fallback.clone(), &origin, joined);
+                    match &followed {
                         Followed::Again if !rejoined => {
                             rejoined = true;
                             continue;
                         }
                         Followed::Retry if began.elapsed() < policy.lock_wait() => continue,
+                        _ => {}
+                    }
+                    origin.observe(Event::LockWait(waited));
+                    return match followed {
+                        Followed::Answer(answer) => Ok(answer),
+                        Followed::Error(e) => Err(e),
                         Followed::Alone | Followed::Again | Followed::Retry => {
                             engine
                                 .load_alone(&keys, &policy, origin, fallback, true, false)
@@ -167,11 +181,13 @@ impl Miss {
                     };
                 }
                 // The flight's deadline passed: the next join takes it over
-                // (or follows whoever did).
-                Waited::TimedOut => {
+                // (or follows whoever did). Counted once a request.
+                Waited::TimedOut if !timed_out => {
+                    timed_out = true;
                     bump(&engine.inner.counters.lock_timeouts);
                     origin.observe(Event::LockTimeout);
                 }
+                Waited::TimedOut => {}
             }
         }
     }
@@ -196,6 +212,8 @@ impl Refresh {
             policy,
             stale: Some(current.clone()),
             revalidate: false,
+            counted: true,
+            timed_out: false,
             current: Some(current),
         };
         tokio::spawn(async move {
