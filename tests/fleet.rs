@@ -475,7 +475,7 @@ impl tiercache::core::Origin for Watched {
     }
 }
 
-/// Two instances, a flight's wait of 300 ms, an origin of 1 s: one
+/// Two instances, a flight's wait of 1 s, an origin of 3 s: one
 /// request on the first, then three at once on the second. Each of the
 /// second's three waited (one on the first's fleet lock, two on the one
 /// that leads there), and each is counted once as coalesced and gives one
@@ -501,14 +501,14 @@ async fn each_request_waiting_across_the_fleet_is_counted_once() {
         engines.push(engine);
     }
     let policy = Policy::ttl(Duration::from_secs(60))
-        .lock_timeout(Duration::from_millis(300))
+        .lock_timeout(Duration::from_secs(1))
         .build()
         .unwrap();
     let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let fetch = |engine: &TieredCache, events| {
         let (engine, policy) = (engine.clone(), policy.clone());
         let origin = Watched {
-            took: Duration::from_secs(1),
+            took: Duration::from_secs(3),
             events,
         };
         tokio::spawn(async move {

@@ -34,8 +34,9 @@ pub struct Stats {
     /// instance, or another's through the fleet lock), once each, whether
     /// they got its answer or loaded their own past the deadline.
     pub coalesced: u64,
-    /// Requests whose wait on another's load reached its deadline
-    /// (`lock_timeout`), once each however many flights they followed.
+    /// Requests (and background refreshes, on the fleet lock) whose wait
+    /// on another's load reached its deadline (`lock_timeout`), once each
+    /// however many flights they followed.
     pub lock_timeouts: u64,
     /// Failed or timed-out L2 reads (each fell through to the origin) and failed L2 writes.
     pub l2_errors: u64,

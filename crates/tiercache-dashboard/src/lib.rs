@@ -155,7 +155,8 @@ pub struct Totals {
     pub origin_loads: u64,
     /// Requests that waited on another's load (lock waits).
     pub coalesced: u64,
-    /// Waits that gave up after the lock timeout.
+    /// Requests whose wait on another's load reached the lock timeout
+    /// (once each).
     pub lock_timeouts: u64,
     /// Entries reclaimed past their hard expiry.
     pub expired: u64,

@@ -48,6 +48,8 @@
 //! [`ResponseCacheLayer::metrics_recorder`]: crate::ResponseCacheLayer::metrics_recorder
 
 use std::fmt;
+use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -102,11 +104,17 @@ impl Sink {
         self.with(|r| r.register_gauge(&key, &METADATA))
     }
 
-    /// Says what each metric counts (Prometheus's `# HELP`), to whichever
-    /// recorder is in force now (one installed late hears it at the next
-    /// publish).
-    fn describe(&self) {
+    /// Says what each metric counts (Prometheus's `# HELP`) to the recorder
+    /// in force now, unless it was the one told last (`told` holds its
+    /// address): a recorder installed late hears it at the next publish,
+    /// and none is told every second (the Prometheus exporter keeps each
+    /// description in a log until its next render).
+    fn describe(&self, told: &AtomicUsize) {
         self.with(|r| {
+            let address = r as *const dyn Recorder as *const () as usize;
+            if told.swap(address, Relaxed) == address {
+                return;
+            }
             for &(name, kind, help) in HELP {
                 let help = metrics::SharedString::const_str(help);
                 match kind {
@@ -139,7 +147,7 @@ const HELP: &[(&str, Kind, &str)] = &[
     (
         "tiercache_bypass_total",
         Kind::Counter,
-        "Requests that went to the origin past the cache, by reason (a key marked uncacheable: hit-for-miss).",
+        "Requests that went to the origin past the cache, by reason (cookie, authorization, method, hit-for-miss: a key marked uncacheable, …).",
     ),
     (
         "tiercache_not_stored_total",
@@ -179,7 +187,7 @@ const HELP: &[(&str, Kind, &str)] = &[
     (
         "tiercache_lock_timeouts_total",
         Kind::Counter,
-        "Requests whose wait on another's load reached its deadline, once each.",
+        "Requests (and background refreshes) whose wait on another's load reached its deadline, once each.",
     ),
     (
         "tiercache_early_refreshes_total",
@@ -209,7 +217,7 @@ const HELP: &[(&str, Kind, &str)] = &[
     (
         "tiercache_l2_timeouts_total",
         Kind::Counter,
-        "L2 operations that timed out.",
+        "L2 operations that timed out (counted in tiercache_l2_errors_total too).",
     ),
     (
         "tiercache_l2_write_drops_total",
@@ -449,6 +457,8 @@ pub(crate) struct EngineMetrics {
     sink: Sink,
     /// Whether the task that keeps them current was started (or tried).
     publishing: std::sync::atomic::AtomicBool,
+    /// The recorder told what each metric counts (see [`Sink::describe`]).
+    described: AtomicUsize,
 }
 
 /// How often the engine's metrics are published on their own.
@@ -494,6 +504,7 @@ impl EngineMetrics {
         Self {
             sink,
             publishing: Default::default(),
+            described: Default::default(),
         }
     }
 
@@ -537,7 +548,7 @@ impl EngineMetrics {
     }
 
     pub(crate) fn publish(&self, stats: &Stats, l1_bytes: u64, l1_entries: u64) {
-        self.sink.describe();
+        self.sink.describe(&self.described);
         for (name, read) in TOTALS {
             self.sink.counter(name, Vec::new()).absolute(read(stats));
         }
@@ -585,6 +596,63 @@ mod tests {
             text.contains("tiercache_l2_reconnects_forced_total 4")
                 && text.contains("tiercache_l2_connection_errors_total 6"),
             "{text}"
+        );
+    }
+
+    /// A recorder is told what each metric counts once, not at every
+    /// publish (the Prometheus exporter logs each description until its
+    /// next render: unscraped, it grew every second); a new one is told.
+    #[test]
+    fn each_recorder_is_told_once() {
+        use std::sync::atomic::AtomicUsize;
+        #[derive(Default)]
+        struct Told(AtomicUsize);
+        impl Recorder for Told {
+            fn describe_counter(
+                &self,
+                _: metrics::KeyName,
+                _: Option<metrics::Unit>,
+                _: metrics::SharedString,
+            ) {
+                self.0.fetch_add(1, Relaxed);
+            }
+            fn describe_gauge(
+                &self,
+                _: metrics::KeyName,
+                _: Option<metrics::Unit>,
+                _: metrics::SharedString,
+            ) {
+            }
+            fn describe_histogram(
+                &self,
+                _: metrics::KeyName,
+                _: Option<metrics::Unit>,
+                _: metrics::SharedString,
+            ) {
+            }
+            fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
+                Counter::noop()
+            }
+            fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+                Gauge::noop()
+            }
+            fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+                Histogram::noop()
+            }
+        }
+        let metrics = EngineMetrics::new(Sink::default());
+        let (first, second) = (Told::default(), Told::default());
+        for _ in 0..3 {
+            metrics::with_local_recorder(&first, || metrics.publish(&Stats::default(), 0, 0));
+        }
+        metrics::with_local_recorder(&second, || metrics.publish(&Stats::default(), 0, 0));
+        let counters = HELP
+            .iter()
+            .filter(|(_, kind, _)| matches!(kind, Kind::Counter))
+            .count();
+        assert_eq!(
+            (first.0.load(Relaxed), second.0.load(Relaxed)),
+            (counters, counters)
         );
     }
 

@@ -2,6 +2,8 @@
 //! origin, storage, stale-if-error) and what its followers make of its
 //! result (loads outside any flight are in `alone.rs`).
 
+use std::time::Duration;
+
 use tokio::time::Instant;
 
 use super::TieredCache;
@@ -65,6 +67,15 @@ impl<O: Select> Select for Locked<O> {
     }
 }
 
+/// One sample of a request's whole wait on other loads (see `Miss::run`):
+/// on local flights before it led (`earlier`), then on the fleet lock.
+fn report_wait(origin: &impl Select, earlier: Option<Duration>, fleet: Option<Duration>) {
+    if earlier.is_some() || fleet.is_some() {
+        let waited = earlier.unwrap_or_default() + fleet.unwrap_or_default();
+        origin.observe(Event::LockWait(waited));
+    }
+}
+
 /// What a follower does with its leader's result.
 pub(super) enum Followed<T, E> {
     Answer(Fetched<T>),
@@ -89,10 +100,10 @@ pub(super) struct Lead {
     pub(super) stale: Option<Entry>,
     /// Skip L2 and the fleet lock: revalidate `stale` with the origin.
     pub(super) revalidate: bool,
-    /// The request was counted as waiting on another's load already (it
-    /// followed a flight first), or is no request (a refresh): a wait on
-    /// the fleet lock is not counted again.
-    pub(super) counted: bool,
+    /// How long the request waited on other requests' flights before it
+    /// led (`None`: it did not): counted as coalesced already, a wait on
+    /// the fleet lock is added to its one wait sample, not counted again.
+    pub(super) waited: Option<Duration>,
     /// The request's wait reached a flight's deadline already (counted).
     pub(super) timed_out: bool,
     /// A refresh of this entry: only a newer copy from L2 replaces it.
@@ -181,10 +192,12 @@ impl TieredCache {
             policy,
             mut stale,
             revalidate,
-            counted,
+            waited,
             timed_out,
             current,
         } = lead;
+        // A refresh is no request: its waits are not a request's.
+        let refresh = current.is_some();
         // Noted before anything is read: an invalidation after this point
         // keeps what this fill reads from being stored.
         let epoch = self.inner.journal.epoch();
@@ -208,6 +221,7 @@ impl TieredCache {
         {
             let fresh = matches!(entry.freshness(self.now()), crate::Freshness::Fresh(_));
             if !origin.must_revalidate(&entry) {
+                report_wait(&origin, waited, None);
                 if fresh {
                     return Ok(self.filled_from_l2(leader, entry));
                 }
@@ -222,18 +236,22 @@ impl TieredCache {
         // One load per key across the fleet: take the shared lock, or wait
         // for the instance that holds it and answer with what it stored.
         let lock = if revalidate {
+            report_wait(&origin, waited, None);
             FleetLock::local()
         } else {
             let fits = |e: &Entry| origin.accepts(e) && !origin.must_revalidate(e) && newer(e);
             let wait = leader.time_left();
-            let waits = (counted, timed_out);
-            let (join, waited) = self
-                .lead_fleet(&keys.flight, &policy, wait, epoch, fits, waits)
+            let counted = (waited.is_some() || refresh, timed_out);
+            let fleet = self
+                .lead_fleet(&keys.flight, &policy, wait, epoch, fits, counted)
                 .await;
-            if let Some(waited) = waited.filter(|_| !counted) {
-                origin.observe(Event::LockWait(waited));
+            if !refresh {
+                report_wait(&origin, waited, fleet.waited);
             }
-            match join {
+            if fleet.timed_out && !timed_out {
+                origin.observe(Event::LockTimeout);
+            }
+            match fleet.join {
                 FleetJoin::Filled(entry) => {
                     return Ok(self.filled_from_l2(leader, entry));
                 }

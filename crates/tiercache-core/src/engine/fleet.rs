@@ -21,9 +21,9 @@ impl TieredCache {
     /// waiter, and the others wait on that one. Past the deadline a new
     /// holder is waited on once more (for the policy's wait at most); the
     /// same holder still there is stuck, and the request loads without
-    /// the lock (counted as a lock timeout). With how long it waited, if it
-    /// did; `(counted, timed_out)`: the request's wait, and its lock
-    /// timeout, were counted already (a request is counted once).
+    /// the lock (counted as a lock timeout). `(counted, timed_out)`: the
+    /// request's wait, and its lock timeout, were counted already (a
+    /// request is counted once).
     pub(crate) async fn lead_fleet(
         &self,
         key: &CacheKey,
@@ -32,48 +32,55 @@ impl TieredCache {
         epoch: u64,
         accept: impl Fn(&Entry) -> bool,
         (counted, timed_out): (bool, bool),
-    ) -> (FleetJoin, Option<Duration>) {
+    ) -> FleetWait {
         let Some(l2) = self.inner.l2.clone() else {
-            return (FleetJoin::Lead(FleetLock::local()), None);
+            return FleetLock::local().into();
         };
         // The lock outlives a slow fill by the policy's whole wait: the
         // flight's own deadline abandons a stalled leader before it.
         let hold = policy.lock_wait();
+        let began = Instant::now();
         let (held_for, holder) = match l2.try_lock(key, hold).await {
             Ok(LockAttempt::Acquired(token)) => {
-                return (self.took_lock(&l2, key, token, epoch, &accept).await, None);
+                return self.took_lock(&l2, key, token, epoch, &accept).await.into();
             }
             Ok(LockAttempt::Held { left, holder }) => (left, holder),
-            Ok(_) => return (FleetJoin::Lead(FleetLock::local()), None),
+            Ok(_) => return FleetLock::local().into(),
             Err(_) => {
                 bump(&self.inner.counters.l2_errors);
-                return (FleetJoin::Lead(FleetLock::local()), None);
+                return FleetLock::local().into();
             }
         };
         if !counted {
             bump(&self.inner.counters.coalesced);
         }
-        let started = Instant::now();
         let held = HeldLock {
             l2: &l2,
             hold,
-            deadline: started + wait,
+            deadline: began + wait,
             held_for,
             holder,
         };
-        let join = self.wait_fleet(key, held, epoch, &accept, timed_out).await;
-        (join, Some(started.elapsed()))
+        let (join, gave_up) = self.wait_fleet(key, held, epoch, &accept).await;
+        if gave_up && !timed_out {
+            bump(&self.inner.counters.lock_timeouts);
+        }
+        FleetWait {
+            join,
+            waited: Some(began.elapsed()),
+            timed_out: gave_up,
+        }
     }
 
-    /// Waits on the fleet lock's holders in turn (see [`lead_fleet`](Self::lead_fleet)).
+    /// Waits on the fleet lock's holders in turn (see
+    /// [`lead_fleet`](Self::lead_fleet)); `true` with a lock timeout.
     async fn wait_fleet(
         &self,
         key: &CacheKey,
         held: HeldLock<'_>,
         epoch: u64,
         accept: &impl Fn(&Entry) -> bool,
-        timed_out: bool,
-    ) -> FleetJoin {
+    ) -> (FleetJoin, bool) {
         let HeldLock {
             l2,
             hold,
@@ -101,21 +108,21 @@ impl TieredCache {
             };
             match unlocked {
                 // The owner's answer may not be shared; load without a lock.
-                Unlocked::Passed => return FleetJoin::Lead(FleetLock::local()),
-                Unlocked::Failed => return FleetJoin::Failed,
+                Unlocked::Passed => return (FleetJoin::Lead(FleetLock::local()), false),
+                Unlocked::Failed => return (FleetJoin::Failed, false),
                 Unlocked::Shared(entry, failed) if entry.key() == key.full() => {
-                    return FleetJoin::Shared(entry, failed);
+                    return (FleetJoin::Shared(entry, failed), false);
                 }
                 _ => {}
             }
             if let Some(entry) = self.lookup_l2(key, epoch, accept).await {
-                return FleetJoin::Filled(entry);
+                return (FleetJoin::Filled(entry), false);
             }
             let attempt = l2.try_lock(key, hold).await;
             let now = Instant::now();
             match attempt {
                 Ok(LockAttempt::Acquired(token)) => {
-                    return self.took_lock(l2, key, token, epoch, accept).await;
+                    return (self.took_lock(l2, key, token, epoch, accept).await, false);
                 }
                 Ok(LockAttempt::Held { left, holder: next })
                     if deadline > now || (!extended && next.is_some() && next != holder) =>
@@ -130,12 +137,7 @@ impl TieredCache {
                     }
                     (held_for, holder) = (left, next);
                 }
-                _ => {
-                    if !timed_out {
-                        bump(&self.inner.counters.lock_timeouts);
-                    }
-                    return FleetJoin::Lead(FleetLock::local());
-                }
+                _ => return (FleetJoin::Lead(FleetLock::local()), true),
             }
         }
     }
@@ -174,4 +176,29 @@ struct HeldLock<'a> {
     deadline: Instant,
     held_for: Duration,
     holder: Option<crate::LockToken>,
+}
+
+/// How a request's turn at the fleet lock went: how it joined, how long it
+/// waited on another instance's holder (if it did), and whether that wait
+/// reached its deadline.
+pub(crate) struct FleetWait {
+    pub(crate) join: FleetJoin,
+    pub(crate) waited: Option<Duration>,
+    pub(crate) timed_out: bool,
+}
+
+impl From<FleetJoin> for FleetWait {
+    fn from(join: FleetJoin) -> Self {
+        Self {
+            join,
+            waited: None,
+            timed_out: false,
+        }
+    }
+}
+
+impl From<FleetLock> for FleetWait {
+    fn from(lock: FleetLock) -> Self {
+        FleetJoin::Lead(lock).into()
+    }
 }

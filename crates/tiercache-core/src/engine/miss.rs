@@ -111,9 +111,6 @@ impl Miss {
                 .join(keys.flight.hash(), policy.lock_wait())
             {
                 Join::Leader(leader) => {
-                    if collapsed {
-                        origin.observe(Event::LockWait(waited));
-                    }
                     // Joining again (the flight was abandoned, busy,
                     // overtaken or past its deadline): the request that
                     // led before this one may have stored the key, its
@@ -123,6 +120,7 @@ impl Miss {
                         && !revalidate
                         && let Some(answer) = engine.l1_answer(&keys.flight, &policy, &origin)
                     {
+                        origin.observe(Event::LockWait(waited));
                         leader.complete(FlightResult::Shared(answer.entry.clone(), Source::L1));
                         return Ok(Fetched::Entry(answer));
                     }
@@ -132,7 +130,7 @@ impl Miss {
                         policy,
                         stale: fallback,
                         revalidate,
-                        counted: collapsed,
+                        waited: collapsed.then_some(waited),
                         timed_out,
                         current: None,
                     };
@@ -147,7 +145,7 @@ impl Miss {
             let started = Instant::now();
             let outcome = match &stand_in {
                 Some((stale, at)) => match tokio::time::timeout_at(*at, follower.wait()).await {
-                    Ok(waited) => waited,
+                    Ok(outcome) => outcome,
                     Err(_) => {
                         origin.observe(Event::LockWait(waited + started.elapsed()));
                         let why = StaleReason::OriginTimeout;
@@ -212,7 +210,7 @@ impl Refresh {
             policy,
             stale: Some(current.clone()),
             revalidate: false,
-            counted: true,
+            waited: None,
             timed_out: false,
             current: Some(current),
         };
