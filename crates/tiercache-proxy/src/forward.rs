@@ -24,6 +24,7 @@ use tiercache_http::headers::{connection_options, strip_hop_by_hop};
 use tiercache_http::request::{is_unkeyed, same_name};
 
 use crate::connector::{Lease, StampingConnector, worth_sending_again};
+use crate::own_answers::{Failures, own_answer};
 use crate::read_ahead::Rooms;
 pub use crate::silences::Silences;
 
@@ -148,6 +149,8 @@ pub struct Forward {
     ahead: Option<Rooms>,
     /// How long an idle pooled connection is kept.
     idle: Duration,
+    /// The answers it gives itself for the upstream, counted.
+    failures: Failures,
 }
 
 /// A client whose idle connections are kept for `idle` (none for zero), at
@@ -201,7 +204,14 @@ impl Forward {
             slots: None,
             ahead: None,
             idle,
+            failures: Failures::default(),
         })
+    }
+
+    /// Counts the answers it gives itself for the upstream in `recorder`.
+    pub(crate) fn counting_failures(mut self, recorder: &dyn metrics::Recorder) -> Self {
+        self.failures = Failures::registered(recorder);
+        self
     }
 
     /// Sends at most `n` requests to the upstream at once, background
@@ -375,11 +385,13 @@ impl tower::Service<Request<Body>> for Forward {
         let client = self.client.clone();
         let slots = self.slots.clone();
         let ahead = self.ahead.clone();
+        let failures = self.failures.clone();
         Box::pin(async move {
             let slot = match slots {
                 Some(slots) => match tokio::time::timeout(timeout, slots.acquire_owned()).await {
                     Ok(Ok(slot)) => Some(slot),
                     _ => {
+                        failures.busy.increment(1);
                         let text = format!(
                             "tiercache-proxy: every upstream connection stayed in use for {timeout:?}\n"
                         );
@@ -412,6 +424,7 @@ impl tower::Service<Request<Body>> for Forward {
                 answered = tokio::time::timeout(timeout, client.request(again)).await;
             }
             let Ok(answered) = answered else {
+                failures.timeout.increment(1);
                 let text = format!("tiercache-proxy: upstream sent no answer within {timeout:?}\n");
                 return Ok(own_answer(StatusCode::GATEWAY_TIMEOUT, text, head));
             };
@@ -448,6 +461,7 @@ impl tower::Service<Request<Body>> for Forward {
                     Ok(Response::from_parts(parts, body))
                 }
                 Err(e) => {
+                    failures.unreachable.increment(1);
                     let text = format!("tiercache-proxy: upstream unreachable: {e}\n");
                     Ok(own_answer(StatusCode::BAD_GATEWAY, text, head))
                 }
@@ -472,18 +486,4 @@ fn join_cookies(headers: &mut HeaderMap) {
     if let Ok(one) = HeaderValue::from_bytes(&joined.join(&b"; "[..])) {
         headers.insert(COOKIE, one);
     }
-}
-
-/// An answer of the proxy's own: `status`, and `text` saying why.
-/// The proxy's own answer, with `text` as its body (none for a HEAD: RFC
-/// 9110 §9.3.2; over HTTP/2, hyper sends whatever body a HEAD's answer has).
-pub(crate) fn own_answer(status: StatusCode, text: String, head: bool) -> Response<UpstreamBody> {
-    let body = if head {
-        Body::empty()
-    } else {
-        Body::from(text)
-    };
-    let mut res = Response::new(http_body_util::Either::Right(body));
-    *res.status_mut() = status;
-    res
 }

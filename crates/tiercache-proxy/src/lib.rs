@@ -44,6 +44,7 @@ mod connector;
 pub mod forward;
 mod host;
 mod l2_log;
+mod own_answers;
 mod prometheus;
 pub mod read_ahead;
 mod reload;
@@ -154,6 +155,7 @@ impl Proxy {
         if let Some(n) = config.upstream_max_connections {
             forward = forward.max_connections(n);
         }
+        let forward = forward.counting_failures(&recorder);
         let recorder: SharedRecorder = Arc::new(recorder);
         let (table, layer) = route_table(&config, &engine, &forward, &recorder)?;
         let table = Arc::new(std::sync::RwLock::new(Arc::new(table)));

@@ -13,7 +13,8 @@ use tiercache_http::CacheBody;
 use tower::Service;
 use tower::util::BoxCloneSyncService;
 
-use crate::forward::{UpstreamBody, own_answer};
+use crate::forward::UpstreamBody;
+use crate::own_answers::own_answer;
 
 pub use tiercache_http::paths::Glob;
 

@@ -915,6 +915,35 @@ async fn an_unreachable_upstream_is_a_502() {
     assert!(proxy.engine().l1_entry_count() == 0, "a 502 is not stored");
 }
 
+/// The proxy's own answers for its upstream are counted apart, by kind
+/// (through the cache a 502 for a refused connection is an origin load
+/// and a not-stored 5xx like any other: an upstream that answers 502
+/// itself could not be told from one that is down), with what it counts.
+#[tokio::test]
+async fn an_unreachable_upstream_is_counted_as_such() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead = listener.local_addr().unwrap();
+    drop(listener);
+    let config = ProxyConfig::new(format!("http://{dead}").parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .admin(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let proxy = Proxy::start(config).await.unwrap();
+    for path in ["/x", "/y"] {
+        let (status, _, _) = fetch(get_req(proxy.addr(), path)).await;
+        assert_eq!(status, StatusCode::BAD_GATEWAY);
+    }
+    let admin = proxy.admin_addr().unwrap();
+    let (_, _, text) = fetch(get_req(admin, "/metrics")).await;
+    let name = "tiercache_upstream_failures_total";
+    assert_eq!(
+        sample(&text, name, &["kind=\"unreachable\""]),
+        2.0,
+        "{text}"
+    );
+    assert_eq!(sample(&text, name, &["kind=\"timeout\""]), 0.0, "{text}");
+    assert!(text.contains(&format!("# HELP {name} ")), "{text}");
+}
+
 /// A HEAD answered by the proxy itself (here a 502: the upstream is
 /// unreachable, with the cache and through it) carries no body, over
 /// HTTP/2 too, where hyper sends whatever body the answer has (RFC 9110
