@@ -58,20 +58,7 @@ async fn instance_with(
     origin: &Origin,
     tune: impl FnOnce(ValkeyConfig) -> ValkeyConfig,
 ) -> Instance {
-    // These tests count origin calls and invalidations, not timeouts: a
-    // loaded machine must not turn a slow lock command (50 ms by default)
-    // into a second origin call, or a slow subscription into a resync.
-    let config = ValkeyConfig::from_url(url)
-        .unwrap()
-        .connect_timeout(Duration::from_secs(10))
-        .command_timeout(Duration::from_secs(1));
-    let config = tune(config);
-    let tier = ValkeyTier::connect(config).await.unwrap();
-    let engine = TieredCache::builder()
-        .l2(tier)
-        .sweep_interval(None)
-        .build()
-        .unwrap();
+    let engine = engine_on(url, tune).await;
     let layer = ResponseCacheLayer::new(engine.clone());
     let policy = Policy::ttl(Duration::from_secs(60))
         .lock_timeout(Duration::from_secs(10))
@@ -103,6 +90,24 @@ async fn instance_with(
         )
         .with_state(origin.clone());
     Instance { engine, layer, app }
+}
+
+/// An engine on its own connections to `url`, its Valkey settings changed
+/// by `tune`.
+async fn engine_on(url: &str, tune: impl FnOnce(ValkeyConfig) -> ValkeyConfig) -> TieredCache {
+    // These tests count origin calls and invalidations, not timeouts: a
+    // loaded machine must not turn a slow lock command (50 ms by default)
+    // into a second origin call, or a slow subscription into a resync.
+    let config = ValkeyConfig::from_url(url)
+        .unwrap()
+        .connect_timeout(Duration::from_secs(10))
+        .command_timeout(Duration::from_secs(1));
+    let tier = ValkeyTier::connect(tune(config)).await.unwrap();
+    TieredCache::builder()
+        .l2(tier)
+        .sweep_interval(None)
+        .build()
+        .unwrap()
 }
 
 fn key(path: &str) -> CacheKey {
@@ -488,17 +493,7 @@ async fn each_request_waiting_across_the_fleet_is_counted_once() {
     let server = ValkeyServer::start();
     let mut engines = Vec::new();
     for _ in 0..2 {
-        let config = ValkeyConfig::from_url(&server.url())
-            .unwrap()
-            .connect_timeout(Duration::from_secs(10))
-            .command_timeout(Duration::from_secs(1));
-        let tier = ValkeyTier::connect(config).await.unwrap();
-        let engine = TieredCache::builder()
-            .l2(tier)
-            .sweep_interval(None)
-            .build()
-            .unwrap();
-        engines.push(engine);
+        engines.push(engine_on(&server.url(), |config| config).await);
     }
     let policy = Policy::ttl(Duration::from_secs(60))
         .lock_timeout(Duration::from_secs(1))

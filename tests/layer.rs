@@ -968,6 +968,30 @@ async fn next_data(body: &mut Body) -> String {
     String::from_utf8(frame.into_data().unwrap().to_vec()).unwrap()
 }
 
+/// Feeds `first` and asks `/fed`: the head, once the body went on (after
+/// the hold, the clock paused), and the body past that first frame.
+async fn first_of(app: &Router, feed: &Feed, first: &'static str) -> (HeaderMap, Body) {
+    feed.send(Ok(first.into())).unwrap();
+    let res = bounded("the head", app.clone().oneshot(get_req("/fed")))
+        .await
+        .unwrap();
+    let (parts, mut body) = res.into_parts();
+    assert_eq!(next_data(&mut body).await, first);
+    (parts.headers, body)
+}
+
+/// A request for `/fed` that waits on the flight under way.
+async fn follower(
+    app: &Router,
+    layer: &ResponseCacheLayer,
+) -> tokio::task::JoinHandle<(StatusCode, HeaderMap, String)> {
+    let app = app.clone();
+    let request = tokio::spawn(async move { send(&app, get_req("/fed")).await });
+    let engine = layer.engine().clone();
+    eventually("a follower", || engine.stats().coalesced == 1).await;
+    request
+}
+
 /// A body still coming a moment after its first bytes (a slow origin, a
 /// large body) goes on to its client as it comes while it is read to be
 /// stored: it reached it whole, once stored, up to the whole body's time
@@ -977,25 +1001,15 @@ async fn a_body_still_coming_goes_on_as_it_comes_and_is_stored() {
     let layer = cache();
     let (feed, body) = fed();
     let (app, calls) = fed_app(layer.route(policy()).unwrap(), vec![body]);
-    feed.send(Ok("first ".into())).unwrap();
     let started = tokio::time::Instant::now();
-    let res = bounded("the head", app.clone().oneshot(get_req("/fed")))
-        .await
-        .unwrap();
+    let (headers, mut body) = first_of(&app, &feed, "first ").await;
     assert!(
         started.elapsed() < Duration::from_secs(1),
         "{:?}",
         started.elapsed()
     );
-    assert_eq!(res.headers()["x-cache"], "MISS");
-    let mut body = res.into_body();
-    assert_eq!(next_data(&mut body).await, "first ");
-    let follower = {
-        let app = app.clone();
-        tokio::spawn(async move { send(&app, get_req("/fed")).await })
-    };
-    let engine = layer.engine().clone();
-    eventually("a follower", || engine.stats().coalesced == 1).await;
+    assert_eq!(h(&headers, "x-cache"), "MISS");
+    let follower = follower(&app, &layer).await;
     feed.send(Ok("last".into())).unwrap();
     assert_eq!(next_data(&mut body).await, "last");
     drop(feed);
@@ -1019,12 +1033,7 @@ async fn a_body_going_on_as_it_comes_past_the_cap_streams_through_whole() {
     let (feed, body) = fed();
     let route = layer.route(policy()).unwrap().max_body(10);
     let (app, calls) = fed_app(route, vec![body, Body::from("0123456789abc")]);
-    feed.send(Ok("12345".into())).unwrap();
-    let res = bounded("the head", app.clone().oneshot(get_req("/fed")))
-        .await
-        .unwrap();
-    let mut body = res.into_body();
-    assert_eq!(next_data(&mut body).await, "12345");
+    let (_, mut body) = first_of(&app, &feed, "12345").await;
     feed.send(Ok("67890abc".into())).unwrap();
     assert_eq!(next_data(&mut body).await, "67890abc");
     feed.send(Ok("!".into())).unwrap();
@@ -1048,18 +1057,8 @@ async fn a_body_going_on_as_it_comes_that_breaks_off_is_cut_for_its_client() {
     let layer = cache();
     let (feed, body) = fed();
     let (app, calls) = fed_app(layer.route(policy()).unwrap(), vec![body]);
-    feed.send(Ok("first ".into())).unwrap();
-    let res = bounded("the head", app.clone().oneshot(get_req("/fed")))
-        .await
-        .unwrap();
-    let mut body = res.into_body();
-    assert_eq!(next_data(&mut body).await, "first ");
-    let follower = {
-        let app = app.clone();
-        tokio::spawn(async move { send(&app, get_req("/fed")).await })
-    };
-    let engine = layer.engine().clone();
-    eventually("a follower", || engine.stats().coalesced == 1).await;
+    let (_, mut body) = first_of(&app, &feed, "first ").await;
+    let follower = follower(&app, &layer).await;
     feed.send(Err(std::io::Error::other("reset"))).unwrap();
     let cut = bounded("the cut", body.frame()).await;
     assert!(matches!(cut, Some(Err(_))), "{cut:?}");
@@ -1076,12 +1075,9 @@ async fn a_client_gone_while_its_body_goes_on_leaves_it_stored() {
     let layer = cache();
     let (feed, body) = fed();
     let (app, calls) = fed_app(layer.route(policy()).unwrap(), vec![body]);
-    feed.send(Ok("first ".into())).unwrap();
-    let res = bounded("the head", app.clone().oneshot(get_req("/fed")))
-        .await
-        .unwrap();
-    assert_eq!(res.headers()["x-cache"], "MISS");
-    drop(res);
+    let (headers, body) = first_of(&app, &feed, "first ").await;
+    assert_eq!(h(&headers, "x-cache"), "MISS");
+    drop(body);
     feed.send(Ok("last".into())).unwrap();
     drop(feed);
     let engine = layer.engine().clone();

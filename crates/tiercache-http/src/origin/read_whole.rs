@@ -61,7 +61,7 @@ impl Load<'_> {
                 Some(at) => match tokio::time::timeout_at(at, body.frame()).await {
                     Ok(next) => next,
                     Err(_) if within.is_some_and(|w| w <= at) => {
-                        return unstored(&mut tee, read, None, None, Some(body), Reason::NotFresh);
+                        return unstored(&mut tee, read, After::Rest(body), Reason::NotFresh);
                     }
                     Err(_) => {
                         tee.start(parts, read.as_slice());
@@ -75,47 +75,24 @@ impl Load<'_> {
                 Ok(frame) => {
                     let Some(data) = frame.data_ref() else {
                         // Trailers cannot be stored: replay what was read, untouched.
-                        return unstored(
-                            &mut tee,
-                            read,
-                            Some(frame),
-                            None,
-                            Some(body),
-                            Reason::Body,
-                        );
+                        return unstored(&mut tee, read, After::Frame(frame, body), Reason::Body);
                     };
                     if read.len() + data.len() > max {
                         return unstored(
                             &mut tee,
                             read,
-                            Some(frame),
-                            None,
-                            Some(body),
+                            After::Frame(frame, body),
                             Reason::TooLarge,
                         );
                     }
                     if !share.grow_to(read.len() + data.len()) {
-                        return unstored(
-                            &mut tee,
-                            read,
-                            Some(frame),
-                            None,
-                            Some(body),
-                            Reason::Busy,
-                        );
+                        return unstored(&mut tee, read, After::Frame(frame, body), Reason::Busy);
                     }
                     read.push(data);
                     tee.read(data);
                 }
                 Err(e) => {
-                    return unstored(
-                        &mut tee,
-                        read,
-                        None,
-                        Some(e.into()),
-                        None,
-                        Reason::BodyFailed,
-                    );
+                    return unstored(&mut tee, read, After::Error(e.into()), Reason::BodyFailed);
                 }
             }
         }
@@ -124,21 +101,37 @@ impl Load<'_> {
     }
 }
 
+/// What follows what a read stored of a body it does not store.
+enum After<B> {
+    /// The rest of the body (at the not-fresh deadline).
+    Rest(Pin<Box<B>>),
+    /// The frame that stopped the read (too large, trailers, no room),
+    /// then the rest.
+    Frame(Frame<Bytes>, Pin<Box<B>>),
+    /// The error that stopped it.
+    Error(BoxError),
+}
+
 /// What a read does not store: what was read (unless it went on to the
-/// client already), the frame that stopped the read, then an error or the
-/// rest of the body; sent on after what was, if the read was sending.
+/// client already), then what stopped the read and the rest of the body;
+/// sent on after what was, if the read was sending.
 fn unstored<B>(
     tee: &mut Tee<B>,
     read: BodyBuilder,
-    last: Option<Frame<Bytes>>,
-    error: Option<BoxError>,
-    rest: Option<Pin<Box<B>>>,
+    after: After<B>,
     why: Reason,
 ) -> Result<Bytes, (CacheBody<B>, Reason)> {
     let mut frames = VecDeque::new();
     if !read.is_empty() && !tee.on() {
         frames.push_back(Frame::data(read.into_bytes()));
     }
-    frames.extend(last);
-    Err((tee.rest(CacheBody::replay(frames, error, rest)), why))
+    let body = match after {
+        After::Rest(rest) => CacheBody::replay(frames, None, Some(rest)),
+        After::Frame(last, rest) => {
+            frames.push_back(last);
+            CacheBody::replay(frames, None, Some(rest))
+        }
+        After::Error(error) => CacheBody::replay(frames, Some(error), None),
+    };
+    Err((tee.rest(body), why))
 }
