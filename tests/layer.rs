@@ -1177,3 +1177,32 @@ async fn a_read_cut_short_as_it_goes_on_is_an_error_for_its_client() {
     assert!(matches!(cut, Some(Err(_))), "{cut:?}");
     assert_eq!(layer.engine().l1_entry_count(), 0);
 }
+
+/// A client that goes while its body goes on as it comes lets the read go
+/// as any caller that left: with no `max_detached_fills` slot free (one,
+/// held by another such read) and nobody waiting, it is cancelled, the
+/// origin's body dropped (it ran on, uncapped, to the body's end before).
+#[tokio::test(start_paused = true)]
+async fn a_client_gone_with_no_detached_slot_cancels_the_read() {
+    let engine = TieredCache::builder()
+        .sweep_interval(None)
+        .max_detached_fills(1)
+        .build()
+        .unwrap();
+    let layer = ResponseCacheLayer::new(engine);
+    let (feeds, bodies): (Vec<_>, Vec<_>) = (0..2).map(|_| fed()).unzip();
+    let (app, _) = fed_app(layer.route(policy()).unwrap(), bodies);
+    for (feed, path) in feeds.iter().zip(["/fed?a", "/fed?b"]) {
+        feed.send(Ok("first ".into())).unwrap();
+        let res = bounded("the head", app.clone().oneshot(get_req(path)))
+            .await
+            .unwrap();
+        let mut body = res.into_body();
+        assert_eq!(next_data(&mut body).await, "first ");
+        drop(body);
+    }
+    // The first holds the one slot; the second is cancelled.
+    bounded("the second origin body dropped", feeds[1].closed()).await;
+    assert!(!feeds[0].is_closed());
+    assert_eq!(layer.engine().stats().fills_cancelled, 1);
+}

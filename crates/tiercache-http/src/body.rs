@@ -7,7 +7,7 @@ use std::task::{Context, Poll, ready};
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 /// An error from the origin's body, boxed.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -42,6 +42,11 @@ pin_project! {
             frames: mpsc::UnboundedReceiver<Teed<B>>,
             rest: Option<Pin<Box<CacheBody<B>>>>,
             ended: bool,
+            // Told once the client has the whole body (its end, or the
+            // bytes its `Content-Length` announced: HTTP/1 stops there);
+            // dropped untold, the client went before.
+            whole: Option<oneshot::Sender<()>>,
+            left: Option<u64>,
         },
     }
 }
@@ -82,15 +87,22 @@ impl<B> CacheBody<B> {
         }
     }
 
-    /// The frames a body's read sends on as it reads (see [`Teed`]).
-    pub(crate) fn tee(frames: mpsc::UnboundedReceiver<Teed<B>>) -> Self {
-        Self {
-            kind: Kind::Tee {
-                frames,
-                rest: None,
-                ended: false,
-            },
-        }
+    /// The frames a body's read sends on as it reads (see [`Teed`]),
+    /// `announced` bytes if its head says so, and what says when its
+    /// client has them all (an error: the client went before).
+    pub(crate) fn tee(
+        frames: mpsc::UnboundedReceiver<Teed<B>>,
+        announced: Option<u64>,
+    ) -> (Self, oneshot::Receiver<()>) {
+        let (whole, told) = oneshot::channel();
+        let kind = Kind::Tee {
+            frames,
+            rest: None,
+            ended: false,
+            whole: Some(whole),
+            left: announced,
+        };
+        (Self { kind }, told)
     }
 
     /// Frames already read, then an error or the rest of the origin's body.
@@ -144,27 +156,42 @@ where
                 frames,
                 rest,
                 ended,
+                whole,
+                left,
             } => {
-                if let Some(rest) = rest {
-                    return rest.as_mut().poll_frame(cx);
+                let next = match rest {
+                    Some(rest) => ready!(rest.as_mut().poll_frame(cx)),
+                    None if *ended => None,
+                    None => match ready!(frames.poll_recv(cx)) {
+                        Some(Teed::Frame(frame)) => Some(Ok(frame)),
+                        Some(Teed::Rest(body)) => {
+                            ready!(rest.insert(Box::pin(body)).as_mut().poll_frame(cx))
+                        }
+                        Some(Teed::End) => {
+                            *ended = true;
+                            None
+                        }
+                        None => {
+                            *ended = true;
+                            let cut = "the origin's answer was cut short while it was read";
+                            return Poll::Ready(Some(Err(cut.into())));
+                        }
+                    },
+                };
+                let sent = match &next {
+                    Some(Ok(frame)) => frame.data_ref().map_or(0, |d| d.len() as u64),
+                    Some(Err(_)) => return Poll::Ready(next),
+                    None => 0,
+                };
+                if let Some(left) = left {
+                    *left = left.saturating_sub(sent);
                 }
-                if *ended {
-                    return Poll::Ready(None);
+                if (next.is_none() || *left == Some(0))
+                    && let Some(whole) = whole.take()
+                {
+                    let _ = whole.send(());
                 }
-                match ready!(frames.poll_recv(cx)) {
-                    Some(Teed::Frame(frame)) => Poll::Ready(Some(Ok(frame))),
-                    Some(Teed::Rest(body)) => rest.insert(Box::pin(body)).as_mut().poll_frame(cx),
-                    Some(Teed::End) => {
-                        *ended = true;
-                        Poll::Ready(None)
-                    }
-                    None => {
-                        *ended = true;
-                        Poll::Ready(Some(Err(
-                            "the origin's answer was cut short while it was read".into(),
-                        )))
-                    }
-                }
+                Poll::Ready(next)
             }
         }
     }

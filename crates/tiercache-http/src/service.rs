@@ -267,16 +267,26 @@ where
                 fetched = &mut run => match answered_early.try_recv() {
                     // Sent early, then the fetch ended (what it passed on
                     // went to the early response): that one answers.
-                    Ok(res) => res,
+                    Ok((res, _)) => res,
                     Err(_) => return route.respond(fetched, &ask),
                 },
-                Ok(res) = &mut answered_early => {
-                    // The fetch runs on by itself, to store the body: the
-                    // client may stop reading it (HTTP/1 stops at its
-                    // `Content-Length`), or go.
-                    tokio::spawn(async move {
-                        let _ = run.await;
-                    });
+                Ok((res, whole)) = &mut answered_early => {
+                    // The fetch runs on by itself, to store the body, once
+                    // the client has all of it (HTTP/1 stops reading at
+                    // its `Content-Length`). A client gone before lets it
+                    // go as any caller that left (it runs on while
+                    // `max_detached_fills` allows, or while others wait).
+                    let fetch = async move {
+                        tokio::select! {
+                            _ = &mut run => {}
+                            told = whole => {
+                                if told.is_ok() {
+                                    let _ = run.await;
+                                }
+                            }
+                        }
+                    };
+                    tokio::spawn(fetch.in_current_span());
                     res
                 }
             };

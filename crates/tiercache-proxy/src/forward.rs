@@ -11,16 +11,14 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::ConnectInfo;
-use http::header::{
-    CONNECTION, COOKIE, HOST, HeaderMap, HeaderName, HeaderValue, TE, TRAILER, VIA,
-};
+use http::header::{CONNECTION, COOKIE, HOST, HeaderMap, HeaderName, HeaderValue, TE, VIA};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use tiercache_http::headers::{connection_options, strip_hop_by_hop};
+use tiercache_http::headers::{connection_options, strip_hop_by_hop, strip_hop_by_hop_but_trailer};
 use tiercache_http::request::{is_unkeyed, same_name};
 
 use crate::connector::{Lease, StampingConnector, worth_sending_again};
@@ -436,14 +434,7 @@ impl tower::Service<Request<Body>> for Forward {
                     if let Some(lease) = &lease {
                         lease.answered(&parts.headers);
                     }
-                    // `Trailer` is end to end (RFC 9110 §6.6.2): without it
-                    // hyper sends the client no trailers.
-                    let declared: Vec<HeaderValue> =
-                        parts.headers.get_all(TRAILER).iter().cloned().collect();
-                    strip_hop_by_hop(&mut parts.headers);
-                    for value in declared {
-                        parts.headers.append(TRAILER, value);
-                    }
+                    strip_hop_by_hop_but_trailer(&mut parts.headers);
                     let body = Silences::new(body, timeout, "the upstream")
                         .holding(slot)
                         .answering(lease);

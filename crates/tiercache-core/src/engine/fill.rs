@@ -248,7 +248,7 @@ impl TieredCache {
             if !refresh {
                 report_wait(&origin, waited, fleet.waited);
             }
-            if fleet.timed_out && !timed_out {
+            if fleet.timed_out && !timed_out && !refresh {
                 origin.observe(Event::LockTimeout);
             }
             match fleet.join {

@@ -300,6 +300,21 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     headers.remove(http::header::UPGRADE);
 }
 
+/// [`strip_hop_by_hop`], keeping the `Trailer` field: it is end to end
+/// (RFC 9110 §6.6.2), and without it hyper sends an HTTP/1 client no
+/// trailers.
+pub fn strip_hop_by_hop_but_trailer(headers: &mut HeaderMap) {
+    let declared: Vec<HeaderValue> = headers
+        .get_all(http::header::TRAILER)
+        .iter()
+        .cloned()
+        .collect();
+    strip_hop_by_hop(headers);
+    for value in declared {
+        headers.append(http::header::TRAILER, value);
+    }
+}
+
 /// Fields a cache must not store (RFC 9111 §3.1), besides the hop-by-hop
 /// ones: they belong to one proxy's exchange with one client.
 pub const NEVER_STORED: [&str; 3] = [

@@ -6,13 +6,13 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::TRAILER;
 use http::{Response, response};
 use http_body::Frame;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::body::{CacheBody, Teed};
+use crate::cacheable::content_length;
 
 /// How long a body is read whole before what has come is sent on: most
 /// bodies are whole by then (and go out framed from the stored entry, a
@@ -21,8 +21,9 @@ pub(crate) const TEE_AFTER: Duration = Duration::from_millis(100);
 
 /// Where the request that leads a load takes its response early: the
 /// origin's head (its own fields the layer's to add) and a body of
-/// [`CacheBody::tee`]'s frames.
-pub(crate) type Early<B> = oneshot::Sender<Response<CacheBody<B>>>;
+/// [`CacheBody::tee`]'s frames, and what says when its client has the
+/// whole body.
+pub(crate) type Early<B> = oneshot::Sender<(Response<CacheBody<B>>, oneshot::Receiver<()>)>;
 
 /// One read's sending on, from waiting to send to sending.
 pub(super) enum Tee<B> {
@@ -88,19 +89,16 @@ impl<B> Tee<B> {
         };
         let (frames, receiver) = mpsc::unbounded_channel();
         let _ = frames.send(Teed::Frame(Frame::data(Bytes::copy_from_slice(read))));
-        let mut res = Response::new(CacheBody::tee(receiver));
+        let (body, whole) = CacheBody::tee(receiver, content_length(&parts.headers));
+        let mut res = Response::new(body);
         *res.status_mut() = parts.status;
         *res.version_mut() = parts.version;
         let mut headers = parts.headers.clone();
-        crate::headers::strip_hop_by_hop(&mut headers);
-        // Trailers reach an HTTP/1 client only when the head declares them.
-        for declared in parts.headers.get_all(TRAILER) {
-            headers.append(TRAILER, declared.clone());
-        }
+        crate::headers::strip_hop_by_hop_but_trailer(&mut headers);
         *res.headers_mut() = headers;
         // Taken, unless the request was answered meanwhile (a stale entry
         // at the soft timeout): the read then goes on as before.
-        if early.send(res).is_ok() {
+        if early.send((res, whole)).is_ok() {
             *self = Self::On(frames);
         }
     }
