@@ -53,18 +53,7 @@ impl Route {
                 if ask.head {
                     *res.body_mut() = CacheBody::empty();
                 }
-                let outcome = if hit_for_miss {
-                    Outcome::Bypass(Reason::HitForMiss)
-                } else {
-                    self.metrics.served(Source::Origin);
-                    Outcome::Miss {
-                        stored: false,
-                        reason: Some(reason),
-                        collapsed: false,
-                        l2_down: false,
-                    }
-                };
-                self.label(res.headers_mut(), &outcome);
+                self.label_own_load(&mut res, hit_for_miss, Some(reason));
                 Ok(res)
             }
             Err(FetchError::Origin(e)) => Err(e),
@@ -85,15 +74,28 @@ impl Route {
     /// be stored; or, for a key marked uncacheable, the bypass it is
     /// counted as already.
     pub(crate) fn answered_early<B>(&self, res: &mut Response<CacheBody<B>>, hit_for_miss: bool) {
+        self.label_own_load(res, hit_for_miss, None);
+    }
+
+    /// Labels (and counts) what the origin answered this request: a
+    /// bypass for a key marked uncacheable (counted as one already), else
+    /// a miss not stored, for `reason` (or none said yet: then whether L2
+    /// was down).
+    fn label_own_load<B>(
+        &self,
+        res: &mut Response<CacheBody<B>>,
+        hit_for_miss: bool,
+        reason: Option<Reason>,
+    ) {
         let outcome = if hit_for_miss {
             Outcome::Bypass(Reason::HitForMiss)
         } else {
             self.metrics.served(Source::Origin);
             Outcome::Miss {
                 stored: false,
-                reason: None,
+                reason,
                 collapsed: false,
-                l2_down: !self.engine.l2_available(),
+                l2_down: reason.is_none() && !self.engine.l2_available(),
             }
         };
         self.label(res.headers_mut(), &outcome);
