@@ -28,8 +28,8 @@ pub(crate) type Early<B> = oneshot::Sender<(Response<CacheBody<B>>, oneshot::Rec
 /// One read's sending on, from waiting to send to sending.
 pub(super) enum Tee<B> {
     /// Nothing to send to (a background refresh, a request that wants the
-    /// stored entry: a `HEAD`, a range, a conditional), or no one took
-    /// the response.
+    /// stored entry: a `HEAD`, a range, a conditional; a load with a stale
+    /// entry at hand), or no one took the response.
     Off,
     /// Reading whole until `due` (set by the first bytes).
     Waiting {
@@ -96,8 +96,8 @@ impl<B> Tee<B> {
         let mut headers = parts.headers.clone();
         crate::headers::strip_hop_by_hop_but_trailer(&mut headers);
         *res.headers_mut() = headers;
-        // Taken, unless the request was answered meanwhile (a stale entry
-        // at the soft timeout): the read then goes on as before.
+        // Taken, unless the request is gone (its client left): the read
+        // then goes on as before.
         if early.send((res, whole)).is_ok() {
             *self = Self::On(frames);
         }
