@@ -7,10 +7,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::header::{
-    DATE, ETAG, HeaderName, HeaderValue, IF_MATCH, IF_MODIFIED_SINCE, IF_NONE_MATCH, IF_RANGE,
-    IF_UNMODIFIED_SINCE, LAST_MODIFIED,
-};
+use http::header::{DATE, ETAG, HeaderValue, LAST_MODIFIED};
 use http::{HeaderMap, Method, Request, Response, StatusCode, response};
 use http_body::Body;
 use tiercache_core::{
@@ -71,7 +68,7 @@ impl<S, ReqB, ResB> Select for HttpOrigin<S, ReqB, ResB> {
 
 impl<S, ReqB, ResB> Origin for HttpOrigin<S, ReqB, ResB>
 where
-    S: Service<Request<ReqB>, Response = Response<ResB>> + Send + 'static,
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     ReqB: Send + 'static,
@@ -90,30 +87,47 @@ where
             credentialed,
             early,
         } = self;
-        // A stale entry at hand may answer in the load's place (past the
-        // soft timeout, or for a body that breaks off: stale-if-error), so
-        // what is read is not sent on before it is whole.
-        let early = early.filter(|_| stale.is_none());
         let req = as_get(req);
-        let req = match &stale {
-            Some(stale) => with_validators(req, stale),
-            None => req,
-        };
-        let load = Load {
+        let load = |req: &Request<ReqB>| Load {
             route: &route,
             primary: &primary,
             credentialed,
             request_headers: req.headers().clone(),
             started: tokio::time::Instant::now(),
         };
-        let res = match inner.oneshot(crate::service::for_inner(req)).await {
-            Ok(res) => res,
-            Err(e) => {
-                route.metrics.origin(load.started.elapsed());
-                return Err(e);
-            }
+        let Some(stale) = stale else {
+            let load = load(&req);
+            let res = load.call(inner, req).await?;
+            return Ok(load.answer(res, None, early).await);
         };
-        Ok(load.answer(res, stale.as_ref(), early).await)
+        // What asks again, unconditionally, should the origin's 304 name
+        // another version than the stale one (see `renew::asked_again`).
+        let again = renew::asked_again(&req).map(|again| (inner.clone(), again));
+        let req = renew::with_validators(req, &stale);
+        let first = load(&req);
+        let res = first.call(inner, req).await?;
+        if let Some((inner, req)) = again
+            && res.status() == StatusCode::NOT_MODIFIED
+            && !renew::selects(res.headers(), stale.value())
+        {
+            route.metrics.origin(first.started.elapsed());
+            let load = load(&req);
+            let res = load.call(inner, req).await?;
+            let loaded = load.answer(res, Some(&stale), None).await;
+            // The current version stored replaces the outdated one (an
+            // invalidation now would count that fill overtaken); an
+            // origin failure leaves it to stale-if-error.
+            if let Loaded::Share { failed: false, .. } | Loaded::Pass { failed: false, .. } =
+                &loaded
+            {
+                first.drop_outdated(&stale).await;
+            }
+            return Ok(loaded);
+        }
+        // A stale entry at hand may answer in the load's place (past the
+        // soft timeout, or for a body that breaks off: stale-if-error), so
+        // what is read is not sent on before it is whole.
+        Ok(first.answer(res, Some(&stale), None).await)
     }
 }
 
@@ -127,6 +141,22 @@ struct Load<'a> {
 }
 
 impl Load<'_> {
+    /// Sends `req` to `inner` (an error counts the origin's time).
+    async fn call<S, ReqB, ResB>(
+        &self,
+        inner: S,
+        req: Request<ReqB>,
+    ) -> Result<Response<ResB>, S::Error>
+    where
+        S: Service<Request<ReqB>, Response = Response<ResB>>,
+    {
+        let res = inner.oneshot(crate::service::for_inner(req)).await;
+        if res.is_err() {
+            self.route.metrics.origin(self.started.elapsed());
+        }
+        res
+    }
+
     /// Turns the origin's response into what the engine does with it: a 304
     /// to a revalidation renews `revalidating`; a response that may be
     /// shared is stored, with the lifetime the origin declares (unless the
@@ -351,36 +381,6 @@ impl Load<'_> {
 /// 500, 502, 503, 504: the statuses stale-if-error answers for (RFC 5861 §4).
 fn is_origin_error(status: StatusCode) -> bool {
     matches!(status.as_u16(), 500 | 502 | 503 | 504)
-}
-
-/// The request with the client's conditionals replaced by the stale entry's
-/// validators, so a 304 can renew it without a body.
-fn with_validators<B>(req: Request<B>, stale: &Entry) -> Request<B> {
-    let (mut parts, body) = req.into_parts();
-    for name in [
-        IF_NONE_MATCH,
-        IF_MODIFIED_SINCE,
-        IF_MATCH,
-        IF_UNMODIFIED_SINCE,
-        IF_RANGE,
-    ] {
-        parts.headers.remove(name);
-    }
-    let stored = |name: &HeaderName| {
-        stale
-            .value()
-            .headers
-            .iter()
-            .find(|(n, _)| n.as_ref() == name.as_str().as_bytes())
-            .and_then(|(_, v)| HeaderValue::from_maybe_shared(v.clone()).ok())
-    };
-    if let Some(etag) = stored(&ETAG) {
-        parts.headers.insert(IF_NONE_MATCH, etag);
-    }
-    if let Some(modified) = stored(&LAST_MODIFIED) {
-        parts.headers.insert(IF_MODIFIED_SINCE, modified);
-    }
-    Request::from_parts(parts, body)
 }
 
 /// How a response is stored: its lifetime and what the origin said.

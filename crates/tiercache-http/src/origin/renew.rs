@@ -1,11 +1,15 @@
-//! A 304 to a revalidation: whether it renews the stored response (RFC
-//! 9111 §4.3.4), and the head it leaves when it does.
+//! A revalidation: the request that asks it, whether the origin's 304
+//! renews the stored response (RFC 9111 §4.3.4), the head it leaves when it
+//! does, and the request asked again when it names another version.
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{ETAG, HeaderName, HeaderValue, LAST_MODIFIED};
-use http::{HeaderMap, Response, StatusCode, response};
+use http::header::{
+    ETAG, HeaderName, HeaderValue, IF_MATCH, IF_MODIFIED_SINCE, IF_NONE_MATCH, IF_RANGE,
+    IF_UNMODIFIED_SINCE, LAST_MODIFIED,
+};
+use http::{HeaderMap, Request, Response, StatusCode, response};
 use tiercache_core::{CacheKey, Entry, Fill, Lifetime, Loaded, Value};
 
 use super::{Load, Passed, fill_for, tags_for};
@@ -31,12 +35,12 @@ impl Load<'_> {
         stale: &Entry,
     ) -> Loaded<Passed<ResB>> {
         let route = self.route;
-        let outdated = CacheKey::from_full(stale.key().clone());
         if !selects(&parts.headers, stale.value()) {
             // The origin's current version is another, whose body the
             // cache does not have: neither body may answer under the
-            // other's validator.
-            self.drop_outdated(&outdated).await;
+            // other's validator (and this request could not be sent again
+            // without its validators: see `asked_again`).
+            self.drop_outdated(stale).await;
             let mut res = Response::new(CacheBody::full(Bytes::from_static(
                 b"the origin answered 304 Not Modified with a validator the cache did not send\n",
             )));
@@ -55,7 +59,7 @@ impl Load<'_> {
         let storable = response_storable(status, &merged, &cache_control, self.credentialed);
         drop(cache_control);
         if let Err(reason) = storable {
-            self.drop_outdated(&outdated).await;
+            self.drop_outdated(stale).await;
             parts.status = status;
             parts.headers = merged;
             let body = CacheBody::full(stale.value().body.clone());
@@ -69,8 +73,9 @@ impl Load<'_> {
     /// Drops a stored response a 304 did not renew, everywhere: under its
     /// own key and, for a `Vary` variant, under the URL's key too, where the
     /// same fill may have stored it.
-    async fn drop_outdated(&self, outdated: &CacheKey) {
-        let _ = self.route.engine.invalidate(outdated).await;
+    pub(super) async fn drop_outdated(&self, stale: &Entry) {
+        let outdated = CacheKey::from_full(stale.key().clone());
+        let _ = self.route.engine.invalidate(&outdated).await;
         if outdated.full() != self.primary.full() {
             let _ = self.route.engine.invalidate(self.primary).await;
         }
@@ -80,7 +85,7 @@ impl Load<'_> {
 /// Whether a 304's validators select the stored response (RFC 9111
 /// §4.3.4): its `ETag` matches the stored one (weak comparison); without
 /// one, its `Last-Modified` is the stored one; a 304 with neither selects it.
-fn selects(not_modified: &HeaderMap, stored: &Value) -> bool {
+pub(super) fn selects(not_modified: &HeaderMap, stored: &Value) -> bool {
     let stored_field = |name: &HeaderName| {
         stored
             .headers
@@ -96,6 +101,81 @@ fn selects(not_modified: &HeaderMap, stored: &Value) -> bool {
             .is_some_and(|s| s.trim_ascii() == modified.as_bytes().trim_ascii());
     }
     true
+}
+
+/// `req` once more, without the client's conditionals, to send when the
+/// origin's 304 to a revalidation names another version than the stored
+/// one (RFC 9111 §4.3.4: the cache may ask again without validators). Only
+/// for request bodies the layer can make empty again (axum's `Body`, an
+/// `http-body-util` `Empty` or `Full`, `String`, `Bytes`, `()`): a cached
+/// request has none (a GET with a body is not cached), but the type is the
+/// service's own. For another (hyper's `Incoming`), the 304 answers 502.
+pub(super) fn asked_again<B: 'static>(req: &Request<B>) -> Option<Request<B>> {
+    let body = empty_body::<B>()?;
+    let mut again = Request::new(body);
+    *again.method_mut() = req.method().clone();
+    *again.uri_mut() = req.uri().clone();
+    *again.version_mut() = req.version();
+    *again.headers_mut() = req.headers().clone();
+    *again.extensions_mut() = req.extensions().clone();
+    unconditional(again.headers_mut());
+    Some(again)
+}
+
+/// An empty body of type `B`, for the body types the layer knows.
+fn empty_body<B: 'static>() -> Option<B> {
+    use std::any::Any;
+    let mut slot: Option<B> = None;
+    let any: &mut dyn Any = &mut slot;
+    if let Some(slot) = any.downcast_mut::<Option<axum::body::Body>>() {
+        *slot = Some(axum::body::Body::empty());
+    } else if let Some(slot) = any.downcast_mut::<Option<http_body_util::Empty<Bytes>>>() {
+        *slot = Some(http_body_util::Empty::new());
+    } else if let Some(slot) = any.downcast_mut::<Option<http_body_util::Full<Bytes>>>() {
+        *slot = Some(http_body_util::Full::default());
+    } else if let Some(slot) = any.downcast_mut::<Option<String>>() {
+        *slot = Some(String::new());
+    } else if let Some(slot) = any.downcast_mut::<Option<Bytes>>() {
+        *slot = Some(Bytes::new());
+    } else if let Some(slot) = any.downcast_mut::<Option<()>>() {
+        *slot = Some(());
+    }
+    slot
+}
+
+/// The request with the client's conditionals replaced by the stale entry's
+/// validators, so a 304 can renew it without a body.
+pub(super) fn with_validators<B>(req: Request<B>, stale: &Entry) -> Request<B> {
+    let (mut parts, body) = req.into_parts();
+    unconditional(&mut parts.headers);
+    let stored = |name: &HeaderName| {
+        stale
+            .value()
+            .headers
+            .iter()
+            .find(|(n, _)| n.as_ref() == name.as_str().as_bytes())
+            .and_then(|(_, v)| HeaderValue::from_maybe_shared(v.clone()).ok())
+    };
+    if let Some(etag) = stored(&ETAG) {
+        parts.headers.insert(IF_NONE_MATCH, etag);
+    }
+    if let Some(modified) = stored(&LAST_MODIFIED) {
+        parts.headers.insert(IF_MODIFIED_SINCE, modified);
+    }
+    Request::from_parts(parts, body)
+}
+
+/// `headers` without the client's conditionals (the load's own decide).
+pub(super) fn unconditional(headers: &mut HeaderMap) {
+    for name in [
+        IF_NONE_MATCH,
+        IF_MODIFIED_SINCE,
+        IF_MATCH,
+        IF_UNMODIFIED_SINCE,
+        IF_RANGE,
+    ] {
+        headers.remove(name);
+    }
 }
 
 /// The stored head updated from a 304's (RFC 9111 §4.3.4): each field the
