@@ -1206,3 +1206,58 @@ async fn a_client_gone_with_no_detached_slot_cancels_the_read() {
     assert!(!feeds[0].is_closed());
     assert_eq!(layer.engine().stats().fills_cancelled, 1);
 }
+
+/// Five requests at once on a body that keeps coming for 1 s (a chunk
+/// every 100 ms) under a flight's wait of 300 ms, and how many origin
+/// calls they made; `stall` holds the body back 500 ms after its first
+/// chunk (an origin gone quiet mid-body).
+async fn five_on_a_slow_body(stall: bool) -> (usize, Vec<String>) {
+    let layer = cache();
+    let route = layer
+        .route(policy().lock_timeout(Duration::from_millis(300)))
+        .unwrap();
+    let (feeds, bodies): (Vec<_>, Vec<_>) = (0..5).map(|_| fed()).unzip();
+    let (app, calls) = fed_app(route, bodies);
+    for feed in feeds {
+        tokio::spawn(async move {
+            for i in 0..10 {
+                let gap = if stall && i == 1 { 500 } else { 100 };
+                tokio::time::sleep(Duration::from_millis(gap)).await;
+                if feed.send(Ok(format!("{i} ").into())).is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    let requests: Vec<_> = (0..5)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, get_req("/fed")).await })
+        })
+        .collect();
+    let mut bodies = Vec::new();
+    for request in requests {
+        let (status, _, body) = bounded("an answer", request).await.unwrap();
+        assert_eq!(status, StatusCode::OK);
+        bodies.push(body);
+    }
+    (calls.get(), bodies)
+}
+
+/// A body that keeps coming is waited for past the flight's wait: its
+/// head and each frame move the deadline of the requests waiting on it,
+/// so they make no origin call of their own. Each took the flight over
+/// at each deadline before: 1 + T / `lock_timeout` calls for a body
+/// taking T (a black-box audit: a 2.5 s body at a 1 s wait, 3 calls).
+/// A body gone quiet longer than the wait is still taken over.
+#[tokio::test(start_paused = true)]
+async fn a_body_that_keeps_coming_is_waited_for_past_the_lock_timeout() {
+    let (calls, bodies) = five_on_a_slow_body(false).await;
+    assert_eq!(calls, 1, "{bodies:?}");
+    assert!(
+        bodies.iter().all(|b| b == "0 1 2 3 4 5 6 7 8 9 "),
+        "{bodies:?}"
+    );
+    let (calls, _) = five_on_a_slow_body(true).await;
+    assert!(calls >= 2, "a stalled body is taken over: {calls} calls");
+}

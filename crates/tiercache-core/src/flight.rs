@@ -3,7 +3,8 @@
 //! The first request for a key becomes the [`Leader`]; the others get a
 //! [`Follower`] and wait on the leader's result, at most until the flight's
 //! deadline (`lock_timeout` from the flight's start, not from each
-//! follower's arrival). A leader past its deadline is abandoned: the next
+//! follower's arrival, moved on by the load's [`Progress`]: `lock_timeout`
+//! from the origin's last sign of life). A leader past its deadline is abandoned: the next
 //! request to join takes the flight over and becomes the new leader, one at
 //! a time, while the old load finishes on its own (pingora's cache lock does
 //! the same).
@@ -16,6 +17,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -82,7 +84,39 @@ struct Slot {
     /// its followers may not share: those waiting then are released (see
     /// `Flights::finish`); those that join later are not.
     released: watch::Sender<u64>,
-    deadline: Instant,
+    deadline: Deadline,
+}
+
+/// A flight's deadline, which its load's progress moves on (never back).
+#[derive(Debug)]
+struct Deadline {
+    start: Instant,
+    /// Nanoseconds from `start`.
+    after: AtomicU64,
+}
+
+impl Deadline {
+    /// `wait` from `start`.
+    fn new(start: Instant, wait: Duration) -> Self {
+        Self {
+            start,
+            after: AtomicU64::new(nanos(wait)),
+        }
+    }
+
+    fn at(&self) -> Instant {
+        self.start + Duration::from_nanos(self.after.load(Relaxed))
+    }
+
+    /// Moves the deadline to `at`, if that is later.
+    fn extend_to(&self, at: Instant) {
+        let after = nanos(at.saturating_duration_since(self.start));
+        self.after.fetch_max(after, Relaxed);
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 #[derive(Debug)]
@@ -135,20 +169,20 @@ impl Flights {
         let now = Instant::now();
         let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(slot) = map.get(&key)
-            && slot.deadline + grace > now
+            && slot.deadline.at() + grace > now
         {
             let mut released = slot.released.subscribe();
             released.mark_unchanged();
             return Join::Follower(Follower {
                 rx: slot.tx.subscribe(),
                 released,
-                deadline: slot.deadline,
+                slot: slot.clone(),
             });
         }
         let slot = Arc::new(Slot {
             tx: watch::channel(None).0,
             released: watch::channel(0).0,
-            deadline: now + wait,
+            deadline: Deadline::new(now, wait),
         });
         // A stalled flight's slot is replaced: its leader finishes alone.
         if map.contains_key(&key) || map.len() < self.cap {
@@ -251,7 +285,16 @@ impl Leader {
 
     /// What is left of the flight's deadline.
     pub(crate) fn time_left(&self) -> Duration {
-        self.slot.deadline.saturating_duration_since(Instant::now())
+        self.slot
+            .deadline
+            .at()
+            .saturating_duration_since(Instant::now())
+    }
+
+    /// What the load tells of its progress, each sign moving the flight's
+    /// deadline to `wait` from then.
+    pub(crate) fn progress(&self, wait: Duration) -> Progress {
+        Progress(Some((self.slot.clone(), wait)))
     }
 
     /// How many followers are waiting right now.
@@ -268,6 +311,7 @@ impl Leader {
 }
 
 /// Whether anyone waits on a flight, and until when.
+#[derive(Clone)]
 pub(crate) struct FlightWatch(Arc<Slot>);
 
 impl FlightWatch {
@@ -276,10 +320,36 @@ impl FlightWatch {
         self.0.tx.receiver_count() > 0
     }
 
-    /// What is left of the flight's deadline, past which its followers
-    /// stop waiting on it.
-    pub(crate) fn time_left(&self) -> Duration {
-        self.0.deadline.saturating_duration_since(Instant::now())
+    /// The flight's deadline, past which its followers stop waiting on
+    /// it (its load's progress may move it on).
+    pub(crate) fn deadline(&self) -> Instant {
+        self.0.deadline.at()
+    }
+}
+
+/// A load's way to tell the engine it is making progress (the origin
+/// answered, more of its body came): its flight's deadline, past which the
+/// requests waiting on it go to the origin themselves, moves to
+/// `lock_timeout` from then. A slow body that keeps coming is waited for,
+/// not asked for again by each request that waited `lock_timeout`; an
+/// origin gone quiet is still taken over. See [`Origin::load_with`].
+///
+/// [`Origin::load_with`]: crate::Origin::load_with
+#[derive(Debug, Clone, Default)]
+pub struct Progress(Option<(Arc<Slot>, Duration)>);
+
+impl Progress {
+    /// A load nobody waits on (no flight): its progress tells no one.
+    pub fn none() -> Self {
+        Self(None)
+    }
+
+    /// The load made progress now.
+    #[inline]
+    pub fn made(&self) {
+        if let Some((slot, wait)) = &self.0 {
+            slot.deadline.extend_to(Instant::now() + *wait);
+        }
     }
 }
 
@@ -303,12 +373,14 @@ pub(crate) struct Follower {
     rx: watch::Receiver<Option<FlightResult>>,
     /// Changes when a slower flight this one took over is released.
     released: watch::Receiver<u64>,
-    deadline: Instant,
+    slot: Arc<Slot>,
 }
 
 impl Follower {
-    /// Waits for the leader's result, at most until the flight's deadline.
+    /// Waits for the leader's result, at most until the flight's deadline
+    /// (as its load's progress moves it).
     pub(crate) async fn wait(mut self) -> Waited {
+        let slot = self.slot.clone();
         let released = &mut self.released;
         let answered = async {
             tokio::select! {
@@ -320,7 +392,14 @@ impl Follower {
                 Ok(()) = released.changed() => Ok(FlightResult::Released),
             }
         };
-        let result = tokio::time::timeout_at(self.deadline, answered).await;
+        let mut answered = std::pin::pin!(answered);
+        let result = loop {
+            let deadline = slot.deadline.at();
+            match tokio::time::timeout_at(deadline, &mut answered).await {
+                Err(_) if slot.deadline.at() > deadline => continue,
+                result => break result,
+            }
+        };
         match result {
             Ok(Ok(value)) => Waited::Done(value),
             // The sender lives in the map and the leader; both gone without a

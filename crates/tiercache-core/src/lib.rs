@@ -58,6 +58,7 @@ pub use engine::{
 };
 pub use entry::{Entry, Freshness, Source, Times, Value};
 pub use fleet::{Invalidation, InvalidationSink, LockAttempt, LockToken, Unlocked};
+pub use flight::Progress;
 pub use key::{CacheKey, KeyBuilder, KeyHash, KeyPattern};
 pub use origin::{
     Answer, Event, FetchError, Fetched, FnOrigin, Loaded, Origin, Panic, Select, Served,

@@ -14,7 +14,7 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
-use crate::{CacheKey, Entry, Fill, Source, Value};
+use crate::{CacheKey, Entry, Fill, Progress, Source, Value};
 
 /// Which stored entries answer one request. Every method has a default for
 /// a caller without variants (the programmatic API).
@@ -86,6 +86,24 @@ pub trait Origin: Select + Send + 'static {
         self,
         stale: Option<Entry>,
     ) -> impl Future<Output = Result<Loaded<Self::Output>, Self::Error>> + Send;
+
+    /// [`load`](Self::load), telling the engine of its progress: each
+    /// [`Progress::made`] (the origin answered, more of a body came) moves
+    /// the deadline of the requests waiting on this load to the policy's
+    /// `lock_timeout` from then, so a slow answer that keeps coming is
+    /// waited for rather than asked for again. What the engine calls; the
+    /// default ignores the progress.
+    fn load_with(
+        self,
+        stale: Option<Entry>,
+        progress: Progress,
+    ) -> impl Future<Output = Result<Loaded<Self::Output>, Self::Error>> + Send
+    where
+        Self: Sized,
+    {
+        let _ = progress;
+        self.load(stale)
+    }
 }
 
 /// What the origin produced, and what may be done with it.

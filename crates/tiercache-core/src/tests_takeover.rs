@@ -139,3 +139,81 @@ async fn each_request_that_waited_is_counted_once() {
         "{events:?}"
     );
 }
+
+/// An origin that answers after `ticks` seconds, telling the engine of
+/// its progress each second while `alive` (a body that keeps coming),
+/// and counts its calls.
+struct Ticking {
+    ticks: u32,
+    alive: bool,
+    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Select for Ticking {}
+
+impl Origin for Ticking {
+    type Output = ();
+    type Error = ();
+
+    async fn load(self, stale: Option<Entry>) -> Result<Loaded<()>, ()> {
+        self.load_with(stale, Progress::none()).await
+    }
+
+    async fn load_with(self, _stale: Option<Entry>, progress: Progress) -> Result<Loaded<()>, ()> {
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        for _ in 0..self.ticks {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            if self.alive {
+                progress.made();
+            }
+        }
+        Ok(Loaded::Store(Fill::new(Value::from_body("stored"))))
+    }
+}
+
+/// Twenty requests at once on a key whose origin takes 8 s (past the
+/// flight's 5 s wait): the origin calls they make, and the lock timeouts.
+async fn twenty_on_a_ticking_origin(alive: bool) -> (usize, u64) {
+    let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
+    let policy = Policy::ttl(Duration::from_secs(60))
+        .lock_timeout(WAIT)
+        .build()
+        .unwrap();
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let requests: Vec<_> = (0..20)
+        .map(|_| {
+            let (cache, policy) = (cache.clone(), policy.clone());
+            let origin = Ticking {
+                ticks: 8,
+                alive,
+                calls: calls.clone(),
+            };
+            tokio::spawn(async move {
+                let fetched = cache.fetch(&CacheKey::new("k"), &policy, origin).await;
+                assert!(fetched.is_ok());
+            })
+        })
+        .collect();
+    for request in requests {
+        request.await.unwrap();
+    }
+    let calls = calls.load(std::sync::atomic::Ordering::Relaxed);
+    (calls, cache.stats().lock_timeouts)
+}
+
+/// A load that keeps telling of its progress (an answer whose body keeps
+/// coming) is waited for past the flight's wait: one origin call, no lock
+/// timeout. Without progress the same origin is taken over at the deadline,
+/// as a stalled one must be. Each waiting request took the flight over
+/// at each deadline, calling the origin again (1 + T / lock_timeout calls
+/// for an answer taking T).
+#[tokio::test(start_paused = true)]
+async fn a_load_that_makes_progress_is_waited_for_past_the_deadline() {
+    assert_eq!(twenty_on_a_ticking_origin(true).await, (1, 0));
+    let (calls, timeouts) = twenty_on_a_ticking_origin(false).await;
+    assert!(
+        calls >= 2 && timeouts > 0,
+        "{calls} calls, {timeouts} timeouts"
+    );
+}

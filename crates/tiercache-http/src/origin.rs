@@ -11,7 +11,7 @@ use http::header::{DATE, ETAG, HeaderValue, LAST_MODIFIED};
 use http::{HeaderMap, Method, Request, Response, StatusCode, response};
 use http_body::Body;
 use tiercache_core::{
-    CacheKey, Entry, Event, Fill, Freshness, Lifetime, Loaded, Origin, Select, Value,
+    CacheKey, Entry, Event, Fill, Freshness, Lifetime, Loaded, Origin, Progress, Select, Value,
 };
 use tower::{Service, ServiceExt};
 
@@ -79,6 +79,17 @@ where
     type Error = S::Error;
 
     async fn load(self, stale: Option<Entry>) -> Result<Loaded<Passed<ResB>>, S::Error> {
+        self.load_with(stale, Progress::none()).await
+    }
+
+    /// The origin's head, and each frame of a body read to be stored, are
+    /// its progress: the requests waiting on this load wait on while it
+    /// comes (see [`Progress`]).
+    async fn load_with(
+        self,
+        stale: Option<Entry>,
+        progress: Progress,
+    ) -> Result<Loaded<Passed<ResB>>, S::Error> {
         let HttpOrigin {
             route,
             inner,
@@ -94,6 +105,7 @@ where
             credentialed,
             request_headers: req.headers().clone(),
             started: tokio::time::Instant::now(),
+            progress: progress.clone(),
         };
         let Some(stale) = stale else {
             let load = load(&req);
@@ -138,6 +150,8 @@ struct Load<'a> {
     credentialed: bool,
     request_headers: HeaderMap,
     started: tokio::time::Instant,
+    /// Told of each sign of life from the origin.
+    progress: Progress,
 }
 
 impl Load<'_> {
@@ -151,8 +165,9 @@ impl Load<'_> {
         S: Service<Request<ReqB>, Response = Response<ResB>>,
     {
         let res = inner.oneshot(crate::service::for_inner(req)).await;
-        if res.is_err() {
-            self.route.metrics.origin(self.started.elapsed());
+        match &res {
+            Ok(_) => self.progress.made(),
+            Err(_) => self.route.metrics.origin(self.started.elapsed()),
         }
         res
     }

@@ -99,11 +99,17 @@ impl<T> Drop for FillTask<T> {
         }
         // Cancelled now, its followers would load again, one of them
         // leading from the start: it answers them, unless it outlives
-        // their wait.
-        let left = self.flight.time_left();
+        // their wait (which its progress moves on).
+        let flight = self.flight.clone();
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => drop(runtime.spawn(async move {
-                tokio::time::sleep(left).await;
+                loop {
+                    let deadline = flight.deadline();
+                    tokio::time::sleep_until(deadline).await;
+                    if flight.deadline() <= deadline || !flight.waited_on() {
+                        break;
+                    }
+                }
                 cancel();
             })),
             // Dropped outside a runtime (one shutting down): nothing runs on.

@@ -280,7 +280,9 @@ impl TieredCache {
         let usable = stale.clone().filter(|e| self.stale_usable(e));
         let origin = origin.0.into_inner().unwrap_or_else(|e| e.into_inner());
         let (started, began) = (Instant::now(), self.now());
-        let loaded = origin.load(stale).await;
+        let loaded = origin
+            .load_with(stale, leader.progress(policy.lock_wait()))
+            .await;
         let took = started.elapsed();
         let delta = self.delta_since(began, took);
         self.inner.counters.origin_load(took);

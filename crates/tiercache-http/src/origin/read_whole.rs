@@ -90,6 +90,7 @@ impl Load<'_> {
                     }
                     read.push(data);
                     tee.read(data);
+                    self.progress.made();
                 }
                 Err(e) => {
                     return unstored(&mut tee, read, After::Error(e.into()), Reason::BodyFailed);
