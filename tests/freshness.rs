@@ -39,6 +39,9 @@ enum Mode {
     /// new version (`ETag: "v2"`, as a server of a load balancer that has
     /// it may answer), an unconditional one that version, fresh a minute.
     Changed,
+    /// A 304 to every request: naming `ETag: "v2"` to a conditional one,
+    /// no validator to one without.
+    OnlyNotModified,
     /// Waits for the gate, then answers with this status.
     HeldStatus(Gate, u16),
     /// Waits for the gate, then answers as `BrokenBody` does.
@@ -142,6 +145,13 @@ impl Origin {
                                 Body::from(format!("body {n}"))
                             })
                             .unwrap())
+                    }
+                    Mode::OnlyNotModified => {
+                        let mut b = Response::builder().status(304);
+                        if req.headers().contains_key("if-none-match") {
+                            b = b.header("etag", "\"v2\"");
+                        }
+                        Ok(b.body(Body::empty()).unwrap())
                     }
                     Mode::Held(gate) => {
                         gate.passed().await;
@@ -808,6 +818,20 @@ async fn a_304_with_another_validator_is_asked_again_without_validators() {
         assert_eq!(h["etag"], "\"v2\"", "swr={swr}");
         assert_eq!(t.origin.calls.get(), 3, "swr={swr}");
     }
+}
+
+/// An origin that answers the request asked again without validators
+/// with a 304 too (with no validator, which would select any stored
+/// response) renews nothing: a 502, the outdated entry dropped, never the
+/// old body the first 304 said was outdated.
+#[tokio::test]
+async fn a_304_to_the_request_asked_again_is_a_502() {
+    let t = stale_p(false).await;
+    t.origin.set(Mode::OnlyNotModified);
+    let (status, h, body) = t.get("/p").await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{h:?} {body}");
+    assert_eq!(t.origin.calls.get(), 3);
+    assert!(!t.engine.l1_contains(&key_of("/p")));
 }
 
 /// A request for a key that is not stored goes to the origin with its

@@ -4,7 +4,8 @@
 //! [`Follower`] and wait on the leader's result, at most until the flight's
 //! deadline (`lock_timeout` from the flight's start, not from each
 //! follower's arrival, moved on by the load's [`Progress`]: `lock_timeout`
-//! from the origin's last sign of life). A leader past its deadline is abandoned: the next
+//! from the origin's last sign of life, up to four `lock_timeout`s from
+//! the start). A leader past its deadline is abandoned: the next
 //! request to join takes the flight over and becomes the new leader, one at
 //! a time, while the old load finishes on its own (pingora's cache lock does
 //! the same).
@@ -87,12 +88,21 @@ struct Slot {
     deadline: Deadline,
 }
 
-/// A flight's deadline, which its load's progress moves on (never back).
+/// How many flight waits from its start a load's progress may move its
+/// deadline to: the requests waiting get nothing until the body is whole
+/// (no stream is shared with them), so a body that trickles on is taken
+/// over at last, as a hung one is at once.
+pub(crate) const PROGRESS_WAITS_AT_MOST: u32 = 4;
+
+/// A flight's deadline, which its load's progress moves on (never back),
+/// to [`PROGRESS_WAITS_AT_MOST`] waits from its start at most.
 #[derive(Debug)]
 struct Deadline {
     start: Instant,
     /// Nanoseconds from `start`.
     after: AtomicU64,
+    /// How far progress may move it, nanoseconds from `start`.
+    limit: u64,
 }
 
 impl Deadline {
@@ -101,6 +111,7 @@ impl Deadline {
         Self {
             start,
             after: AtomicU64::new(nanos(wait)),
+            limit: nanos(wait.saturating_mul(PROGRESS_WAITS_AT_MOST)),
         }
     }
 
@@ -108,9 +119,9 @@ impl Deadline {
         self.start + Duration::from_nanos(self.after.load(Relaxed))
     }
 
-    /// Moves the deadline to `at`, if that is later.
+    /// Moves the deadline to `at`, if that is later (within its limit).
     fn extend_to(&self, at: Instant) {
-        let after = nanos(at.saturating_duration_since(self.start));
+        let after = nanos(at.saturating_duration_since(self.start)).min(self.limit);
         self.after.fetch_max(after, Relaxed);
     }
 }
@@ -294,7 +305,7 @@ impl Leader {
     /// What the load tells of its progress, each sign moving the flight's
     /// deadline to `wait` from then.
     pub(crate) fn progress(&self, wait: Duration) -> Progress {
-        Progress(Some((self.slot.clone(), wait)))
+        Progress(Some((Arc::downgrade(&self.slot), wait)))
     }
 
     /// How many followers are waiting right now.
@@ -330,13 +341,22 @@ impl FlightWatch {
 /// A load's way to tell the engine it is making progress (the origin
 /// answered, more of its body came): its flight's deadline, past which the
 /// requests waiting on it go to the origin themselves, moves to
-/// `lock_timeout` from then. A slow body that keeps coming is waited for,
-/// not asked for again by each request that waited `lock_timeout`; an
-/// origin gone quiet is still taken over. See [`Origin::load_with`].
+/// `lock_timeout` from then, up to four `lock_timeout`s from the flight's
+/// start. A slow body that keeps coming is waited for, not asked for again
+/// by each request that waited `lock_timeout`; an origin gone quiet is
+/// still taken over. See [`Origin::load_with`].
 ///
 /// [`Origin::load_with`]: crate::Origin::load_with
-#[derive(Debug, Clone, Default)]
-pub struct Progress(Option<(Arc<Slot>, Duration)>);
+#[derive(Clone, Default)]
+pub struct Progress(Option<(std::sync::Weak<Slot>, Duration)>);
+
+impl fmt::Debug for Progress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Progress")
+            .field("flight", &self.0.is_some())
+            .finish()
+    }
+}
 
 impl Progress {
     /// A load nobody waits on (no flight): its progress tells no one.
@@ -347,7 +367,9 @@ impl Progress {
     /// The load made progress now.
     #[inline]
     pub fn made(&self) {
-        if let Some((slot, wait)) = &self.0 {
+        if let Some((slot, wait)) = &self.0
+            && let Some(slot) = slot.upgrade()
+        {
             slot.deadline.extend_to(Instant::now() + *wait);
         }
     }

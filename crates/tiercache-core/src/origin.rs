@@ -90,8 +90,9 @@ pub trait Origin: Select + Send + 'static {
     /// [`load`](Self::load), telling the engine of its progress: each
     /// [`Progress::made`] (the origin answered, more of a body came) moves
     /// the deadline of the requests waiting on this load to the policy's
-    /// `lock_timeout` from then, so a slow answer that keeps coming is
-    /// waited for rather than asked for again. What the engine calls; the
+    /// `lock_timeout` from then (up to four `lock_timeout`s from the
+    /// flight's start), so a slow answer that keeps coming is waited for
+    /// rather than asked for again. What the engine calls; the
     /// default ignores the progress.
     fn load_with(
         self,

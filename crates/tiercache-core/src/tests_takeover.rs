@@ -172,9 +172,10 @@ impl Origin for Ticking {
     }
 }
 
-/// Twenty requests at once on a key whose origin takes 8 s (past the
-/// flight's 5 s wait): the origin calls they make, and the lock timeouts.
-async fn twenty_on_a_ticking_origin(alive: bool) -> (usize, u64) {
+/// Twenty requests at once on a key whose origin takes `ticks` seconds
+/// (past the flight's 5 s wait): the origin calls they make, and the lock
+/// timeouts.
+async fn twenty_on_a_ticking_origin(ticks: u32, alive: bool) -> (usize, u64) {
     let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
     let policy = Policy::ttl(Duration::from_secs(60))
         .lock_timeout(WAIT)
@@ -185,7 +186,7 @@ async fn twenty_on_a_ticking_origin(alive: bool) -> (usize, u64) {
         .map(|_| {
             let (cache, policy) = (cache.clone(), policy.clone());
             let origin = Ticking {
-                ticks: 8,
+                ticks,
                 alive,
                 calls: calls.clone(),
             };
@@ -205,15 +206,21 @@ async fn twenty_on_a_ticking_origin(alive: bool) -> (usize, u64) {
 /// A load that keeps telling of its progress (an answer whose body keeps
 /// coming) is waited for past the flight's wait: one origin call, no lock
 /// timeout. Without progress the same origin is taken over at the deadline,
-/// as a stalled one must be. Each waiting request took the flight over
-/// at each deadline, calling the origin again (1 + T / lock_timeout calls
-/// for an answer taking T).
+/// as a stalled one must be; so is one still going at four waits (the
+/// waiters get nothing until it ends). Each waiting request took the
+/// flight over at each deadline, calling the origin again (1 + T /
+/// lock_timeout calls for an answer taking T).
 #[tokio::test(start_paused = true)]
 async fn a_load_that_makes_progress_is_waited_for_past_the_deadline() {
-    assert_eq!(twenty_on_a_ticking_origin(true).await, (1, 0));
-    let (calls, timeouts) = twenty_on_a_ticking_origin(false).await;
+    assert_eq!(twenty_on_a_ticking_origin(8, true).await, (1, 0));
+    let (calls, timeouts) = twenty_on_a_ticking_origin(8, false).await;
     assert!(
         calls >= 2 && timeouts > 0,
         "{calls} calls, {timeouts} timeouts"
+    );
+    let (calls, timeouts) = twenty_on_a_ticking_origin(30, true).await;
+    assert!(
+        calls >= 2 && timeouts > 0,
+        "taken over at four waits: {calls} calls, {timeouts} timeouts"
     );
 }

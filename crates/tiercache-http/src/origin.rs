@@ -122,9 +122,19 @@ where
             && res.status() == StatusCode::NOT_MODIFIED
             && !renew::selects(res.headers(), stale.value())
         {
-            route.metrics.origin(first.started.elapsed());
-            let load = load(&req);
+            // Let go first: the 304's body may hold the upstream
+            // connection (the proxy's slot) the request asked again needs.
+            drop(res);
+            // One load, timed whole (one sample, as the engine's δ).
+            let load = Load {
+                started: first.started,
+                ..load(&req)
+            };
             let res = load.call(inner, req).await?;
+            // A 304 to a request without validators renews nothing.
+            if res.status() == StatusCode::NOT_MODIFIED {
+                return Ok(load.not_selected(&stale).await);
+            }
             let loaded = load.answer(res, Some(&stale), None).await;
             // The current version stored replaces the outdated one (an
             // invalidation now would count that fill overtaken); an

@@ -38,6 +38,19 @@ async fn upstream() -> (Server, Upstream) {
         )
         .route("/none", get(|| async { StatusCode::NO_CONTENT }))
         .route(
+            "/changed",
+            get(|State(u): State<Upstream>, headers: HeaderMap| async move {
+                let n = u.calls.bump();
+                let etag = if n == 1 { "\"v1\"" } else { "\"v2\"" };
+                let fields = [("cache-control", "max-age=60, no-cache"), ("etag", etag)];
+                if headers.contains_key("if-none-match") {
+                    (StatusCode::NOT_MODIFIED, fields, String::new())
+                } else {
+                    (StatusCode::OK, fields, format!("version {n}"))
+                }
+            }),
+        )
+        .route(
             "/large",
             get(|State(u): State<Upstream>| async move {
                 u.calls.bump();
@@ -333,6 +346,28 @@ async fn read_whole(res: http::Response<hyper::body::Incoming>) -> axum::body::B
         .await
         .unwrap()
         .to_bytes()
+}
+
+/// A revalidation answered 304 naming another version (a server behind a
+/// balancer that has it) is sent again without validators: the current
+/// version answers and is stored. With one upstream slot, the 304's own
+/// answer must give the slot back first: the request asked again waited
+/// for it until the origin timeout, then answered 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_304_naming_another_version_is_asked_again_within_one_upstream_slot() {
+    let (server, state) = upstream().await;
+    let proxy = capped_to_one(&server, Duration::from_secs(2)).await;
+    let (status, _, body) = fetch(get_req(proxy.addr(), "/changed")).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "version 1"));
+    let (status, headers, body) =
+        bounded("the revalidation", fetch(get_req(proxy.addr(), "/changed"))).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::OK, "version 3"),
+        "{headers:?}"
+    );
+    assert_eq!(headers["etag"], "\"v2\"");
+    assert_eq!(state.calls.get(), 3, "one revalidation, one plain request");
 }
 
 /// With `upstream_max_connections`, a client that took its answer slowly

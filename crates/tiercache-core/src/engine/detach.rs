@@ -37,6 +37,10 @@ where
     }
 }
 
+/// How long past a flight's deadline a detached fill others waited on
+/// runs before it is cancelled.
+const DECIDED_AFTER: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// A fill's task, as its caller holds it. Dropped before the task ends
 /// (the caller went away, or took a stale answer at the soft timeout), it
 /// lets the fill run on while a `max_detached_fills` slot is free, held
@@ -105,7 +109,9 @@ impl<T> Drop for FillTask<T> {
             Ok(runtime) => drop(runtime.spawn(async move {
                 loop {
                     let deadline = flight.deadline();
-                    tokio::time::sleep_until(deadline).await;
+                    // A moment past it: the waiters decide first whether
+                    // the deadline moved on (progress made at its edge).
+                    tokio::time::sleep_until(deadline + DECIDED_AFTER).await;
                     if flight.deadline() <= deadline || !flight.waited_on() {
                         break;
                     }

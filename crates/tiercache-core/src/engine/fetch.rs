@@ -114,7 +114,8 @@ impl TieredCache {
     /// request per key (per fleet, with a shared tier that has locks) reads
     /// L2 and then calls the origin in a task of its own, so a caller that
     /// goes away strands nobody; the others wait at most `lock_timeout` from
-    /// the flight's start and get its answer when it may be shared, or the
+    /// the flight's start or its load's last progress (four `lock_timeout`s
+    /// at most) and get its answer when it may be shared, or the
     /// stale entry when stale-if-error allows. An invalidation that arrives
     /// while a load runs wins: its answer goes to the waiting requests but
     /// is not stored.

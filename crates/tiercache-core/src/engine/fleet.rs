@@ -36,8 +36,9 @@ impl TieredCache {
         let Some(l2) = self.inner.l2.clone() else {
             return FleetLock::local().into();
         };
-        // The lock outlives a slow fill by the policy's whole wait: the
-        // flight's own deadline abandons a stalled leader before it.
+        // The lock lives the policy's wait from its take: the flight's own
+        // deadline abandons a stalled leader by then. A load's progress
+        // does not extend it (another instance takes it over then).
         let hold = policy.lock_wait();
         let began = Instant::now();
         let (held_for, holder) = match l2.try_lock(key, hold).await {

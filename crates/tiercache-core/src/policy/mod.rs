@@ -390,8 +390,8 @@ impl PolicyBuilder {
     /// How long a follower waits on the leader's origin load before going to
     /// the origin itself (counted as a lock timeout): from the load's start,
     /// or from its last [`Progress`](crate::Progress) (an HTTP origin's head,
-    /// each frame of its body), so a slow answer that keeps coming is waited
-    /// for.
+    /// each frame of its body), up to four times this from the start, so a
+    /// slow answer that keeps coming is waited for.
     pub fn lock_timeout(mut self, timeout: Duration) -> Self {
         self.0.lock_timeout = timeout;
         self

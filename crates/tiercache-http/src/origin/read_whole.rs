@@ -90,7 +90,12 @@ impl Load<'_> {
                     }
                     read.push(data);
                     tee.read(data);
-                    self.progress.made();
+                    // Bytes of a body whose read is bounded (`within`) keep
+                    // the requests waiting on it (an error page read to be
+                    // shared has no such bound).
+                    if within.is_some() && !data.is_empty() {
+                        self.progress.made();
+                    }
                 }
                 Err(e) => {
                     return unstored(&mut tee, read, After::Error(e.into()), Reason::BodyFailed);

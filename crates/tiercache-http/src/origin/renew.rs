@@ -36,22 +36,9 @@ impl Load<'_> {
     ) -> Loaded<Passed<ResB>> {
         let route = self.route;
         if !selects(&parts.headers, stale.value()) {
-            // The origin's current version is another, whose body the
-            // cache does not have: neither body may answer under the
-            // other's validator (and this request could not be sent again
-            // without its validators: see `asked_again`).
-            self.drop_outdated(stale).await;
-            let mut res = Response::new(CacheBody::full(Bytes::from_static(
-                b"the origin answered 304 Not Modified with a validator the cache did not send\n",
-            )));
-            *res.status_mut() = StatusCode::BAD_GATEWAY;
-            route.metrics.origin(self.started.elapsed());
-            route.metrics.not_stored(Reason::Status);
-            return Loaded::Pass {
-                output: (res, Reason::Status),
-                failed: false,
-                uncacheable: false,
-            };
+            // This request could not be sent again without its
+            // validators (see `asked_again`).
+            return self.not_selected(stale).await;
         }
         let merged = merge_not_modified(stale.value(), &parts.headers);
         let status = StatusCode::from_u16(stale.value().status).unwrap_or(StatusCode::OK);
@@ -68,6 +55,25 @@ impl Load<'_> {
         }
         route.metrics.origin(self.started.elapsed());
         Loaded::Store(renew(route, stale, merged))
+    }
+
+    /// A 304 that renews nothing: the origin's current version is
+    /// another, whose body the cache does not have, and neither body may
+    /// answer under the other's validator. The stored response is dropped
+    /// and the request answered 502.
+    pub(super) async fn not_selected<ResB>(&self, stale: &Entry) -> Loaded<Passed<ResB>> {
+        self.drop_outdated(stale).await;
+        let mut res = Response::new(CacheBody::full(Bytes::from_static(
+            b"the origin answered 304 Not Modified for a version the cache does not have\n",
+        )));
+        *res.status_mut() = StatusCode::BAD_GATEWAY;
+        self.route.metrics.origin(self.started.elapsed());
+        self.route.metrics.not_stored(Reason::Status);
+        Loaded::Pass {
+            output: (res, Reason::Status),
+            failed: false,
+            uncacheable: false,
+        }
     }
 
     /// Drops a stored response a 304 did not renew, everywhere: under its
