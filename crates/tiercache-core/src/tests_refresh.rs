@@ -103,6 +103,25 @@ fn max_refreshes_of_zero_is_refused_naming_the_field() {
     assert!(err.to_string().contains("max_refreshes"), "{err}");
 }
 
+/// Past tokio's semaphore limit the build panicked (a black-box audit of
+/// the proxy's `--max-refreshes`): refused, naming the field.
+#[test]
+fn counts_past_the_semaphore_limit_are_refused_naming_the_field() {
+    let past = tokio::sync::Semaphore::MAX_PERMITS + 1;
+    let err = TieredCache::builder()
+        .sweep_interval(None)
+        .max_refreshes(past)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("max_refreshes"), "{err}");
+    let err = TieredCache::builder()
+        .sweep_interval(None)
+        .max_detached_fills(past)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("max_detached_fills"), "{err}");
+}
+
 /// A refresh nobody waits on is not taken over at its deadline: a slow one
 /// past its flight's deadline used to be replaced by a second at the next
 /// stale hit (and a third at the next deadline...), each an origin call and

@@ -314,8 +314,8 @@ impl ResponseCacheLayer {
         self
     }
 
-    /// Most `Vary` variants kept per URL (default 32); past it, new variants
-    /// are served by the origin, not stored.
+    /// Most `Vary` variants kept per URL (default 32; at least 1, 0 is taken
+    /// as 1); past it, new variants are served by the origin, not stored.
     pub fn max_variants(mut self, n: usize) -> Self {
         self.settable("max_variants");
         Arc::make_mut(&mut self.config).max_variants = n.max(1);

@@ -227,84 +227,6 @@ impl ProxyConfig {
         policy.override_origin(self.override_origin).build()
     }
 
-    /// Checks every setting without binding or connecting (what
-    /// `--check-config` and [`Proxy::start`](crate::Proxy::start) refuse),
-    /// with a message that names the setting.
-    pub fn check(&self) -> Result<(), ProxyError> {
-        self.policy()
-            .map_err(|e| ProxyError::Config(e.to_string()))?;
-        crate::forward::check_upstream(&self.upstream).map_err(ProxyError::Config)?;
-        if self.origin_timeout.is_zero() || self.origin_timeout > Duration::from_secs(86_400) {
-            return Err(ProxyError::Config(
-                "`--origin-timeout` (`origin_timeout` in a config file): greater than 0, at most 1 day".into(),
-            ));
-        }
-        if self.upstream_max_connections == Some(0) {
-            return Err(ProxyError::Config(
-                "`--upstream-max-connections` (`upstream_max_connections` in a config file): at least 1".into(),
-            ));
-        }
-        if self.upstream_idle_timeout > Duration::from_secs(86_400) {
-            return Err(ProxyError::Config(
-                "`--upstream-idle-timeout` (`upstream_idle_timeout` in a config file): at most 1 day".into(),
-            ));
-        }
-        // Keyed, a field passes to the upstream as the client sent it: for
-        // the client's address, that would be believed.
-        let keyed = self.key_headers.iter().chain(
-            self.routes
-                .iter()
-                .filter_map(|r| r.settings.key_headers.as_ref())
-                .flatten(),
-        );
-        for name in keyed {
-            if crate::forward::is_client_address(name) {
-                return Err(ProxyError::Config(format!(
-                    "`--key-header` `{name}` (`key_headers` in a config file): the client's address is set by the proxy; keyed, a client's own value would reach the upstream"
-                )));
-            }
-        }
-        // What the engine's build refuses, so `--check-config` says so too.
-        if self.l1_capacity == 0 {
-            return Err(ProxyError::Config(
-                "`--l1-capacity` (`l1_capacity` in a config file): at least 1 byte".into(),
-            ));
-        }
-        if self.max_refreshes == 0 {
-            return Err(ProxyError::Config(
-                "`--max-refreshes` (`max_refreshes` in a config file): at least 1".into(),
-            ));
-        }
-        if self.client_timeout.is_zero() || self.client_timeout > Duration::from_secs(86_400) {
-            return Err(ProxyError::Config(
-                "`--client-timeout` (`client_timeout` in a config file): greater than 0, at most 1 day".into(),
-            ));
-        }
-        if self.max_connections == 0 {
-            return Err(ProxyError::Config(
-                "`--max-connections` (`max_connections` in a config file): at least 1".into(),
-            ));
-        }
-        let zero_body = |at: &str| {
-            ProxyError::Config(format!(
-                "`--max-body` (`max_body` in a config file's `[defaults]` or a route{at}): at least 1 byte (0 would store no body at all)"
-            ))
-        };
-        if self.max_body == 0 {
-            return Err(zero_body(""));
-        }
-        for route in &self.routes {
-            if route.cache && self.with(&route.settings).max_body == 0 {
-                return Err(zero_body(&format!(
-                    "; here: route `{}`",
-                    route.path.as_str()
-                )));
-            }
-        }
-        self.valkey_config()?;
-        Ok(())
-    }
-
     /// The Valkey settings (`--valkey`, `--valkey-timeout`), checked
     /// without connecting; `None` without Valkey.
     pub fn valkey_config(&self) -> Result<Option<ValkeyConfig>, ProxyError> {
@@ -385,8 +307,14 @@ impl ProxyConfig {
         c.keep_for_revalidation = s.keep_for_revalidation.or(c.keep_for_revalidation);
         c.override_origin = s.override_origin.unwrap_or(c.override_origin);
         c.tags = s.tags.unwrap_or(c.tags);
-        c.ignore_cookies = s.ignore_cookies.unwrap_or(c.ignore_cookies);
-        c.key_cookies = s.key_cookies.unwrap_or(c.key_cookies);
+        // One cookie mode: a route's replaces the one it inherits.
+        match (s.ignore_cookies, s.key_cookies) {
+            (None, None) => {}
+            (ignore, keyed) => {
+                c.ignore_cookies = ignore.unwrap_or(false);
+                c.key_cookies = keyed.unwrap_or_default();
+            }
+        }
         c.key_headers = s.key_headers.unwrap_or(c.key_headers);
         c.targets = s.targeted_fields.unwrap_or(c.targets);
         c.max_body = s.max_body.unwrap_or(c.max_body);

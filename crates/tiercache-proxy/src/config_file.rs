@@ -43,19 +43,33 @@ use crate::routes::{Glob, Route, Settings};
 use crate::{ProxyConfig, ProxyError};
 
 fn size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Human {
-        Text(String),
-        Bytes(u64),
+    /// Read by hand: derived (`untagged`), a wrong type was told only
+    /// "data did not match any variant of untagged enum".
+    struct Size(u64);
+    impl<'de> Deserialize<'de> for Size {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Visitor;
+            impl serde::de::Visitor<'_> for Visitor {
+                type Value = Size;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("a size: text such as \"8MiB\" or \"512KiB\", or a number of bytes")
+                }
+                fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Size, E> {
+                    crate::units::parse_size(v).map(Size).map_err(E::custom)
+                }
+                fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Size, E> {
+                    Ok(Size(v))
+                }
+                fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Size, E> {
+                    u64::try_from(v)
+                        .map(Size)
+                        .map_err(|_| E::custom(format!("{v} is not a size in bytes")))
+                }
+            }
+            d.deserialize_any(Visitor)
+        }
     }
-    match Option::<Human>::deserialize(d)? {
-        None => Ok(None),
-        Some(Human::Text(t)) => crate::units::parse_size(&t)
-            .map(Some)
-            .map_err(serde::de::Error::custom),
-        Some(Human::Bytes(n)) => Ok(Some(n)),
-    }
+    Ok(Option::<Size>::deserialize(d)?.map(|Size(n)| n))
 }
 
 /// `[defaults]` or one `[[route]]`: every setting a route may set.

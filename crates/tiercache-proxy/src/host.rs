@@ -35,7 +35,7 @@ pub(crate) fn host_problem<B>(req: &Request<B>) -> Option<&'static str> {
 }
 
 /// Whether `value` is `uri-host [ ":" port ]` (RFC 9110 §7.2) with a host.
-fn is_host_and_port(value: &[u8]) -> bool {
+pub(crate) fn is_host_and_port(value: &[u8]) -> bool {
     if value.is_empty() || value.contains(&b'@') {
         return false;
     }

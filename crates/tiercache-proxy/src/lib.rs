@@ -39,6 +39,7 @@
 
 mod admin;
 mod config;
+mod config_check;
 pub mod config_file;
 mod connector;
 pub mod forward;

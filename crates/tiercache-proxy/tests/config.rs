@@ -132,6 +132,20 @@ fn a_bad_file_is_refused_naming_the_file_the_line_and_the_field() {
             "[[route]]\nttl = \"1h\"\n",
             &["tiercache.toml, line 1", "needs `path`"][..],
         ),
+        // A wrong type was told "data did not match any variant of
+        // untagged enum Human".
+        (
+            "[defaults]\nttl = true\n",
+            &["line 2", "expected a duration", "\"30s\""][..],
+        ),
+        (
+            "[defaults]\nmax_body = -1\n",
+            &["line 2", "-1 is not a size"][..],
+        ),
+        (
+            "[defaults]\nmax_body = true\n",
+            &["line 2", "expected a size", "\"8MiB\""][..],
+        ),
     ];
     for (text, expected) in cases {
         let err = config_file::parse(text, "tiercache.toml")
@@ -140,6 +154,86 @@ fn a_bad_file_is_refused_naming_the_file_the_line_and_the_field() {
         for part in expected {
             assert!(err.contains(part), "{part:?} not in: {err}");
         }
+    }
+}
+
+/// What the start refused, `--check-config` said valid (a black-box
+/// audit): settings of the cache layer in a file, the defaults' or a
+/// route's, are refused by both, naming the setting and the route.
+/// Flags replace the file's cookie mode rather than clash with it, and a
+/// route's cookie mode replaces the one it inherits.
+#[test]
+fn check_config_refuses_what_the_start_refuses() {
+    let dir = tiercache_testkit::valkey::target_dir().join("config-test");
+    std::fs::create_dir_all(&dir).unwrap();
+    let check = |name: &str, text: &str, flags: &[&str]| {
+        let path = dir.join(format!("{name}-{}.toml", std::process::id()));
+        std::fs::write(&path, format!("upstream = \"http://127.0.0.1:9\"\n{text}")).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"))
+            .arg("--config")
+            .arg(&path)
+            .args(flags)
+            .arg("--check-config")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for (name, text, names) in [
+        (
+            "route-key-header",
+            "[[route]]\npath = \"/a/*\"\nkey_headers = [\"bad header\"]\n",
+            &["`key_headers`", "`bad header`", "route `/a/*`"][..],
+        ),
+        (
+            "targeted",
+            "[defaults]\ntargeted_fields = [\"bad field\"]\n",
+            &["`targeted_fields`", "`bad field`"][..],
+        ),
+        (
+            "cookies",
+            "[defaults]\nignore_cookies = true\nkey_cookies = [\"lang\"]\n",
+            &["exclude each other"][..],
+        ),
+        (
+            "authority",
+            "[defaults]\ncanonical_authority = \"\"\n",
+            &["`canonical_authority`"][..],
+        ),
+        (
+            "variants",
+            "[defaults]\nmax_variants = 0\n",
+            &["`max_variants`", "at least 1"][..],
+        ),
+    ] {
+        let (code, text) = check(name, text, &[]);
+        assert_eq!(code, Some(2), "{name}: {text}");
+        for part in names {
+            assert!(text.contains(part), "{name}: {part:?} not in {text}");
+        }
+    }
+    for (name, text, flags) in [
+        (
+            "flag-ignores",
+            "[defaults]\nkey_cookies = [\"lang\"]\n",
+            &["--ignore-cookies"][..],
+        ),
+        (
+            "flag-keys",
+            "[defaults]\nignore_cookies = true\n",
+            &["--key-cookie", "lang"][..],
+        ),
+        (
+            "route-keys",
+            "[defaults]\nignore_cookies = true\n[[route]]\npath = \"/a/*\"\nkey_cookies = [\"lang\"]\n",
+            &[][..],
+        ),
+    ] {
+        let (code, text) = check(name, text, flags);
+        assert_eq!(code, Some(0), "{name}: {text}");
     }
 }
 
@@ -288,6 +382,78 @@ async fn check_config_validates_and_exits() {
             &["--upstream", "http://127.0.0.1:9", "--max-refreshes", "0"][..],
             "`--max-refreshes`",
         ),
+        // The start panicked past tokio's semaphore limit (a black-box
+        // audit); `--check-config` said valid.
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--max-refreshes",
+                "2305843009213693952",
+            ][..],
+            "`--max-refreshes`",
+        ),
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--upstream-max-connections",
+                "2305843009213693952",
+            ][..],
+            "`--upstream-max-connections`",
+        ),
+        // `--check-config` said valid, the start refused (the same audit).
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--key-header",
+                "bad header",
+            ][..],
+            "`--key-header` `bad header`",
+        ),
+        (
+            &["--upstream", "http://127.0.0.1:9", "--target", "bad field"][..],
+            "`--target` `bad field`",
+        ),
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--ignore-cookies",
+                "--key-cookie",
+                "lang",
+            ][..],
+            "exclude each other",
+        ),
+        // Taken, and sent upstream as `Host` (a client's was refused).
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--canonical-authority",
+                "user@shop.example",
+            ][..],
+            "`--canonical-authority`",
+        ),
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--canonical-authority",
+                "shop.example:99999",
+            ][..],
+            "`--canonical-authority`",
+        ),
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--canonical-authority",
+                "shop.example:notaport",
+            ][..],
+            "`--canonical-authority`",
+        ),
     ] {
         let refused = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"))
             .args(args)
@@ -423,7 +589,10 @@ async fn a_canonical_authority_keys_every_host_alike() {
     );
     let config = config_file::parse(&bad, "tiercache.toml").unwrap().config;
     let err = Proxy::start(config).await.unwrap_err().to_string();
-    assert!(err.contains("canonical authority `not a host/`"), "{err}");
+    assert!(
+        err.contains("`canonical_authority`") && err.contains("`not a host/`"),
+        "{err}"
+    );
 }
 
 #[tokio::test]

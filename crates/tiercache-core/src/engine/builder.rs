@@ -132,18 +132,20 @@ impl TieredCacheBuilder {
                 allowed: "at least 1 byte",
             }));
         }
-        if self.max_refreshes == 0 {
+        // (Past tokio's semaphore limit, the build panicked.)
+        let permits = 1..=tokio::sync::Semaphore::MAX_PERMITS;
+        if !permits.contains(&self.max_refreshes) {
             return Err(BuildError::Config(PolicyError {
                 field: "max_refreshes",
-                value: "0".into(),
-                allowed: "at least 1 (background refreshes at once)",
+                value: self.max_refreshes.to_string(),
+                allowed: "at least 1 (background refreshes at once), at most 2^61 - 1",
             }));
         }
-        if self.max_detached_fills == 0 {
+        if !permits.contains(&self.max_detached_fills) {
             return Err(BuildError::Config(PolicyError {
                 field: "max_detached_fills",
-                value: "0".into(),
-                allowed: "at least 1 (fills running on after their caller left)",
+                value: self.max_detached_fills.to_string(),
+                allowed: "at least 1 (fills running on after their caller left), at most 2^61 - 1",
             }));
         }
         if self.sweep_interval.is_some_and(|i| i.is_zero()) {

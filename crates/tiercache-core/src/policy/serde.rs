@@ -39,11 +39,38 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 
 /// A duration in configuration: `"30s"` (see [`parse_duration`]) or a
 /// number of seconds.
-#[derive(Deserialize)]
-#[serde(untagged)]
 enum Human {
     Text(String),
     Seconds(f64),
+}
+
+/// Read by hand: derived (`untagged`), a wrong type was told only "data did
+/// not match any variant of untagged enum Human".
+impl<'de> Deserialize<'de> for Human {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Human;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(
+                    "a duration: text such as \"30s\", \"250ms\" or \"1h\", or a number of seconds",
+                )
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Human, E> {
+                Ok(Human::Text(v.to_owned()))
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Human, E> {
+                Ok(Human::Seconds(v))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Human, E> {
+                Ok(Human::Seconds(v as f64))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Human, E> {
+                Ok(Human::Seconds(v as f64))
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
 }
 
 /// Deserializes an optional duration written as `"30s"` (see
