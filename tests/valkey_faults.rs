@@ -55,9 +55,15 @@ fn tagged() -> tiercache::PolicyBuilder {
 }
 
 async fn instance_with(url: &str, origin: &Origin, policy: tiercache::PolicyBuilder) -> Instance {
-    let tier = ValkeyTier::connect(ValkeyConfig::from_url(url).unwrap())
-        .await
-        .unwrap();
+    instance_of(ValkeyConfig::from_url(url).unwrap(), origin, policy).await
+}
+
+async fn instance_of(
+    config: ValkeyConfig,
+    origin: &Origin,
+    policy: tiercache::PolicyBuilder,
+) -> Instance {
+    let tier = ValkeyTier::connect(config).await.unwrap();
     let engine = TieredCache::builder()
         .l2(tier.clone())
         .sweep_interval(None)
@@ -783,4 +789,43 @@ async fn a_reconnection_sends_nothing_valkey_refuses() {
     let (status, _, _) = send(&a.app, "GET", "/v/1").await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(refused(&server), Vec::<String>::new(), "on reconnecting");
+}
+
+/// With Valkey down and the breaker open, a probe does not wait for the
+/// connection fred is still trying to make: every miss goes on to the
+/// origin at once. About one request a breaker interval (the probe)
+/// waited the whole command timeout (a black-box audit: 0.30 s at a
+/// 300 ms timeout, while `cache-status` said the L2 was down).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_breaker_open_no_request_waits_for_a_connection() {
+    use fred::interfaces::ClientLike;
+
+    let mut server = ValkeyServer::start();
+    let origin = Origin::default();
+    let timeout = Duration::from_secs(2);
+    let config = ValkeyConfig::from_url(&server.url())
+        .unwrap()
+        .command_timeout(timeout);
+    let a = instance_of(config, &origin, policy()).await;
+    server.kill();
+    eventually("the client sees Valkey gone", || {
+        !a.tier.client().is_connected()
+    })
+    .await;
+    until_the_breaker_opens(&a, 0).await;
+    // Past a few breaker intervals (500 ms), each with its probe.
+    let mut slowest = Duration::ZERO;
+    for k in 0..12 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let started = std::time::Instant::now();
+        let (status, _, _) = send(&a.app, "POST", &format!("/v/{}", k % 8)).await;
+        assert_eq!(status, StatusCode::OK);
+        let (status, _, _) = send(&a.app, "GET", &format!("/v/{}", k % 8)).await;
+        assert_eq!(status, StatusCode::OK);
+        slowest = slowest.max(started.elapsed());
+    }
+    assert!(
+        slowest < timeout / 2,
+        "a request waited {slowest:?} on a Valkey that is down (timeout {timeout:?})"
+    );
 }

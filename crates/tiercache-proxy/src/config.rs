@@ -307,12 +307,25 @@ impl ProxyConfig {
         c.keep_for_revalidation = s.keep_for_revalidation.or(c.keep_for_revalidation);
         c.override_origin = s.override_origin.unwrap_or(c.override_origin);
         c.tags = s.tags.unwrap_or(c.tags);
-        // One cookie mode: a route's replaces the one it inherits.
+        // One cookie mode: a route's replaces the one it inherits (cookie
+        // keys turn ignoring off, ignoring drops the keys; both set in the
+        // route are kept, for `check` to refuse).
         match (s.ignore_cookies, s.key_cookies) {
-            (None, None) => {}
-            (ignore, keyed) => {
-                c.ignore_cookies = ignore.unwrap_or(false);
-                c.key_cookies = keyed.unwrap_or_default();
+            (Some(true), Some(keys)) => {
+                c.ignore_cookies = true;
+                c.key_cookies = keys;
+            }
+            (ignore, keys) => {
+                if let Some(keys) = keys {
+                    c.ignore_cookies &= keys.is_empty();
+                    c.key_cookies = keys;
+                }
+                if let Some(ignore) = ignore {
+                    c.ignore_cookies = ignore;
+                    if ignore {
+                        c.key_cookies.clear();
+                    }
+                }
             }
         }
         c.key_headers = s.key_headers.unwrap_or(c.key_headers);

@@ -91,9 +91,15 @@ impl ProxyConfig {
         // cached route, so `--check-config` says so too.
         self.check_layer().map_err(ProxyError::Config)?;
         for route in self.routes.iter().filter(|r| r.cache) {
-            self.with(&route.settings).check_layer().map_err(|e| {
+            let here = |e: String| {
                 ProxyError::Config(format!("{e}; here: route `{}`", route.path.as_str()))
-            })?;
+            };
+            let settings = self.with(&route.settings);
+            // With the flags laid over the file (which checked each
+            // route's policy before them): `--negative-ttl 1m` over a
+            // route's `ttl = "30s"`.
+            settings.policy().map_err(|e| here(e.to_string()))?;
+            settings.check_layer().map_err(here)?;
         }
         self.valkey_config()?;
         Ok(())

@@ -215,6 +215,17 @@ fn check_config_refuses_what_the_start_refuses() {
             assert!(text.contains(part), "{name}: {part:?} not in {text}");
         }
     }
+    // The route policies again with the flags laid over the file.
+    let (code, text) = check(
+        "route-policy",
+        "[[route]]\npath = \"/a/*\"\nttl = \"30s\"\n",
+        &["--negative-ttl", "1m"],
+    );
+    assert_eq!(code, Some(2), "{text}");
+    assert!(
+        text.contains("negative_ttl") && text.contains("route `/a/*`"),
+        "{text}"
+    );
     for (name, text, flags) in [
         (
             "flag-ignores",
@@ -235,6 +246,39 @@ fn check_config_refuses_what_the_start_refuses() {
         let (code, text) = check(name, text, flags);
         assert_eq!(code, Some(0), "{name}: {text}");
     }
+}
+
+/// A route's cookie setting replaces what it inherits only where it says
+/// so: `ignore_cookies = false` alone keeps the inherited keys (it dropped
+/// them, and the route bypassed every request with a cookie); keys turn
+/// ignoring off; ignoring drops the keys.
+#[test]
+fn a_routes_cookie_setting_replaces_only_what_it_names() {
+    let file = |defaults: &str, route: &str| {
+        let text = format!(
+            "upstream = \"http://127.0.0.1:9\"\n[defaults]\n{defaults}\n[[route]]\npath = \"/a/*\"\n{route}\n"
+        );
+        let config = config_file::parse(&text, "t.toml").unwrap().config;
+        let route = config.with(&config.routes[0].settings);
+        (route.ignore_cookies, route.key_cookies)
+    };
+    let lang = vec!["lang".to_owned()];
+    assert_eq!(
+        file("key_cookies = [\"lang\"]", "ignore_cookies = false"),
+        (false, lang.clone())
+    );
+    assert_eq!(
+        file("ignore_cookies = true", "key_cookies = [\"lang\"]"),
+        (false, lang)
+    );
+    assert_eq!(
+        file("key_cookies = [\"lang\"]", "ignore_cookies = true"),
+        (true, vec![])
+    );
+    assert_eq!(
+        file("ignore_cookies = true", "key_cookies = []"),
+        (true, vec![])
+    );
 }
 
 #[tokio::test]

@@ -104,6 +104,16 @@ impl Inner {
         if client.is_connected() {
             return Ok(());
         }
+        // A probe of an open breaker (Valkey found down, fred reconnecting
+        // in the background) is not waited for: it held a request the whole
+        // command timeout about once a breaker interval. The next probe
+        // finds the connection once it is back.
+        if self.breaker.open_for().is_some() {
+            return Err(TierError::new(
+                "Valkey is not connected (reconnecting; the breaker is open)",
+                None,
+            ));
+        }
         let _ = tokio::time::timeout(self.command_timeout, client.wait_for_connect()).await;
         // Asked again: the client may have been replaced meanwhile.
         if self.client().is_connected() {

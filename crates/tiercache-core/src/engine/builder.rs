@@ -138,14 +138,14 @@ impl TieredCacheBuilder {
             return Err(BuildError::Config(PolicyError {
                 field: "max_refreshes",
                 value: self.max_refreshes.to_string(),
-                allowed: "at least 1 (background refreshes at once), at most 2^61 - 1",
+                allowed: "at least 1 (background refreshes at once), at most tokio's `Semaphore::MAX_PERMITS`",
             }));
         }
         if !permits.contains(&self.max_detached_fills) {
             return Err(BuildError::Config(PolicyError {
                 field: "max_detached_fills",
                 value: self.max_detached_fills.to_string(),
-                allowed: "at least 1 (fills running on after their caller left), at most 2^61 - 1",
+                allowed: "at least 1 (fills running on after their caller left), at most tokio's `Semaphore::MAX_PERMITS`",
             }));
         }
         if self.sweep_interval.is_some_and(|i| i.is_zero()) {
