@@ -224,3 +224,42 @@ async fn a_load_that_makes_progress_is_waited_for_past_the_deadline() {
         "taken over at four waits: {calls} calls, {timeouts} timeouts"
     );
 }
+
+/// A request that leaves while it waits on another's load (its future
+/// dropped: a client gone) gives its wait sample: counted as coalesced,
+/// it gave none, and the wait histogram's count fell below `coalesced`.
+#[tokio::test(start_paused = true)]
+async fn a_request_gone_mid_wait_gives_its_wait_sample() {
+    let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
+    let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
+    let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let request = || {
+        let (cache, policy) = (cache.clone(), policy.clone());
+        let origin = Watched {
+            took: Duration::from_secs(1),
+            events: events.clone(),
+        };
+        tokio::spawn(async move {
+            let fetched = cache.fetch(&CacheKey::new("k"), &policy, origin).await;
+            assert!(fetched.is_ok());
+        })
+    };
+    let leader = request();
+    while cache.in_flight() == 0 {
+        tokio::task::yield_now().await;
+    }
+    let follower = request();
+    while cache.stats().coalesced == 0 {
+        tokio::task::yield_now().await;
+    }
+    follower.abort();
+    assert!(follower.await.unwrap_err().is_cancelled());
+    leader.await.unwrap();
+    let waits = events
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| matches!(e, Event::LockWait(_)))
+        .count();
+    assert_eq!((cache.stats().coalesced, waits), (1, 1));
+}

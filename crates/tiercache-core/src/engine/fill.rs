@@ -32,7 +32,7 @@ pub(super) enum Filled<T> {
 pub(super) struct Locked<O>(pub(super) std::sync::Mutex<O>);
 
 impl<O> Locked<O> {
-    fn into_inner(self) -> O {
+    pub(super) fn into_inner(self) -> O {
         self.0.into_inner().unwrap_or_else(|e| e.into_inner())
     }
 }

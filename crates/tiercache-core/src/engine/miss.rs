@@ -2,6 +2,8 @@
 //! a [`Miss`] run with the origin (the single flight, L2, the fleet lock,
 //! the origin, storage) and a [`Refresh`] spawned in the background.
 
+use std::time::Duration;
+
 use tokio::time::Instant;
 
 use super::fetch::{Miss, MissState, Refresh, RefreshState};
@@ -67,7 +69,7 @@ impl Miss {
     /// Runs the rest of the fetch with `origin`: see [`TieredCache::fetch`](crate::TieredCache::fetch).
     pub async fn run<O: Origin>(
         self,
-        origin: O,
+        mut origin: O,
     ) -> Result<Fetched<O::Output>, FetchError<O::Error>> {
         let MissState {
             engine,
@@ -143,17 +145,29 @@ impl Miss {
                 collapsed = true;
             }
             let started = Instant::now();
+            // A caller gone mid-wait (its future dropped) still gives its
+            // wait sample, as it was counted coalesced.
+            // (Behind a lock: a reference held across the wait must be
+            // `Sync`, and an origin is only `Send`.)
+            let locked = Locked(std::sync::Mutex::new(origin));
+            let sample = WaitSample {
+                origin: &locked,
+                waited,
+                started,
+            };
             let outcome = match &stand_in {
                 Some((stale, at)) => match tokio::time::timeout_at(*at, follower.wait()).await {
                     Ok(outcome) => outcome,
                     Err(_) => {
-                        origin.observe(Event::LockWait(waited + started.elapsed()));
+                        drop(sample);
                         let why = StaleReason::OriginTimeout;
                         return Ok(engine.answered_stale(stale.clone(), why, true));
                     }
                 },
                 None => follower.wait().await,
             };
+            std::mem::forget(sample);
+            origin = locked.into_inner();
             waited += started.elapsed();
             match outcome {
                 Waited::Done(FlightResult::Failed(FlightError::Abandoned)) => continue,
@@ -218,5 +232,20 @@ impl Refresh {
             let _ = engine.fill(lead, origin).await;
             drop(slot);
         });
+    }
+}
+
+/// A follower's wait, told as one sample when dropped (not forgotten):
+/// the request waited `waited` before, and since `started`.
+struct WaitSample<'a, O: Select> {
+    origin: &'a O,
+    waited: Duration,
+    started: Instant,
+}
+
+impl<O: Select> Drop for WaitSample<'_, O> {
+    fn drop(&mut self) {
+        let waited = self.waited + self.started.elapsed();
+        self.origin.observe(Event::LockWait(waited));
     }
 }
