@@ -364,7 +364,8 @@ impl Progress {
         Self(None)
     }
 
-    /// The load made progress now.
+    /// The load made progress now (an atomic store at most: cheap per
+    /// frame; nothing for [`Progress::none`] or a flight that has ended).
     #[inline]
     pub fn made(&self) {
         if let Some((slot, wait)) = &self.0

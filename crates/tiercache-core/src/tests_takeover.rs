@@ -50,6 +50,20 @@ async fn twenty_requests(loaded: fn() -> Loaded<&'static str>) -> Vec<Duration> 
     answered
 }
 
+/// A request for the key `k` through `origin`, in a task of its own,
+/// answered without error.
+fn fetch_k<O: Origin>(
+    cache: &TieredCache,
+    policy: &Policy,
+    origin: O,
+) -> tokio::task::JoinHandle<()> {
+    let (cache, policy) = (cache.clone(), policy.clone());
+    tokio::spawn(async move {
+        let fetched = cache.fetch(&CacheKey::new("k"), &policy, origin).await;
+        assert!(fetched.is_ok());
+    })
+}
+
 /// An answer that may not be shared (a long poll's, say): the requests
 /// waiting are released when it comes, to load alone at once. They were
 /// not: the ones waiting on the flight that took the slow one over waited
@@ -109,15 +123,11 @@ async fn each_request_that_waited_is_counted_once() {
     let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let requests: Vec<_> = (0..5)
         .map(|_| {
-            let (cache, policy) = (cache.clone(), policy.clone());
             let origin = Watched {
                 took: Duration::from_secs(1),
                 events: events.clone(),
             };
-            tokio::spawn(async move {
-                let fetched = cache.fetch(&CacheKey::new("k"), &policy, origin).await;
-                assert!(fetched.is_ok());
-            })
+            fetch_k(&cache, &policy, origin)
         })
         .collect();
     for request in requests {
@@ -184,16 +194,12 @@ async fn twenty_on_a_ticking_origin(ticks: u32, alive: bool) -> (usize, u64) {
     let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let requests: Vec<_> = (0..20)
         .map(|_| {
-            let (cache, policy) = (cache.clone(), policy.clone());
             let origin = Ticking {
                 ticks,
                 alive,
                 calls: calls.clone(),
             };
-            tokio::spawn(async move {
-                let fetched = cache.fetch(&CacheKey::new("k"), &policy, origin).await;
-                assert!(fetched.is_ok());
-            })
+            fetch_k(&cache, &policy, origin)
         })
         .collect();
     for request in requests {
@@ -234,15 +240,11 @@ async fn a_request_gone_mid_wait_gives_its_wait_sample() {
     let policy = Policy::ttl(Duration::from_secs(60)).build().unwrap();
     let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let request = || {
-        let (cache, policy) = (cache.clone(), policy.clone());
         let origin = Watched {
             took: Duration::from_secs(1),
             events: events.clone(),
         };
-        tokio::spawn(async move {
-            let fetched = cache.fetch(&CacheKey::new("k"), &policy, origin).await;
-            assert!(fetched.is_ok());
-        })
+        fetch_k(&cache, &policy, origin)
     };
     let leader = request();
     while cache.in_flight() == 0 {

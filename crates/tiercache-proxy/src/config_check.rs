@@ -20,14 +20,8 @@ impl ProxyConfig {
                 "`--origin-timeout` (`origin_timeout` in a config file): greater than 0, at most 1 day".into(),
             ));
         }
-        if self
-            .upstream_max_connections
-            .is_some_and(|n| n == 0 || n > Semaphore::MAX_PERMITS)
-        {
-            return Err(ProxyError::Config(format!(
-                "`--upstream-max-connections` (`upstream_max_connections` in a config file): at least 1, at most {}",
-                Semaphore::MAX_PERMITS
-            )));
+        if let Some(n) = self.upstream_max_connections {
+            permits(n, "--upstream-max-connections", "upstream_max_connections")?;
         }
         if self.upstream_idle_timeout > Duration::from_secs(86_400) {
             return Err(ProxyError::Config(
@@ -55,12 +49,7 @@ impl ProxyConfig {
                 "`--l1-capacity` (`l1_capacity` in a config file): at least 1 byte".into(),
             ));
         }
-        if self.max_refreshes == 0 || self.max_refreshes > Semaphore::MAX_PERMITS {
-            return Err(ProxyError::Config(format!(
-                "`--max-refreshes` (`max_refreshes` in a config file): at least 1, at most {}",
-                Semaphore::MAX_PERMITS
-            )));
-        }
+        permits(self.max_refreshes, "--max-refreshes", "max_refreshes")?;
         if self.client_timeout.is_zero() || self.client_timeout > Duration::from_secs(86_400) {
             return Err(ProxyError::Config(
                 "`--client-timeout` (`client_timeout` in a config file): greater than 0, at most 1 day".into(),
@@ -136,4 +125,16 @@ impl ProxyConfig {
         }
         Ok(())
     }
+}
+
+/// A count of things at once, held by a semaphore: at least 1, and within
+/// what tokio's holds (past it, the start panicked).
+fn permits(n: usize, flag: &str, key: &str) -> Result<(), ProxyError> {
+    if (1..=Semaphore::MAX_PERMITS).contains(&n) {
+        return Ok(());
+    }
+    Err(ProxyError::Config(format!(
+        "`{flag}` (`{key}` in a config file): at least 1, at most {}",
+        Semaphore::MAX_PERMITS
+    )))
 }

@@ -95,19 +95,22 @@ impl Inner {
     /// an outage of hours kept every invalidation, write probe and release
     /// retry of those hours, fills' bytes included. (fred's per-command
     /// `fail_fast` is this check, for commands sent `with_options` only.)
-    /// A connection under way gets the command's own time to land first
-    /// (fred's reconnections are 50-250 ms apart, and three failures open
-    /// the breaker), so a short reconnection, or a client built by the
-    /// caller and still connecting, costs a wait, not an open breaker.
+    /// While the breaker is closed, a connection under way gets the
+    /// command's own time to land first (fred's reconnections are 50-250 ms
+    /// apart, and three failures open the breaker), so a short
+    /// reconnection, or a client built by the caller and still connecting,
+    /// costs a wait, not an open breaker. With it open (Valkey found down:
+    /// a probe, an invalidation, the writer's batch) nothing waits.
     pub(crate) async fn connected(&self) -> Result<(), TierError> {
         let client = self.client();
         if client.is_connected() {
             return Ok(());
         }
-        // A probe of an open breaker (Valkey found down, fred reconnecting
-        // in the background) is not waited for: it held a request the whole
-        // command timeout about once a breaker interval. The next probe
-        // finds the connection once it is back.
+        // Not waited for with the breaker open (Valkey found down, fred
+        // reconnecting in the background): the probe held a request the
+        // whole command timeout about once a breaker interval, and each
+        // invalidation (to the outbox after) as long. The next probe finds
+        // the connection once it is back.
         if self.breaker.open_for().is_some() {
             return Err(TierError::new(
                 "Valkey is not connected (reconnecting; the breaker is open)",

@@ -32,7 +32,7 @@ pub(super) enum Filled<T> {
 pub(super) struct Locked<O>(pub(super) std::sync::Mutex<O>);
 
 impl<O> Locked<O> {
-    pub(super) fn into_inner(self) -> O {
+    fn into_inner(self) -> O {
         self.0.into_inner().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -278,7 +278,7 @@ impl TieredCache {
             }
         };
         let usable = stale.clone().filter(|e| self.stale_usable(e));
-        let origin = origin.0.into_inner().unwrap_or_else(|e| e.into_inner());
+        let origin = origin.into_inner();
         let (started, began) = (Instant::now(), self.now());
         let loaded = origin
             .load_with(stale, leader.progress(policy.lock_wait()))

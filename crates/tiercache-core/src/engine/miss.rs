@@ -147,11 +147,8 @@ impl Miss {
             let started = Instant::now();
             // A caller gone mid-wait (its future dropped) still gives its
             // wait sample, as it was counted coalesced.
-            // (Behind a lock: a reference held across the wait must be
-            // `Sync`, and an origin is only `Send`.)
-            let locked = Locked(std::sync::Mutex::new(origin));
             let sample = WaitSample {
-                origin: &locked,
+                origin: Some(origin),
                 waited,
                 started,
             };
@@ -166,8 +163,7 @@ impl Miss {
                 },
                 None => follower.wait().await,
             };
-            std::mem::forget(sample);
-            origin = locked.into_inner();
+            origin = sample.end();
             waited += started.elapsed();
             match outcome {
                 Waited::Done(FlightResult::Failed(FlightError::Abandoned)) => continue,
@@ -235,17 +231,27 @@ impl Refresh {
     }
 }
 
-/// A follower's wait, told as one sample when dropped (not forgotten):
-/// the request waited `waited` before, and since `started`.
-struct WaitSample<'a, O: Select> {
-    origin: &'a O,
+/// A follower's wait, holding its origin: told to it as one sample when
+/// dropped before it [`end`](Self::end)s (the caller went away). The
+/// request waited `waited` before, and since `started`.
+struct WaitSample<O: Select> {
+    origin: Option<O>,
     waited: Duration,
     started: Instant,
 }
 
-impl<O: Select> Drop for WaitSample<'_, O> {
+impl<O: Select> WaitSample<O> {
+    /// The wait ended: the origin back, nothing told (the caller tells the
+    /// whole wait once it ends).
+    fn end(mut self) -> O {
+        self.origin.take().expect("a wait ends once")
+    }
+}
+
+impl<O: Select> Drop for WaitSample<O> {
     fn drop(&mut self) {
-        let waited = self.waited + self.started.elapsed();
-        self.origin.observe(Event::LockWait(waited));
+        if let Some(origin) = &self.origin {
+            origin.observe(Event::LockWait(self.waited + self.started.elapsed()));
+        }
     }
 }
