@@ -108,18 +108,14 @@ fn max_refreshes_of_zero_is_refused_naming_the_field() {
 #[test]
 fn counts_past_the_semaphore_limit_are_refused_naming_the_field() {
     let past = tokio::sync::Semaphore::MAX_PERMITS + 1;
-    let err = TieredCache::builder()
-        .sweep_interval(None)
-        .max_refreshes(past)
-        .build()
-        .unwrap_err();
-    assert!(err.to_string().contains("max_refreshes"), "{err}");
-    let err = TieredCache::builder()
-        .sweep_interval(None)
-        .max_detached_fills(past)
-        .build()
-        .unwrap_err();
-    assert!(err.to_string().contains("max_detached_fills"), "{err}");
+    let builder = || TieredCache::builder().sweep_interval(None);
+    for (field, refused) in [
+        ("max_refreshes", builder().max_refreshes(past)),
+        ("max_detached_fills", builder().max_detached_fills(past)),
+    ] {
+        let err = refused.build().unwrap_err();
+        assert!(err.to_string().contains(field), "{err}");
+    }
 }
 
 /// A refresh nobody waits on is not taken over at its deadline: a slow one

@@ -289,6 +289,31 @@ impl ProxyConfig {
         .collect()
     }
 
+    /// Lays a cookie mode over this one (a route's, or the command line's
+    /// over a file's): it replaces only what it names. Cookie keys turn
+    /// ignoring off, ignoring drops the keys; both named at once are kept,
+    /// for [`check`](Self::check) to refuse.
+    pub fn set_cookie_mode(&mut self, ignore: Option<bool>, keys: Option<Vec<String>>) {
+        match (ignore, keys) {
+            (Some(true), Some(keys)) => {
+                self.ignore_cookies = true;
+                self.key_cookies = keys;
+            }
+            (ignore, keys) => {
+                if let Some(keys) = keys {
+                    self.ignore_cookies &= keys.is_empty();
+                    self.key_cookies = keys;
+                }
+                if let Some(ignore) = ignore {
+                    self.ignore_cookies = ignore;
+                    if ignore {
+                        self.key_cookies.clear();
+                    }
+                }
+            }
+        }
+    }
+
     /// These settings with `settings` laid over them (a route's).
     pub fn with(&self, settings: &routes::Settings) -> ProxyConfig {
         let mut c = self.clone();
@@ -307,27 +332,7 @@ impl ProxyConfig {
         c.keep_for_revalidation = s.keep_for_revalidation.or(c.keep_for_revalidation);
         c.override_origin = s.override_origin.unwrap_or(c.override_origin);
         c.tags = s.tags.unwrap_or(c.tags);
-        // One cookie mode: a route's replaces the one it inherits (cookie
-        // keys turn ignoring off, ignoring drops the keys; both set in the
-        // route are kept, for `check` to refuse).
-        match (s.ignore_cookies, s.key_cookies) {
-            (Some(true), Some(keys)) => {
-                c.ignore_cookies = true;
-                c.key_cookies = keys;
-            }
-            (ignore, keys) => {
-                if let Some(keys) = keys {
-                    c.ignore_cookies &= keys.is_empty();
-                    c.key_cookies = keys;
-                }
-                if let Some(ignore) = ignore {
-                    c.ignore_cookies = ignore;
-                    if ignore {
-                        c.key_cookies.clear();
-                    }
-                }
-            }
-        }
+        c.set_cookie_mode(s.ignore_cookies, s.key_cookies);
         c.key_headers = s.key_headers.unwrap_or(c.key_headers);
         c.targets = s.targeted_fields.unwrap_or(c.targets);
         c.max_body = s.max_body.unwrap_or(c.max_body);

@@ -60,22 +60,6 @@ impl ProxyConfig {
                 "`--max-connections` (`max_connections` in a config file): at least 1".into(),
             ));
         }
-        let zero_body = |at: &str| {
-            ProxyError::Config(format!(
-                "`--max-body` (`max_body` in a config file's `[defaults]` or a route{at}): at least 1 byte (0 would store no body at all)"
-            ))
-        };
-        if self.max_body == 0 {
-            return Err(zero_body(""));
-        }
-        for route in &self.routes {
-            if route.cache && self.with(&route.settings).max_body == 0 {
-                return Err(zero_body(&format!(
-                    "; here: route `{}`",
-                    route.path.as_str()
-                )));
-            }
-        }
         // What building the cache layer refuses, for the defaults and each
         // cached route, so `--check-config` says so too.
         self.check_layer().map_err(ProxyError::Config)?;
@@ -94,9 +78,13 @@ impl ProxyConfig {
         Ok(())
     }
 
-    /// The settings the cache layer takes (header and cookie keys, targets,
-    /// the canonical authority, the variants' bound), as one route has them.
+    /// The settings the cache layer takes (the body bound, header and
+    /// cookie keys, targets, the canonical authority, the variants' bound),
+    /// as one route has them.
     fn check_layer(&self) -> Result<(), String> {
+        if self.max_body == 0 {
+            return Err("`--max-body` (`max_body` in a config file's `[defaults]` or a route): at least 1 byte (0 would store no body at all)".into());
+        }
         let header = |flag: &str, key: &str, name: &str| {
             http::HeaderName::from_bytes(name.as_bytes())
                 .map(drop)

@@ -194,20 +194,11 @@ fn settings(args: &Args, matches: &ArgMatches) -> Result<ProxyConfig, String> {
     if set("max_refreshes") {
         config.max_refreshes = args.max_refreshes;
     }
-    // One cookie mode: a flag replaces the file's, whichever it names
-    // (both flags given are refused by `check`).
-    if set("ignore_cookies") {
-        config.ignore_cookies = args.ignore_cookies;
-        if args.ignore_cookies && !given("key_cookies") {
-            config.key_cookies.clear();
-        }
-    }
-    if set("key_cookies") {
-        config.key_cookies = args.key_cookies.clone();
-        if !args.key_cookies.is_empty() && !given("ignore_cookies") {
-            config.ignore_cookies = false;
-        }
-    }
+    // One cookie mode: a flag replaces the file's, whichever it names.
+    config.set_cookie_mode(
+        set("ignore_cookies").then_some(args.ignore_cookies),
+        set("key_cookies").then(|| args.key_cookies.clone()),
+    );
     if set("key_headers") {
         config.key_headers = args.key_headers.clone();
     }

@@ -88,7 +88,7 @@ impl Miss {
         let mut collapsed = false;
         // Counted once a request: all of its wait on others' loads, however
         // many flights it followed, and whether a wait reached a deadline.
-        let mut waited = std::time::Duration::ZERO;
+        let mut waited = Duration::ZERO;
         let mut timed_out = false;
         // Joined again once after an overtaken answer; a second overtaken
         // one (a key invalidated faster than it loads) loads alone.
