@@ -9,9 +9,11 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use bytes::Bytes;
+use tokio::time::Instant;
 
 use crate::{CacheKey, KeyHash, KeyPattern, Tier};
 
@@ -145,6 +147,8 @@ pub trait InvalidationSink: Send + Sync + 'static {
 #[must_use = "dropping the lock releases it as gone"]
 pub(crate) struct FleetLock {
     held: Option<(Arc<dyn Tier>, CacheKey, LockToken)>,
+    /// How the load's progress moves the lock on (see [`LockExtension`]).
+    extension: Option<Arc<LockExtension>>,
 }
 
 impl fmt::Debug for FleetLock {
@@ -159,13 +163,40 @@ impl FleetLock {
     /// No lock in the shared tier (none there, or it is unreachable): the
     /// local single flight alone protects the origin.
     pub(crate) fn local() -> Self {
-        Self { held: None }
+        Self {
+            held: None,
+            extension: None,
+        }
     }
 
-    pub(crate) fn held(tier: Arc<dyn Tier>, key: CacheKey, token: LockToken) -> Self {
+    /// A lock taken just now, to live `hold` unless the load's progress
+    /// moves it on.
+    pub(crate) fn held(
+        tier: Arc<dyn Tier>,
+        key: CacheKey,
+        token: LockToken,
+        hold: Duration,
+    ) -> Self {
+        let extension = LockExtension {
+            tier: tier.clone(),
+            key: key.clone(),
+            token: token.clone(),
+            start: Instant::now(),
+            hold: nanos(hold),
+            end: AtomicU64::new(nanos(hold)),
+            limit: nanos(hold.saturating_mul(crate::flight::PROGRESS_WAITS_AT_MOST)),
+            done: AtomicBool::new(false),
+        };
         Self {
             held: Some((tier, key, token)),
+            extension: Some(Arc::new(extension)),
         }
+    }
+
+    /// What moves the lock on as the load makes progress (none for a local
+    /// lock).
+    pub(crate) fn extension(&self) -> Option<Arc<LockExtension>> {
+        self.extension.clone()
     }
 
     /// Releases the lock, telling the waiting instances how the fill ended:
@@ -173,14 +204,22 @@ impl FleetLock {
     /// (they answer with the failure), passed (they load), or gone (they
     /// take the lock in turn).
     pub(crate) fn release(mut self, how: Unlocked) {
+        self.stop_extending();
         if let Some((tier, key, token)) = self.held.take() {
             tier.unlock(&key, &token, how);
+        }
+    }
+
+    fn stop_extending(&self) {
+        if let Some(extension) = &self.extension {
+            extension.done.store(true, Relaxed);
         }
     }
 }
 
 impl Drop for FleetLock {
     fn drop(&mut self) {
+        self.stop_extending();
         if let Some((tier, key, token)) = self.held.take() {
             // Dropped by the origin's panic: the waiting instances fail as
             // the local waiters do. Else the fill was cancelled (its
@@ -193,6 +232,58 @@ impl Drop for FleetLock {
             tier.unlock(&key, &token, how);
         }
     }
+}
+
+/// A held fleet lock's end, moved on by its load's progress: to `hold`
+/// from the last sign of life, as a local flight's deadline is, so the
+/// instances waiting on it keep waiting on a slow body that keeps coming
+/// instead of each taking the lock over at its first end and calling the
+/// origin. A quarter of a hold apart at most (one command per quarter
+/// hold, not per frame), and up to four holds from the lock's take: what
+/// the waiting instances follow, as their own waiters do (see
+/// [`Progress`](crate::Progress)). An origin gone quiet lets it end.
+pub(crate) struct LockExtension {
+    tier: Arc<dyn Tier>,
+    key: CacheKey,
+    token: LockToken,
+    start: Instant,
+    /// Nanoseconds, as the others below, from `start`.
+    hold: u64,
+    /// Where the lock ends as last moved.
+    end: AtomicU64,
+    limit: u64,
+    /// Released: nothing left to move.
+    done: AtomicBool,
+}
+
+impl LockExtension {
+    /// The load made progress now: moves the lock to end `hold` from now
+    /// if that is a quarter hold past its end as last moved (within four
+    /// holds of its take).
+    pub(crate) fn made(&self) {
+        if self.done.load(Relaxed) {
+            return;
+        }
+        let now = nanos(Instant::now().saturating_duration_since(self.start));
+        let end = self.end.load(Relaxed);
+        let moved = now.saturating_add(self.hold).min(self.limit);
+        if moved < end.saturating_add(self.hold / 4) {
+            return;
+        }
+        // One caller moves it; a frame at the same moment has nothing to add.
+        if self
+            .end
+            .compare_exchange(end, moved, Relaxed, Relaxed)
+            .is_ok()
+        {
+            let ttl = Duration::from_nanos(moved - now);
+            self.tier.extend_lock(&self.key, &self.token, ttl);
+        }
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// What the engine's fleet lock step decided.

@@ -305,7 +305,10 @@ impl Leader {
     /// What the load tells of its progress, each sign moving the flight's
     /// deadline to `wait` from then.
     pub(crate) fn progress(&self, wait: Duration) -> Progress {
-        Progress(Some((Arc::downgrade(&self.slot), wait)))
+        Progress {
+            flight: Some((Arc::downgrade(&self.slot), wait)),
+            lock: None,
+        }
     }
 
     /// How many followers are waiting right now.
@@ -344,16 +347,22 @@ impl FlightWatch {
 /// `lock_timeout` from then, up to four `lock_timeout`s from the flight's
 /// start. A slow body that keeps coming is waited for, not asked for again
 /// by each request that waited `lock_timeout`; an origin gone quiet is
-/// still taken over. See [`Origin::load_with`].
+/// still taken over. The fleet-wide fill lock the load holds, if any, is
+/// moved on the same way, so other instances wait too. See
+/// [`Origin::load_with`].
 ///
 /// [`Origin::load_with`]: crate::Origin::load_with
 #[derive(Clone, Default)]
-pub struct Progress(Option<(std::sync::Weak<Slot>, Duration)>);
+pub struct Progress {
+    flight: Option<(std::sync::Weak<Slot>, Duration)>,
+    lock: Option<Arc<crate::fleet::LockExtension>>,
+}
 
 impl fmt::Debug for Progress {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Progress")
-            .field("flight", &self.0.is_some())
+            .field("flight", &self.flight.is_some())
+            .field("lock", &self.lock.is_some())
             .finish()
     }
 }
@@ -361,18 +370,34 @@ impl fmt::Debug for Progress {
 impl Progress {
     /// A load nobody waits on (no flight): its progress tells no one.
     pub fn none() -> Self {
-        Self(None)
+        Self::default()
     }
 
-    /// The load made progress now (an atomic store at most: cheap per
-    /// frame; nothing for [`Progress::none`] or a flight that has ended).
+    /// The same, moving the fleet lock `lock` on too.
+    pub(crate) fn with_lock(self, lock: Option<Arc<crate::fleet::LockExtension>>) -> Self {
+        Self { lock, ..self }
+    }
+
+    /// The load made progress now (atomics at most, and a command to the
+    /// shared tier a quarter of a flight's wait apart: cheap per frame;
+    /// nothing for [`Progress::none`] or a flight that has ended).
     #[inline]
     pub fn made(&self) {
-        if let Some((slot, wait)) = &self.0
+        if let Some((slot, wait)) = &self.flight
             && let Some(slot) = slot.upgrade()
         {
             slot.deadline.extend_to(Instant::now() + *wait);
         }
+        if let Some(lock) = &self.lock {
+            lock.made();
+        }
+    }
+
+    /// The flight's deadline as its progress moved it (`None` without a
+    /// flight, or once it ended).
+    pub(crate) fn deadline(&self) -> Option<Instant> {
+        let (slot, _) = self.flight.as_ref()?;
+        Some(slot.upgrade()?.deadline.at())
     }
 }
 

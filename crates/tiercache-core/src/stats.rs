@@ -125,6 +125,8 @@ pub(crate) struct Counters {
     pub(crate) fills_cancelled: AtomicU64,
     pub(crate) coalesced: AtomicU64,
     pub(crate) lock_timeouts: AtomicU64,
+    /// Waits on another instance's fill lock (`TierReport::lock_waits`).
+    pub(crate) fleet_waits: AtomicU64,
     pub(crate) l2_errors: AtomicU64,
     pub(crate) l2_timeouts: AtomicU64,
     pub(crate) expired: AtomicU64,
@@ -192,7 +194,10 @@ impl Counters {
             lock_timeouts: self.lock_timeouts.load(Relaxed),
             l2_errors: self.l2_errors.load(Relaxed) + l2.write_errors,
             l2_timeouts: self.l2_timeouts.load(Relaxed),
-            l2,
+            l2: crate::TierReport {
+                lock_waits: l2.lock_waits + self.fleet_waits.load(Relaxed),
+                ..l2
+            },
             l2_last_failure,
             expired: self.expired.load(Relaxed),
             evicted: self.evicted.load(Relaxed),

@@ -265,3 +265,100 @@ async fn a_request_gone_mid_wait_gives_its_wait_sample() {
         .count();
     assert_eq!((cache.stats().coalesced, waits), (1, 1));
 }
+
+/// A shared tier whose fleet lock every key takes, recording how far each
+/// move of the lock set its end; it stores nothing.
+#[derive(Debug, Default)]
+struct MovedLocks {
+    moved: std::sync::Mutex<Vec<Duration>>,
+}
+
+impl Tier for MovedLocks {
+    fn get<'a>(&'a self, _: &'a CacheKey) -> BoxFuture<'a, Result<Option<TierHit>, TierError>> {
+        Box::pin(async { Ok(None) })
+    }
+
+    fn put(&self, _: &CacheKey, _: &Entry, _: Duration, _: &[bytes::Bytes]) {}
+
+    fn invalidate<'a>(&'a self, _: Invalidation) -> BoxFuture<'a, Result<(), TierError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn try_lock<'a>(
+        &'a self,
+        _: &'a CacheKey,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<LockAttempt, TierError>> {
+        let token = LockToken(bytes::Bytes::from_static(b"this instance"));
+        Box::pin(async { Ok(LockAttempt::Acquired(token)) })
+    }
+
+    fn extend_lock(&self, _: &CacheKey, _: &LockToken, ttl: Duration) {
+        self.moved.lock().unwrap().push(ttl);
+    }
+}
+
+/// An origin telling of its progress at these times from its call, which
+/// leaves its `Progress` behind.
+struct Beating(Vec<u64>, std::sync::Arc<std::sync::Mutex<Option<Progress>>>);
+
+impl Select for Beating {}
+
+impl Origin for Beating {
+    type Output = ();
+    type Error = ();
+
+    async fn load(self, stale: Option<Entry>) -> Result<Loaded<()>, ()> {
+        self.load_with(stale, Progress::none()).await
+    }
+
+    async fn load_with(self, _stale: Option<Entry>, progress: Progress) -> Result<Loaded<()>, ()> {
+        let start = tokio::time::Instant::now();
+        for at in self.0 {
+            tokio::time::sleep_until(start + Duration::from_millis(at)).await;
+            progress.made();
+        }
+        *self.1.lock().unwrap() = Some(progress);
+        Ok(Loaded::Store(Fill::new(Value::from_body("stored"))))
+    }
+}
+
+/// A load's progress moves the fleet lock it holds to a wait from then
+/// (a quarter wait past its last end at least, so not at each frame), up
+/// to four waits from its take; after the load, nothing moves it. The
+/// lock ended a wait after its take before, whatever the load did, and
+/// other instances took it over and called the origin.
+#[tokio::test(start_paused = true)]
+async fn a_loads_progress_moves_its_fleet_lock_on() {
+    let tier = std::sync::Arc::new(MovedLocks::default());
+    let cache = TieredCache::builder()
+        .sweep_interval(None)
+        .l2_shared(tier.clone())
+        .build()
+        .unwrap();
+    let policy = Policy::ttl(Duration::from_secs(60))
+        .lock_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let left: std::sync::Arc<std::sync::Mutex<Option<Progress>>> = Default::default();
+    let beats = Beating(vec![100, 300, 600, 1000, 3500, 3900], left.clone());
+    let fetched = cache.fetch(&CacheKey::new("k"), &policy, beats).await;
+    assert!(fetched.is_ok());
+    // 100 ms: 150 ms short of a quarter past the end; 3.5 s: to four
+    // waits from the take; 3.9 s: nothing left to move.
+    let ms = |ms| Duration::from_millis(ms);
+    assert_eq!(
+        *tier.moved.lock().unwrap(),
+        [ms(1000), ms(1000), ms(1000), ms(500)]
+    );
+    let beats = Beating(vec![], left.clone());
+    assert!(
+        cache
+            .fetch(&CacheKey::new("k2"), &policy, beats)
+            .await
+            .is_ok()
+    );
+    tokio::time::advance(ms(500)).await;
+    left.lock().unwrap().take().unwrap().made();
+    assert_eq!(tier.moved.lock().unwrap().len(), 4, "a released lock moved");
+}

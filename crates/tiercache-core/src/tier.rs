@@ -78,6 +78,15 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
         let _ = (key, token, how);
     }
 
+    /// Moves a lock this instance holds (only with its token) to end `ttl`
+    /// from now: the load it guards is making progress, so the instances
+    /// waiting on it keep waiting instead of taking it over at its first
+    /// end. Sent on its own (it must not hold the load up); a lost one
+    /// leaves the lock to end as it would have.
+    fn extend_lock(&self, key: &CacheKey, token: &LockToken, ttl: Duration) {
+        let _ = (key, token, ttl);
+    }
+
     /// Waits at most `timeout` for another instance's lock on `key` to go
     /// (`holder`: the token [`try_lock`](Self::try_lock) reported, so a lock
     /// found gone is told apart from a later holder's).
@@ -164,7 +173,9 @@ pub struct TierReport {
     pub resyncs: u64,
     /// Fleet-wide fill locks taken by this instance.
     pub locks_acquired: u64,
-    /// Waits on another instance's fill lock.
+    /// Waits on another instance's fill lock, one per request and holder
+    /// waited on (however often the wait looks at the lock again): counted
+    /// by the engine and added to this (a tier's own count, normally 0).
     pub lock_waits: u64,
     /// Lock releases sent again after a failure (they are retried until
     /// they land or the lock would have expired anyway).

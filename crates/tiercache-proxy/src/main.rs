@@ -138,8 +138,9 @@ struct Args {
     canonical_authority: Option<String>,
     /// How long a request waits on another's origin load for the same key
     /// (in this process, or another instance's on the shared Valkey), and
-    /// how long a fleet-wide fill lock lives if its owner dies; in this
-    /// process, from the upstream's head or its body's last bytes.
+    /// how long a fleet-wide fill lock lives if its owner dies; from the
+    /// upstream's head or its body's last bytes (four times this from the
+    /// start at most), in this process and across the fleet.
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     lock_timeout: Duration,
     /// Admin address serving GET /stats and POST /invalidate?key=URL|tag=T|prefix=PATH

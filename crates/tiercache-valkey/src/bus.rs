@@ -41,7 +41,6 @@ pub(crate) struct Bus {
     pub(crate) received: AtomicU64,
     pub(crate) resyncs: AtomicU64,
     pub(crate) locks_acquired: AtomicU64,
-    pub(crate) lock_waits: AtomicU64,
     /// Whether the invalidation channel has been subscribed once.
     pub(crate) subscribed: watch::Sender<bool>,
     /// Whether the instance began serving before it could hear.
@@ -99,7 +98,6 @@ impl Bus {
             received: AtomicU64::new(0),
             resyncs: AtomicU64::new(0),
             locks_acquired: AtomicU64::new(0),
-            lock_waits: AtomicU64::new(0),
             subscribed: watch::channel(false).0,
             hearing: Hearing::default(),
         }

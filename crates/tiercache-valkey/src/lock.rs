@@ -195,6 +195,11 @@ pub(crate) const LOCK_SCRIPT: &str = "if redis.call('SET', KEYS[1], ARGV[1], 'NX
      return {-10, ''} end \
      return {redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[1]) or ''}";
 
+/// Moves the lock's end to `ARGV[2]` ms from now, only if it still holds
+/// this owner's token.
+pub(crate) const EXTEND_SCRIPT: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
+     return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end";
+
 /// Deletes the lock only if it still holds this owner's token.
 pub(crate) const UNLOCK_SCRIPT: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
      return redis.call('DEL', KEYS[1]) else return 0 end";

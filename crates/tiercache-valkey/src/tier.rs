@@ -432,6 +432,10 @@ impl Tier for ValkeyTier {
         self.release_lock(key, token, how);
     }
 
+    fn extend_lock(&self, key: &CacheKey, token: &LockToken, ttl: Duration) {
+        self.move_lock_on(key, token, ttl);
+    }
+
     fn wait_unlock<'a>(
         &'a self,
         key: &'a CacheKey,
@@ -459,7 +463,6 @@ impl Tier for ValkeyTier {
         report.invalidations_received = i.bus.received.load(Relaxed);
         report.resyncs = i.bus.resyncs.load(Relaxed);
         report.locks_acquired = i.bus.locks_acquired.load(Relaxed);
-        report.lock_waits = i.bus.lock_waits.load(Relaxed);
         report.release_retries = i.release_retries.load(Relaxed);
         report.fills_overtaken = i.fills_overtaken.load(Relaxed);
         report.reconnects_forced = i.reconnects_forced.load(Relaxed);

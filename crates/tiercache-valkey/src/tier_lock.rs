@@ -14,7 +14,9 @@ use tiercache_core::{CacheKey, LockAttempt, LockToken, TierError, Unlocked};
 
 use crate::bus;
 use crate::keys::slot_key;
-use crate::lock::{LOCK_SCRIPT, Release, read_unlock_message, release_until_done, unlock_message};
+use crate::lock::{
+    EXTEND_SCRIPT, LOCK_SCRIPT, Release, read_unlock_message, release_until_done, unlock_message,
+};
 use crate::tier::{ValkeyTier, fred_error};
 use crate::writer::{Command, Write};
 
@@ -135,6 +137,39 @@ impl ValkeyTier {
         }
     }
 
+    /// [`Tier::extend_lock`](tiercache_core::Tier::extend_lock): a task
+    /// running the token-checked `PEXPIRE` within the command timeout; not
+    /// sent while the breaker is open or the client reconnects (the lock
+    /// then ends as it would have, and the waiting instances take it over).
+    pub(crate) fn move_lock_on(&self, key: &CacheKey, token: &LockToken, ttl: Duration) {
+        let inner = &self.inner;
+        if inner.breaker.is_open() || !inner.client().is_connected() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (lock, token) = (self.lock_key(key), token.0.clone());
+        let px = ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
+        let inner = Arc::downgrade(inner);
+        runtime.spawn(async move {
+            let Some(inner) = inner.upgrade() else {
+                return;
+            };
+            let args = vec![Value::from(token.clone()), px.into()];
+            let client = inner.client();
+            let moved = client.eval::<i64, _, _, _>(EXTEND_SCRIPT, vec![lock], args);
+            if let Ok(Ok(1)) = tokio::time::timeout(inner.command_timeout, moved).await {
+                // Its release is retried until this end, not the first one.
+                let until = tokio::time::Instant::now() + ttl;
+                let mut held = inner.held.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(end) = held.get_mut(&token) {
+                    *end = (*end).max(until);
+                }
+            }
+        });
+    }
+
     /// [`Tier::wait_unlock`](tiercache_core::Tier::wait_unlock): the lock's
     /// release heard on its channel, or found by re-checking.
     pub(crate) async fn wait_for_release(
@@ -143,7 +178,6 @@ impl ValkeyTier {
         holder: Option<&LockToken>,
         timeout: Duration,
     ) -> Result<Unlocked, TierError> {
-        self.inner.bus.lock_waits.fetch_add(1, Relaxed);
         let channel = self.done_channel(key);
         let mut waiter = self.inner.bus.wait_on(&channel);
         // Not subscribed while the subscriber reconnects (fred would hold

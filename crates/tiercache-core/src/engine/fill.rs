@@ -242,8 +242,9 @@ impl TieredCache {
             let fits = |e: &Entry| origin.accepts(e) && !origin.must_revalidate(e) && newer(e);
             let wait = leader.time_left();
             let counted = (waited.is_some() || refresh, timed_out);
+            let progress = leader.progress(policy.lock_wait());
             let fleet = self
-                .lead_fleet(&keys.flight, &policy, wait, epoch, fits, counted)
+                .lead_fleet(&keys.flight, &policy, wait, &progress, epoch, fits, counted)
                 .await;
             if !refresh {
                 report_wait(&origin, waited, fleet.waited);
@@ -280,8 +281,9 @@ impl TieredCache {
         let usable = stale.clone().filter(|e| self.stale_usable(e));
         let origin = origin.into_inner();
         let (started, began) = (Instant::now(), self.now());
+        let progress = leader.progress(policy.lock_wait());
         let loaded = origin
-            .load_with(stale, leader.progress(policy.lock_wait()))
+            .load_with(stale, progress.with_lock(lock.extension()))
             .await;
         let took = started.elapsed();
         let delta = self.delta_since(began, took);

@@ -7,7 +7,7 @@ use tokio::time::Instant;
 use super::TieredCache;
 use crate::fleet::{FleetJoin, FleetLock};
 use crate::stats::bump;
-use crate::{CacheKey, Entry, LockAttempt, Policy, Unlocked};
+use crate::{CacheKey, Entry, LockAttempt, Policy, Progress, Unlocked};
 
 impl TieredCache {
     /// Before an origin load for `key` (its L2 read missed): takes the
@@ -21,14 +21,19 @@ impl TieredCache {
     /// waiter, and the others wait on that one. Past the deadline a new
     /// holder is waited on once more (for the policy's wait at most); the
     /// same holder still there is stuck, and the request loads without
-    /// the lock (counted as a lock timeout). `(counted, timed_out)`: the
-    /// request's wait, and its lock timeout, were counted already (a
-    /// request is counted once).
+    /// the lock (counted as a lock timeout). A holder whose lock its load's
+    /// progress moves on is followed as the local flight's own load is:
+    /// each move is progress of this request's flight (`progress`), whose
+    /// deadline the wait then takes. `(counted, timed_out)`: the request's
+    /// wait, and its lock timeout, were counted already (a request is
+    /// counted once).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn lead_fleet(
         &self,
         key: &CacheKey,
         policy: &Policy,
         wait: Duration,
+        progress: &Progress,
         epoch: u64,
         accept: impl Fn(&Entry) -> bool,
         (counted, timed_out): (bool, bool),
@@ -36,14 +41,15 @@ impl TieredCache {
         let Some(l2) = self.inner.l2.clone() else {
             return FleetLock::local().into();
         };
-        // The lock lives the policy's wait from its take: the flight's own
-        // deadline abandons a stalled leader by then. A load's progress
-        // does not extend it (another instance takes it over then).
+        // The lock lives the policy's wait from its take, or from its
+        // load's last progress: the flight's own deadline abandons a
+        // stalled leader by then.
         let hold = policy.lock_wait();
         let began = Instant::now();
         let (held_for, holder) = match l2.try_lock(key, hold).await {
             Ok(LockAttempt::Acquired(token)) => {
-                return self.took_lock(&l2, key, token, epoch, &accept).await.into();
+                let lock = FleetLock::held(l2.clone(), key.clone(), token, hold);
+                return self.took_lock(key, lock, epoch, &accept).await.into();
             }
             Ok(LockAttempt::Held { left, holder }) => (left, holder),
             Ok(_) => return FleetLock::local().into(),
@@ -62,7 +68,7 @@ impl TieredCache {
             held_for,
             holder,
         };
-        let (join, gave_up) = self.wait_fleet(key, held, epoch, &accept).await;
+        let (join, gave_up) = self.wait_fleet(key, held, progress, epoch, &accept).await;
         if gave_up && !timed_out {
             bump(&self.inner.counters.lock_timeouts);
         }
@@ -79,6 +85,7 @@ impl TieredCache {
         &self,
         key: &CacheKey,
         held: HeldLock<'_>,
+        progress: &Progress,
         epoch: u64,
         accept: &impl Fn(&Entry) -> bool,
     ) -> (FleetJoin, bool) {
@@ -90,14 +97,26 @@ impl TieredCache {
             mut holder,
         } = held;
         let mut extended = false;
+        // Where the holder's lock ends, as last seen: a later end is its
+        // load's progress.
+        let mut ends = Instant::now() + held_for;
+        // The holder whose wait was counted last: looking at the same lock
+        // again is the same wait.
+        let mut counted: Option<Option<crate::LockToken>> = None;
         // Waits on each holder in turn: one that lets go without a fill
         // (its load had no room to keep its answer, or its lock is gone)
         // hands the lock to one of its waiters, and the others wait on that
         // one, until the deadline.
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            // A little past the lock's own end, so an expired lock is seen gone.
-            let bound = left.min(held_for + Duration::from_millis(20));
+            // A little past the lock's own end, so an expired lock is seen
+            // gone; a quarter of a hold at most, so a lock moved on is seen
+            // moving before this instance's own waiters stop waiting.
+            let bound = left.min(held_for + Duration::from_millis(20)).min(hold / 4);
+            if counted.as_ref() != Some(&holder) {
+                bump(&self.inner.counters.fleet_waits);
+                counted = Some(holder.clone());
+            }
             let unlocked = match l2.wait_unlock(key, holder.as_ref(), bound).await {
                 Ok(unlocked) => unlocked,
                 Err(_) => {
@@ -123,7 +142,19 @@ impl TieredCache {
             let now = Instant::now();
             match attempt {
                 Ok(LockAttempt::Acquired(token)) => {
-                    return (self.took_lock(l2, key, token, epoch, accept).await, false);
+                    let lock = FleetLock::held(l2.clone(), key.clone(), token, hold);
+                    return (self.took_lock(key, lock, epoch, accept).await, false);
+                }
+                // The same holder's lock ends later than it did: its load
+                // made progress (see `LockExtension`), which moves this
+                // flight's deadline as it would move the holder's own (up
+                // to four waits from this flight's start).
+                Ok(LockAttempt::Held { left, holder: next })
+                    if next.is_some() && next == holder && now + left > ends + hold / 8 =>
+                {
+                    progress.made();
+                    deadline = deadline.max(progress.deadline().unwrap_or(deadline));
+                    (held_for, ends) = (left, now + left);
                 }
                 Ok(LockAttempt::Held { left, holder: next })
                     if deadline > now || (!extended && next.is_some() && next != holder) =>
@@ -136,7 +167,7 @@ impl TieredCache {
                     if deadline <= now {
                         (deadline, extended) = (now + hold, true);
                     }
-                    (held_for, holder) = (left, next);
+                    (held_for, holder, ends) = (left, next, now + left);
                 }
                 _ => return (FleetJoin::Lead(FleetLock::local()), true),
             }
@@ -149,15 +180,13 @@ impl TieredCache {
     /// against an origin call.
     async fn took_lock(
         &self,
-        l2: &std::sync::Arc<dyn crate::Tier>,
         key: &CacheKey,
-        token: crate::LockToken,
+        // Held from here: a fill cancelled during the read below releases
+        // it (as gone) instead of leaving it to its expiry.
+        lock: FleetLock,
         epoch: u64,
         accept: &impl Fn(&Entry) -> bool,
     ) -> FleetJoin {
-        // Held from here: a fill cancelled during the read below releases
-        // it (as gone) instead of leaving it to its expiry.
-        let lock = FleetLock::held(l2.clone(), key.clone(), token);
         if let Some(entry) = self.lookup_l2(key, epoch, accept).await {
             // Filled, for the instances that began waiting on this lock
             // meanwhile: the entry is there to read.

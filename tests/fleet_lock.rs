@@ -1,0 +1,122 @@
+//! The fleet-wide fill lock under a slow load, on one real Valkey server:
+//! a body that keeps coming is waited for by the other instances too.
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::http::StatusCode;
+use axum::routing::get;
+use tiercache::valkey::{ValkeyConfig, ValkeyTier};
+use tiercache::{Policy, ResponseCacheLayer, TieredCache};
+use tiercache_testkit::http::send;
+use tiercache_testkit::{Counter, ValkeyServer, bounded};
+
+/// A body fed frame by frame from a task.
+struct Fed(tokio::sync::mpsc::UnboundedReceiver<Bytes>);
+
+impl http_body::Body for Fed {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<std::io::Result<http_body::Frame<Bytes>>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|next| next.map(|data| Ok(http_body::Frame::data(data))))
+    }
+}
+
+/// The whole body each call answers: sixteen frames.
+const WHOLE: &str = "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 ";
+
+/// A fleet's instance: its engine, and its app whose `/slow` route answers
+/// each call with sixteen frames 150 ms apart (2.4 s), under a flight's
+/// wait of 1 s; `stall` holds the body back 1.5 s after its second frame
+/// (an origin gone quiet mid-body).
+async fn instance(url: &str, calls: &Counter, stall: bool) -> (TieredCache, Router) {
+    // Not a slow command on a loaded machine: what is counted is origin
+    // calls, not timeouts.
+    let config = ValkeyConfig::from_url(url)
+        .unwrap()
+        .connect_timeout(Duration::from_secs(10))
+        .command_timeout(Duration::from_secs(1));
+    let tier = ValkeyTier::connect(config).await.unwrap();
+    let engine = TieredCache::builder()
+        .l2(tier)
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let layer = ResponseCacheLayer::new(engine.clone());
+    let policy = Policy::ttl(Duration::from_secs(60))
+        .lock_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let route = layer.route(policy).unwrap();
+    let calls = calls.clone();
+    let slow = move || {
+        calls.bump();
+        let (feed, fed) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            for i in 0..16 {
+                let gap = if stall && i == 2 { 1500 } else { 150 };
+                tokio::time::sleep(Duration::from_millis(gap)).await;
+                if feed.send(Bytes::from(format!("{i} "))).is_err() {
+                    return;
+                }
+            }
+        });
+        std::future::ready(Body::new(Fed(fed)))
+    };
+    let app = Router::new().route("/slow", get(slow).layer(route));
+    (engine, app)
+}
+
+/// Instance A leads the load; once it called the origin, instance B gets
+/// three requests for the same key. The origin calls, the bodies B
+/// answered, and B's engine.
+async fn a_fleet_on_a_slow_body(stall: bool) -> (usize, Vec<String>, TieredCache) {
+    let server = ValkeyServer::start();
+    let calls = Counter::new();
+    let (_a, app_a) = instance(&server.url(), &calls, stall).await;
+    let (b, app_b) = instance(&server.url(), &calls, stall).await;
+    let first = tokio::spawn(async move { send(&app_a, "GET", "/slow").await });
+    bounded("A's origin call", calls.reached(1)).await;
+    let requests: Vec<_> = (0..3)
+        .map(|_| {
+            let app = app_b.clone();
+            tokio::spawn(async move { send(&app, "GET", "/slow").await })
+        })
+        .collect();
+    let mut bodies = Vec::new();
+    for request in requests {
+        let (status, _, body) = bounded("B's answer", request).await.unwrap();
+        assert_eq!(status, StatusCode::OK);
+        bodies.push(body);
+    }
+    let (status, _, body) = bounded("A's answer", first).await.unwrap();
+    assert_eq!((status, body.as_str()), (StatusCode::OK, WHOLE));
+    (calls.get(), bodies, b)
+}
+
+/// The instance loading a body that keeps coming moves its fleet lock on
+/// with the body's progress, as it moves its own flight's deadline; the
+/// instances waiting on the lock follow it, and move their own waiters'
+/// deadline. They took the lock over at its first end before (`lock
+/// timeout` from its take) and called the origin: a 2.4 s body under a
+/// 1 s lock cost two origin calls for two instances. A body gone quiet
+/// longer than the lock's wait is still taken over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_keeps_coming_is_waited_for_across_the_fleet() {
+    let (calls, bodies, b) = a_fleet_on_a_slow_body(false).await;
+    assert_eq!(calls, 1, "one origin call for the fleet: {bodies:?}");
+    assert!(bodies.iter().all(|body| body == WHOLE), "{bodies:?}");
+    let stats = b.stats();
+    assert_eq!(stats.lock_timeouts, 0);
+    // One wait on one holder, however often it looked at the lock again.
+    assert_eq!(stats.l2.lock_waits, 1);
+    let (calls, _, _) = a_fleet_on_a_slow_body(true).await;
+    assert!(calls >= 2, "a stalled body is taken over: {calls} calls");
+}
