@@ -10,7 +10,7 @@ use axum::routing::get;
 use tiercache::valkey::{ValkeyConfig, ValkeyTier};
 use tiercache::{Policy, ResponseCacheLayer, TieredCache};
 use tiercache_testkit::http::send;
-use tiercache_testkit::{Counter, ValkeyServer, bounded};
+use tiercache_testkit::{Counter, Gate, ValkeyServer, bounded};
 
 /// A body fed frame by frame from a task.
 struct Fed(tokio::sync::mpsc::UnboundedReceiver<Bytes>);
@@ -32,11 +32,14 @@ impl http_body::Body for Fed {
 /// The whole body each call answers: sixteen frames.
 const WHOLE: &str = "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 ";
 
-/// A fleet's instance: its engine, and its app whose `/slow` route answers
-/// each call with sixteen frames 150 ms apart (2.4 s), under a flight's
-/// wait of 1 s; `stall` holds the body back 1.5 s after its second frame
-/// (an origin gone quiet mid-body).
-async fn instance(url: &str, calls: &Counter, stall: bool) -> (TieredCache, Router) {
+/// An instance on its own connections to `url`, its route at `path`
+/// answering with `answer` under a flight's wait of 1 s.
+async fn instance_answering<F, Fut, T>(url: &str, path: &str, answer: F) -> (TieredCache, Router)
+where
+    F: Fn() -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = T> + Send + 'static,
+    T: axum::response::IntoResponse + 'static,
+{
     // Not a slow command on a loaded machine: what is counted is origin
     // calls, not timeouts.
     let config = ValkeyConfig::from_url(url)
@@ -49,12 +52,22 @@ async fn instance(url: &str, calls: &Counter, stall: bool) -> (TieredCache, Rout
         .sweep_interval(None)
         .build()
         .unwrap();
-    let layer = ResponseCacheLayer::new(engine.clone());
     let policy = Policy::ttl(Duration::from_secs(60))
         .lock_timeout(Duration::from_secs(1))
         .build()
         .unwrap();
-    let route = layer.route(policy).unwrap();
+    let route = ResponseCacheLayer::new(engine.clone())
+        .route(policy)
+        .unwrap();
+    let app = Router::new().route(path, get(answer).layer(route));
+    (engine, app)
+}
+
+/// A fleet's instance: its engine, and its app whose `/slow` route answers
+/// each call with sixteen frames 150 ms apart (2.4 s), under a flight's
+/// wait of 1 s; `stall` holds the body back 1.5 s after its second frame
+/// (an origin gone quiet mid-body).
+async fn instance(url: &str, calls: &Counter, stall: bool) -> (TieredCache, Router) {
     let calls = calls.clone();
     let slow = move || {
         calls.bump();
@@ -70,8 +83,7 @@ async fn instance(url: &str, calls: &Counter, stall: bool) -> (TieredCache, Rout
         });
         std::future::ready(Body::new(Fed(fed)))
     };
-    let app = Router::new().route("/slow", get(slow).layer(route));
-    (engine, app)
+    instance_answering(url, "/slow", slow).await
 }
 
 /// Instance A leads the load; once it called the origin, instance B gets
@@ -119,4 +131,64 @@ async fn a_body_that_keeps_coming_is_waited_for_across_the_fleet() {
     assert_eq!(stats.l2.lock_waits, 1);
     let (calls, _, _) = a_fleet_on_a_slow_body(true).await;
     assert!(calls >= 2, "a stalled body is taken over: {calls} calls");
+}
+
+/// The owner of a fleet lock hangs (its origin never answers, as an
+/// instance killed mid-load): its lock ends `lock_timeout` after its take,
+/// one of the two instances waiting on it takes it and loads, and the
+/// other waits on that new holder, as on any load under way, past its own
+/// first deadline. It loaded at that deadline before, beside the new
+/// holder (a black-box audit: a killed owner cost its fleet of three two
+/// more origin calls, 80 ms apart, not one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_lock_holder_is_waited_on_past_the_first_deadline() {
+    let server = ValkeyServer::start();
+    let (calls, gate) = (Counter::new(), Gate::new());
+    let hung = {
+        let calls = calls.clone();
+        move || {
+            calls.bump();
+            std::future::pending::<&'static str>()
+        }
+    };
+    let (_a, owner) = instance_answering(&server.url(), "/k", hung).await;
+    let answering = {
+        let (calls, gate) = (calls.clone(), gate.clone());
+        move || {
+            let (calls, gate) = (calls.clone(), gate.clone());
+            async move {
+                calls.bump();
+                gate.passed().await;
+                "loaded"
+            }
+        }
+    };
+    let (b, app_b) = instance_answering(&server.url(), "/k", answering.clone()).await;
+    let (c, app_c) = instance_answering(&server.url(), "/k", answering).await;
+    let _owner = tokio::spawn(async move { send(&owner, "GET", "/k").await });
+    bounded("the owner's origin call", calls.reached(1)).await;
+    // The waiters' deadlines come 300 ms after the owner's lock ends (a
+    // real server's `PX`, on its own clock).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let waiters: Vec<_> = [app_b, app_c]
+        .into_iter()
+        .map(|app| tokio::spawn(async move { send(&app, "GET", "/k").await }))
+        .collect();
+    bounded("the new holder's origin call", calls.reached(2)).await;
+    // Past the waiters' first deadline (1 s from their start, 0.3 s past
+    // the new holder's take), and within the new holder's own wait (a load
+    // quiet that long is stuck, and taken over).
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        calls.get(),
+        2,
+        "the other waiter loaded beside the new holder"
+    );
+    gate.open();
+    for waiter in waiters {
+        let (status, _, body) = bounded("a waiter's answer", waiter).await.unwrap();
+        assert_eq!((status, body.as_str()), (StatusCode::OK, "loaded"));
+    }
+    assert_eq!(calls.get(), 2);
+    assert_eq!(b.stats().lock_timeouts + c.stats().lock_timeouts, 0);
 }

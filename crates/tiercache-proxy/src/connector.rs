@@ -68,9 +68,11 @@ pub(crate) struct Stamped {
 /// Whether the request that failed with `error`, sent at `sent`, is worth
 /// sending once more: it went out on a connection opened before it (one
 /// kept alive from an earlier request, which the upstream may have closed
-/// as it arrived), or was never written at all (hyper canceled it; hyper-util
-/// resends those itself only on a kept connection). A failure before any
-/// connection was had is not.
+/// as it arrived) and failed as it arrived (within
+/// [`CLOSED_AS_IT_ARRIVED`]), or was never written at all (hyper canceled
+/// it; hyper-util resends those itself only on a kept connection). A
+/// failure before any connection was had is not, nor one the upstream
+/// held a while first: it took the request, and failed on it.
 pub(crate) fn worth_sending_again(
     error: &hyper_util::client::legacy::Error,
     sent: Instant,
@@ -86,10 +88,17 @@ pub(crate) fn worth_sending_again(
     }
     let mut extras = http::Extensions::new();
     info.get_extras(&mut extras);
-    extras
-        .get::<Arc<Lease>>()
-        .is_some_and(|lease| lease.opened < sent)
+    sent.elapsed() < CLOSED_AS_IT_ARRIVED
+        && extras
+            .get::<Arc<Lease>>()
+            .is_some_and(|lease| lease.opened < sent)
 }
+
+/// How soon a request on a kept-alive connection must fail to be the
+/// upstream's close of that idle connection crossing it (which shows within
+/// a round trip), not a failure of the upstream on the request itself (a
+/// worker killed mid-request), which a second try would double.
+const CLOSED_AS_IT_ARRIVED: Duration = Duration::from_millis(100);
 
 /// When a connection was opened, what the upstream said of how long it
 /// keeps an idle one, and whether every answer read from this one has

@@ -17,14 +17,14 @@ impl TieredCache {
     /// alone protects the origin. A wait lasts at most `wait` (what is left
     /// of the flight's deadline), or the lock's own remaining time if
     /// shorter: a lock whose owner died expires, and this instance takes
-    /// over. A holder that lets go without a fill hands the lock to one
-    /// waiter, and the others wait on that one. Past the deadline a new
-    /// holder is waited on once more (for the policy's wait at most); the
-    /// same holder still there is stuck, and the request loads without
-    /// the lock (counted as a lock timeout). A holder whose lock its load's
-    /// progress moves on is followed as the local flight's own load is:
-    /// each move is progress of this request's flight (`progress`), whose
-    /// deadline the wait then takes. `(counted, timed_out)`: the request's
+    /// over. A holder that lets go without a fill (or whose lock ends)
+    /// hands the lock to one waiter, and the others wait on that one. A new
+    /// holder, and a holder whose lock its load's progress moves on, are
+    /// followed as the local flight's own load is: each is progress of this
+    /// request's flight (`progress`), whose deadline the wait then takes.
+    /// Past it a new holder is waited on once more (for the policy's wait at
+    /// most); the same holder still there is stuck, and the request loads
+    /// without the lock (counted as a lock timeout). `(counted, timed_out)`: the request's
     /// wait, and its lock timeout, were counted already (a request is
     /// counted once).
     #[allow(clippy::too_many_arguments)]
@@ -145,27 +145,28 @@ impl TieredCache {
                     let lock = FleetLock::held(l2.clone(), key.clone(), token, hold);
                     return (self.took_lock(key, lock, epoch, accept).await, false);
                 }
-                // The same holder's lock ends later than it did: its load
-                // made progress (see `LockExtension`), which moves this
-                // flight's deadline as it would move the holder's own (up
-                // to four waits from this flight's start).
-                Ok(LockAttempt::Held { left, holder: next })
-                    if next.is_some() && next == holder && now + left > ends + hold / 8 =>
-                {
-                    progress.made();
-                    deadline = deadline.max(progress.deadline().unwrap_or(deadline));
-                    (held_for, ends) = (left, now + left);
-                }
-                Ok(LockAttempt::Held { left, holder: next })
-                    if deadline > now || (!extended && next.is_some() && next != holder) =>
-                {
-                    // Past the deadline, a new holder is a load under way
-                    // (often this instance's own flight, taken over by a
-                    // follower at the same deadline): waited on once more,
-                    // for a flight's wait at most, rather than loading
-                    // beside it. The same holder still there is stuck.
-                    if deadline <= now {
+                Ok(LockAttempt::Held { left, holder: next }) => {
+                    let new_holder = next.is_some() && next != holder;
+                    // A new holder is a load under way (a waiter took the
+                    // lock at its end, or this instance's own flight was
+                    // taken over); the same holder's lock ending later than
+                    // it did is its load's progress (`LockExtension`).
+                    // Either moves this flight's deadline as its own load's
+                    // progress would (up to four waits from its start), so
+                    // this request and its waiters wait on that load
+                    // rather than load beside it.
+                    if new_holder || (next.is_some() && now + left > ends + hold / 8) {
+                        progress.made();
+                        deadline = deadline.max(progress.deadline().unwrap_or(deadline));
+                    }
+                    // Past that, a new holder is still waited on once, for
+                    // a flight's wait at most; the same holder still there
+                    // is stuck.
+                    if deadline <= now && new_holder && !extended {
                         (deadline, extended) = (now + hold, true);
+                    }
+                    if deadline <= now {
+                        return (FleetJoin::Lead(FleetLock::local()), true);
                     }
                     (held_for, holder, ends) = (left, next, now + left);
                 }
