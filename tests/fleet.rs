@@ -534,3 +534,60 @@ async fn each_request_waiting_across_the_fleet_is_counted_once() {
         events.lock().unwrap()
     );
 }
+
+/// An instance whose subscription is lost while Valkey still answers it
+/// (its subscriber's connection dropped and cannot come back: here its
+/// user was turned off, which leaves the connections it has working) may
+/// miss another instance's acknowledged write. Until it is subscribed
+/// again and has dropped its L1, its L1 answers nothing as fresh: each
+/// request reads Valkey, where the write deleted the entry. It answered
+/// its copy before, for as long as the subscription stayed down (a
+/// black-box audit: after a 2–3 s pause or a restart, an invalidation
+/// acknowledged while the other instances were still subscribing again
+/// was followed by their old copies for up to 0.15 s). Subscribed again,
+/// its L1 answers again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_whose_subscription_is_lost_answers_no_l1_copy_as_fresh() {
+    let server = ValkeyServer::start();
+    server.cmd(&["ACL", "SETUSER", "b", "on", ">secret", "~*", "&*", "+@all"]);
+    let origin = Origin::new();
+    origin.gate.open();
+    let a = instance(&server.url(), &origin).await;
+    let b_url = format!("redis://b:secret@{}", server.addr());
+    let b = instance(&b_url, &origin).await;
+    server.subscribed("tc:inv", 2).await;
+    let tier = |headers: &axum::http::HeaderMap| header(headers, "x-cache-tier").to_owned();
+    send(&b.app, "GET", "/p/5").await;
+    let (_, headers, _) = send(&b.app, "GET", "/p/5").await;
+    assert_eq!(tier(&headers), "l1");
+
+    server.cmd(&["ACL", "SETUSER", "b", "off"]);
+    server.cmd(&["CLIENT", "KILL", "USER", "b", "TYPE", "pubsub"]);
+    let from_l2 = async {
+        while tier(&send(&b.app, "GET", "/p/5").await.1) != "l2" {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    bounded("B to answer from Valkey, not its L1", from_l2).await;
+    origin.bump_version();
+    a.engine.invalidate(&key("/p/5")).await.unwrap();
+    let (_, _, body) = send(&b.app, "GET", "/p/5").await;
+    assert_eq!(
+        body, "product 5 v1",
+        "B answered the copy A's write replaced"
+    );
+
+    server.cmd(&["ACL", "SETUSER", "b", "on"]);
+    server.subscribed("tc:inv", 2).await;
+    let from_l1 = async {
+        loop {
+            let (_, headers, body) = send(&b.app, "GET", "/p/5").await;
+            assert_eq!(body, "product 5 v1");
+            if tier(&headers) == "l1" {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    bounded("B to answer from its L1 again", from_l1).await;
+}

@@ -120,6 +120,16 @@ pub trait InvalidationSink: Send + Sync + 'static {
         }
     }
 
+    /// The tier's message stream is lost (`true`: its connection failed or
+    /// went silent) or back, with L1 resynced since (`false`). While it is
+    /// lost and the tier still answers, another instance's write may be
+    /// acknowledged unheard here: the engine then answers no L1 copy as
+    /// fresh (each request reads the tier, which the write changed). By
+    /// default, nothing.
+    fn deaf(&self, deaf: bool) {
+        let _ = deaf;
+    }
+
     /// Copies of these keys may be ones the shared tier no longer holds
     /// (an overtaken fill it deleted again, read by some instance first):
     /// drops them from L1, and nothing else (no load in flight is

@@ -8,10 +8,12 @@ use std::time::Duration;
 use crate::tests_freshness::state;
 use crate::*;
 
-/// A shared tier with nothing in it that keeps the engine's sink.
+/// A shared tier with nothing in it that keeps the engine's sink, and
+/// says it is asked unless `down`.
 #[derive(Default)]
 struct Listening {
     sink: Mutex<Option<Weak<dyn InvalidationSink>>>,
+    down: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Listening {
@@ -45,6 +47,10 @@ impl Tier for Listening {
 
     fn listen(&self, sink: Weak<dyn InvalidationSink>) {
         *self.sink.lock().unwrap() = Some(sink);
+    }
+
+    fn available(&self) -> bool {
+        !self.down.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
@@ -103,4 +109,41 @@ async fn an_entry_unheard_of_needs_the_origin_and_keeps_stale_if_error() {
     // A fill after it is fresh again.
     cache.store_now(&fresh, Fill::new(Value::from_body("f2")), &policy);
     assert_eq!(state(&cache, &fresh, &policy), "fresh");
+}
+
+/// Deaf (its message stream lost, the tier still asked): no L1 copy is
+/// answered as it is, fresh or stale while it revalidates; each is a miss
+/// that keeps it (its validators, stale-if-error), so the request reads
+/// the tier, which another instance's write changed. With the tier not
+/// asked either (its breaker open), L1 answers as before; and again once
+/// the stream is back.
+#[tokio::test]
+async fn a_deaf_instance_answers_no_l1_copy_while_the_tier_answers() {
+    let clock = MockClock::new();
+    let tier = Arc::new(Listening::default());
+    let cache = TieredCache::builder()
+        .clock(clock.clone())
+        .sweep_interval(None)
+        .l2_shared(tier.clone())
+        .build()
+        .unwrap();
+    let policy = Policy::ttl(Duration::from_secs(60))
+        .jitter(0.0)
+        .xfetch_beta(0.0)
+        .stale_while_revalidate(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let (fresh, stale) = (CacheKey::new("fresh"), CacheKey::new("stale"));
+    cache.store_now(&stale, Fill::new(Value::from_body("s")), &policy);
+    clock.advance(Duration::from_secs(70));
+    cache.store_now(&fresh, Fill::new(Value::from_body("f")), &policy);
+    let states = || [&fresh, &stale].map(|key| state(&cache, key, &policy));
+    assert_eq!(states(), ["fresh", "stale"]);
+    tier.sink().deaf(true);
+    assert_eq!(states(), ["stale-if-error", "stale-if-error"]);
+    tier.down.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(states(), ["fresh", "stale"], "the tier not asked either");
+    tier.down.store(false, std::sync::atomic::Ordering::Relaxed);
+    tier.sink().deaf(false);
+    assert_eq!(states(), ["fresh", "stale"]);
 }

@@ -45,6 +45,9 @@ pub(crate) struct Bus {
     pub(crate) subscribed: watch::Sender<bool>,
     /// Whether the instance began serving before it could hear.
     pub(crate) hearing: Hearing,
+    /// The subscription is lost (see [`Bus::lost`]); a lock, so the sink
+    /// is told in the order the state changes.
+    deaf: Mutex<bool>,
 }
 
 /// Whether an instance began serving before its invalidation channel was
@@ -100,6 +103,34 @@ impl Bus {
             locks_acquired: AtomicU64::new(0),
             subscribed: watch::channel(false).0,
             hearing: Hearing::default(),
+            deaf: Mutex::new(false),
+        }
+    }
+
+    /// The subscription is lost (its connection failed or went silent):
+    /// what is published until it lands again may be missed, so the
+    /// engine answers no L1 copy as fresh meanwhile (see
+    /// `InvalidationSink::deaf`).
+    pub(crate) fn lost(&self) {
+        self.set_deaf(true);
+    }
+
+    /// Subscribed again, and L1 resynced: L1 answers again.
+    pub(crate) fn found(&self) {
+        self.set_deaf(false);
+    }
+
+    pub(crate) fn is_deaf(&self) -> bool {
+        *self.deaf.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn set_deaf(&self, deaf: bool) {
+        let mut state = self.deaf.lock().unwrap_or_else(|e| e.into_inner());
+        if *state != deaf {
+            *state = deaf;
+            if let Some(sink) = self.sink() {
+                sink.deaf(deaf);
+            }
         }
     }
 

@@ -33,10 +33,14 @@ pub(crate) fn heartbeat_every(timeout: Duration) -> Duration {
 
 /// On every (re)connection of the subscriber: subscribe again, reload the
 /// bans, and (after the first) drop L1, since messages sent while it was
-/// away were missed. `reload` reads the bans from Valkey.
+/// away were missed. `reload` reads the bans from Valkey. Each failure of
+/// its connection (`errors`) makes the instance deaf until a subscription
+/// lands again and L1 is dropped: another instance's write acknowledged
+/// meanwhile is not heard here.
 pub(crate) async fn on_reconnect<F, Fut>(
     bus: Weak<Bus>,
     mut rx: broadcast::Receiver<fred::prelude::Server>,
+    mut errors: broadcast::Receiver<(fred::error::Error, Option<Server>)>,
     reload: F,
 ) where
     F: Fn() -> Fut + Clone + Send + 'static,
@@ -53,8 +57,21 @@ pub(crate) async fn on_reconnect<F, Fut>(
     // On a cluster, the primaries it had when the subscriber first
     // connected: each one's first connection is no reconnection.
     let mut at_start: Option<std::collections::HashSet<Server>> = None;
+    let mut errors_open = true;
     loop {
-        let event = rx.recv().await;
+        let event = tokio::select! {
+            // First: a failure sent before a reconnection is seen before it.
+            biased;
+            error = errors.recv(), if errors_open => {
+                match (error, bus.upgrade()) {
+                    (Err(broadcast::error::RecvError::Closed), _) => errors_open = false,
+                    (_, Some(live)) => live.lost(),
+                    (_, None) => return,
+                }
+                continue;
+            }
+            event = rx.recv() => event,
+        };
         let Some(live) = bus.upgrade() else {
             return;
         };
@@ -79,12 +96,13 @@ pub(crate) async fn on_reconnect<F, Fut>(
         // Whether this instance served before it could hear: only a
         // subscription that went through settles it.
         let mut served_unheard = false;
-        if live
+        let was_deaf = live.is_deaf();
+        let subscribed = live
             .subscriber
             .subscribe(live.channel.clone())
             .await
-            .is_ok()
-        {
+            .is_ok();
+        if subscribed {
             served_unheard = live.hearing.heard();
             live.subscribed.send_replace(true);
         }
@@ -93,8 +111,8 @@ pub(crate) async fn on_reconnect<F, Fut>(
         tokio::spawn(resubscribe(live.subscriber.clone()));
         drop(live);
         // The first connection counts too when the instance has served
-        // without hearing (Valkey was down when it started).
-        let resync = !first || served_unheard;
+        // without hearing (Valkey was down when it started), or was deaf.
+        let resync = !first || served_unheard || was_deaf;
         // The bans first, then L1 goes: a copy promoted in between is
         // checked against them.
         if let Some(bans) = reload().await {
@@ -112,6 +130,9 @@ pub(crate) async fn on_reconnect<F, Fut>(
             if resync {
                 live.resync();
             }
+            if subscribed {
+                live.found();
+            }
             continue;
         }
         // Not read (a new instance's subscriber up before the client that
@@ -120,8 +141,13 @@ pub(crate) async fn on_reconnect<F, Fut>(
         // banned may be promoted, so what the bans match leaves L1 once it
         // does.
         // The retry runs apart, so later reconnects are not held up.
-        if resync && let Some(live) = bus.upgrade() {
-            live.resync();
+        if let Some(live) = bus.upgrade() {
+            if resync {
+                live.resync();
+            }
+            if subscribed {
+                live.found();
+            }
         }
         if retrying.swap(true, Relaxed) {
             continue;
@@ -359,7 +385,14 @@ pub(crate) async fn heartbeat(bus: Weak<Bus>, timeout: Duration, unheard_for: Du
                 bus.unsubscribe_strays(timeout).await;
                 continue;
             }
+            // Deaf from now: what is published while it reconnects is
+            // missed (the reconnection's resync ends it).
+            if *bus.subscribed.borrow() {
+                bus.lost();
+            }
             let _ = tokio::time::timeout(timeout, bus.subscriber.force_reconnection()).await;
+        } else if *bus.subscribed.borrow() {
+            bus.lost();
         }
         let since = *unheard_since.get_or_insert_with(tokio::time::Instant::now);
         if since.elapsed() >= unheard_for {

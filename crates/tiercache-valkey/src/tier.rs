@@ -262,6 +262,7 @@ impl ValkeyTier {
         runtime.spawn(crate::reconnect::on_reconnect(
             Arc::downgrade(&bus),
             subscriber.reconnect_rx(),
+            subscriber.error_rx(),
             move || crate::bans::load_bans(weak.clone()),
         ));
         runtime.spawn(crate::reconnect::heartbeat(

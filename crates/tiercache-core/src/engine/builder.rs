@@ -190,6 +190,7 @@ impl TieredCacheBuilder {
             // which a tag invalidation drops all of L1.
             tags: Default::default(),
             tags_incomplete: Default::default(),
+            deaf: Default::default(),
             tag_keys: Default::default(),
             tag_room,
             tags_prune_due: std::sync::atomic::AtomicBool::new(false),

@@ -201,6 +201,10 @@ impl InvalidationSink for Inner {
         self.prune_tags_if_due();
     }
 
+    fn deaf(&self, deaf: bool) {
+        self.deaf.store(deaf, SeqCst);
+    }
+
     fn resync(&self) {
         self.journal.record(Scope::All, || {
             self.l1.clear();

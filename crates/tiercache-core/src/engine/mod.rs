@@ -83,6 +83,9 @@ pub(crate) struct Inner {
     /// The tag index lost a tag to its bound: the next tag invalidation
     /// cannot know every live key under it, and drops all of L1 instead.
     tags_incomplete: std::sync::atomic::AtomicBool,
+    /// The shared tier's message stream is lost (see
+    /// [`InvalidationSink::deaf`](crate::InvalidationSink::deaf)).
+    deaf: std::sync::atomic::AtomicBool,
     /// Keys recorded across all tags (bounded by `tag_room`).
     tag_keys: std::sync::atomic::AtomicUsize,
     /// The records all tags share (see [`Inner::tag_room`]).

@@ -1,6 +1,7 @@
 //! Reads: L1 with its freshness and XFetch, L2 with promotion under the
 //! server's remaining TTL.
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, SystemTime};
 
 use rand::Rng;
@@ -57,6 +58,11 @@ impl TieredCache {
             return Lookup::Miss { fallback: None };
         }
         match entry.freshness(now) {
+            // Deaf (see `InvalidationSink::deaf`): read again from the
+            // tier, which holds what this instance may not have heard.
+            Freshness::Fresh(_) | Freshness::Stale if self.deaf_to_the_fleet() => Lookup::Miss {
+                fallback: Some(entry),
+            },
             Freshness::Fresh(_) if select.must_revalidate(&entry) => Lookup::Revalidate { entry },
             Freshness::Fresh(remaining) => {
                 bump(&self.inner.counters.hits_l1);
@@ -75,6 +81,16 @@ impl TieredCache {
             },
             Freshness::Dead => Lookup::Miss { fallback: None },
         }
+    }
+
+    /// Whether this instance cannot hear the fleet's invalidations while
+    /// the shared tier still answers: an L1 copy may be one another
+    /// instance's acknowledged write replaced. With the tier not answering
+    /// either (its breaker open), L1 answers on: a write elsewhere then
+    /// waits for Valkey too, and `unheard` bounds what is missed.
+    #[inline]
+    fn deaf_to_the_fleet(&self) -> bool {
+        self.inner.deaf.load(Relaxed) && self.inner.l2.as_ref().is_some_and(|l2| l2.available())
     }
 
     /// A fresh L1 entry under `key` that `select` accepts as it is, as an
