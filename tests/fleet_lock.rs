@@ -32,8 +32,13 @@ impl http_body::Body for Fed {
 /// The whole body each call answers: sixteen frames.
 const WHOLE: &str = "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 ";
 
+/// A flight's wait, and so how long a fleet lock lives from its take or
+/// its load's last progress: long enough that a loaded machine's stalls
+/// stay well inside it.
+const LOCK: Duration = Duration::from_secs(2);
+
 /// An instance on its own connections to `url`, its route at `path`
-/// answering with `answer` under a flight's wait of 1 s.
+/// answering with `answer` under a flight's wait of [`LOCK`].
 async fn instance_answering<F, Fut, T>(url: &str, path: &str, answer: F) -> (TieredCache, Router)
 where
     F: Fn() -> Fut + Clone + Send + Sync + 'static,
@@ -53,7 +58,7 @@ where
         .build()
         .unwrap();
     let policy = Policy::ttl(Duration::from_secs(60))
-        .lock_timeout(Duration::from_secs(1))
+        .lock_timeout(LOCK)
         .build()
         .unwrap();
     let route = ResponseCacheLayer::new(engine.clone())
@@ -64,9 +69,9 @@ where
 }
 
 /// A fleet's instance: its engine, and its app whose `/slow` route answers
-/// each call with sixteen frames 150 ms apart (2.4 s), under a flight's
-/// wait of 1 s; `stall` holds the body back 1.5 s after its second frame
-/// (an origin gone quiet mid-body).
+/// each call with sixteen frames 300 ms apart (4.8 s), under a flight's
+/// wait of [`LOCK`]; `stall` holds the body back 3 s after its second
+/// frame (an origin gone quiet mid-body).
 async fn instance(url: &str, calls: &Counter, stall: bool) -> (TieredCache, Router) {
     let calls = calls.clone();
     let slow = move || {
@@ -74,7 +79,7 @@ async fn instance(url: &str, calls: &Counter, stall: bool) -> (TieredCache, Rout
         let (feed, fed) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
             for i in 0..16 {
-                let gap = if stall && i == 2 { 1500 } else { 150 };
+                let gap = if stall && i == 2 { 3000 } else { 300 };
                 tokio::time::sleep(Duration::from_millis(gap)).await;
                 if feed.send(Bytes::from(format!("{i} "))).is_err() {
                     return;
@@ -117,8 +122,8 @@ async fn a_fleet_on_a_slow_body(stall: bool) -> (usize, Vec<String>, TieredCache
 /// with the body's progress, as it moves its own flight's deadline; the
 /// instances waiting on the lock follow it, and move their own waiters'
 /// deadline. They took the lock over at its first end before (`lock
-/// timeout` from its take) and called the origin: a 2.4 s body under a
-/// 1 s lock cost two origin calls for two instances. A body gone quiet
+/// timeout` from its take) and called the origin: a 4.8 s body under a
+/// 2 s lock cost three origin calls for two instances. A body gone quiet
 /// longer than the lock's wait is still taken over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_keeps_coming_is_waited_for_across_the_fleet() {
@@ -167,18 +172,18 @@ async fn a_new_lock_holder_is_waited_on_past_the_first_deadline() {
     let (c, app_c) = instance_answering(&server.url(), "/k", answering).await;
     let _owner = tokio::spawn(async move { send(&owner, "GET", "/k").await });
     bounded("the owner's origin call", calls.reached(1)).await;
-    // The waiters' deadlines come 300 ms after the owner's lock ends (a
+    // The waiters' deadlines come 600 ms after the owner's lock ends (a
     // real server's `PX`, on its own clock).
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
     let waiters: Vec<_> = [app_b, app_c]
         .into_iter()
         .map(|app| tokio::spawn(async move { send(&app, "GET", "/k").await }))
         .collect();
     bounded("the new holder's origin call", calls.reached(2)).await;
-    // Past the waiters' first deadline (1 s from their start, 0.3 s past
-    // the new holder's take), and within the new holder's own wait (a load
-    // quiet that long is stuck, and taken over).
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // Past the waiters' first deadline (`LOCK` from their start, 0.6 s
+    // past the new holder's take), and well within the new holder's own
+    // wait (a load quiet that long is stuck, and taken over).
+    tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(
         calls.get(),
         2,

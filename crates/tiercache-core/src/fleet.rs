@@ -277,7 +277,9 @@ impl LockExtension {
         let now = nanos(Instant::now().saturating_duration_since(self.start));
         let end = self.end.load(Relaxed);
         let moved = now.saturating_add(self.hold).min(self.limit);
-        if moved < end.saturating_add(self.hold / 4) {
+        // Past its limit (the lock has lapsed by then), or not a quarter
+        // hold later than it ends now.
+        if moved <= now || moved < end.saturating_add(self.hold / 4) {
             return;
         }
         // One caller moves it; a frame at the same moment has nothing to add.

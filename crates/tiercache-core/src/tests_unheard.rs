@@ -141,6 +141,14 @@ async fn a_deaf_instance_answers_no_l1_copy_while_the_tier_answers() {
     assert_eq!(states(), ["fresh", "stale"]);
     tier.sink().deaf(true);
     assert_eq!(states(), ["stale-if-error", "stale-if-error"]);
+    // The key-value reads too: the tier (empty here) is asked.
+    assert!(cache.get(&fresh).await.is_none());
+    // An origin that fails gets the copy kept, fresh as it is.
+    let failing = origin_fn(|_stale: Option<Entry>| async { Err::<Loaded<()>, ()>(()) });
+    match cache.fetch(&fresh, &policy, failing).await {
+        Ok(Fetched::Entry(answer)) => assert_eq!(&answer.entry.value().body[..], b"f"),
+        other => panic!("the fresh copy did not stand in: {:?}", other.is_ok()),
+    }
     tier.down.store(true, std::sync::atomic::Ordering::Relaxed);
     assert_eq!(states(), ["fresh", "stale"], "the tier not asked either");
     tier.down.store(false, std::sync::atomic::Ordering::Relaxed);

@@ -69,7 +69,8 @@ pub(crate) struct Stamped {
 /// sending once more: it went out on a connection opened before it (one
 /// kept alive from an earlier request, which the upstream may have closed
 /// as it arrived) and failed as it arrived (within
-/// [`CLOSED_AS_IT_ARRIVED`]), or was never written at all (hyper canceled
+/// [`CLOSED_AS_IT_ARRIVED`], which leaves room for a far upstream and a
+/// busy proxy), or was never written at all (hyper canceled
 /// it; hyper-util resends those itself only on a kept connection). A
 /// failure before any connection was had is not, nor one the upstream
 /// held a while first: it took the request, and failed on it.
@@ -98,7 +99,7 @@ pub(crate) fn worth_sending_again(
 /// upstream's close of that idle connection crossing it (which shows within
 /// a round trip), not a failure of the upstream on the request itself (a
 /// worker killed mid-request), which a second try would double.
-const CLOSED_AS_IT_ARRIVED: Duration = Duration::from_millis(100);
+const CLOSED_AS_IT_ARRIVED: Duration = Duration::from_millis(200);
 
 /// When a connection was opened, what the upstream said of how long it
 /// keeps an idle one, and whether every answer read from this one has

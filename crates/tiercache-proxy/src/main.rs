@@ -70,9 +70,11 @@ struct Args {
     /// How long one Valkey command may take before the request goes on
     /// without it (to the origin, or without its L2 write); also the fleet
     /// lock's. Valkey slow holds a miss about twice this at most (its L2
-    /// read, then its fleet lock attempt), an L1 hit not at all; a miss
-    /// already waiting on another instance's fill lock, about 0.5 s more
-    /// (its re-checks must fail that long) [default: 50ms]
+    /// read, then its fleet lock attempt), an L1 hit not at all (but while
+    /// its subscription is lost, when an L1 hit reads Valkey: until the
+    /// breaker opens); a miss already waiting on another instance's fill
+    /// lock, about 0.5 s more (its re-checks must fail that long)
+    /// [default: 50ms]
     #[arg(long, value_parser = parse_duration)]
     valkey_timeout: Option<Duration>,
     /// How long the upstream may take to start its answer before the proxy

@@ -971,11 +971,11 @@ async fn resetting_upstream(hold: Duration) -> (SocketAddr, Counter) {
 /// reset, was taken: it failed there, and is not sent again (a second
 /// origin call for one load, to an upstream that may be failing under
 /// load; a black-box audit: 2 calls for a fleet's one). Only a failure as
-/// the request arrives (within 100 ms) is the upstream's close of an idle
+/// the request arrives (within 200 ms) is the upstream's close of an idle
 /// connection crossing it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_get_the_upstream_held_then_reset_is_not_sent_again() {
-    let (upstream, requests) = resetting_upstream(Duration::from_millis(300)).await;
+    let (upstream, requests) = resetting_upstream(Duration::from_millis(400)).await;
     let config = ProxyConfig::new(format!("http://{upstream}").parse().unwrap())
         .listen(SocketAddr::from(([127, 0, 0, 1], 0)));
     let proxy = Proxy::start(config).await.unwrap();

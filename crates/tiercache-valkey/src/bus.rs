@@ -45,9 +45,58 @@ pub(crate) struct Bus {
     pub(crate) subscribed: watch::Sender<bool>,
     /// Whether the instance began serving before it could hear.
     pub(crate) hearing: Hearing,
-    /// The subscription is lost (see [`Bus::lost`]); a lock, so the sink
-    /// is told in the order the state changes.
-    deaf: Mutex<bool>,
+    /// Whether the subscription is lost (see [`Bus::lost`]); a lock, so
+    /// the sink is told in the order the state changes.
+    deaf: Mutex<Deafness>,
+}
+
+/// Why the invalidation channel may not be heard.
+#[derive(Debug, Default)]
+struct Deafness {
+    /// Its connection failed: until a subscription lands and L1 is
+    /// resynced.
+    failed: bool,
+    /// Its ping went unanswered on this connection (numbered as
+    /// `connections` counts them): until one is answered on it, or as
+    /// `failed`.
+    silent: Option<u64>,
+    /// Losses so far: a resubscription that began before one does not end it.
+    losses: u64,
+    /// Connections the subscriber has had.
+    connections: u64,
+}
+
+impl Deafness {
+    fn deaf(&self) -> bool {
+        self.failed || self.silent.is_some()
+    }
+
+    fn lose(&mut self) {
+        self.failed = true;
+        self.losses += 1;
+    }
+
+    fn go_silent(&mut self) {
+        self.silent = Some(self.connections);
+        self.losses += 1;
+    }
+
+    fn answer(&mut self) {
+        if self.silent == Some(self.connections) {
+            self.silent = None;
+        }
+    }
+
+    fn connect(&mut self) -> u64 {
+        self.connections += 1;
+        self.losses
+    }
+
+    fn find(&mut self, since: u64) {
+        if self.losses == since {
+            (self.failed, self.silent) = (false, None);
+        }
+    }
 }
 
 /// Whether an instance began serving before its invalidation channel was
@@ -103,7 +152,7 @@ impl Bus {
             locks_acquired: AtomicU64::new(0),
             subscribed: watch::channel(false).0,
             hearing: Hearing::default(),
-            deaf: Mutex::new(false),
+            deaf: Mutex::default(),
         }
     }
 
@@ -112,25 +161,49 @@ impl Bus {
     /// engine answers no L1 copy as fresh meanwhile (see
     /// `InvalidationSink::deaf`).
     pub(crate) fn lost(&self) {
-        self.set_deaf(true);
+        self.change_deafness(Deafness::lose);
     }
 
-    /// Subscribed again, and L1 resynced: L1 answers again.
-    pub(crate) fn found(&self) {
-        self.set_deaf(false);
+    /// The subscriber's ping went unanswered: deaf as [`lost`](Self::lost),
+    /// until a ping is answered on the same connection (a slow moment,
+    /// nothing missed) or a new one is subscribed.
+    pub(crate) fn silent(&self) {
+        self.change_deafness(Deafness::go_silent);
+    }
+
+    /// The subscriber's ping was answered.
+    pub(crate) fn answered(&self) {
+        self.change_deafness(Deafness::answer);
+    }
+
+    /// A (re)connection of the subscriber begins: the losses so far, which
+    /// [`found`](Self::found) then ends.
+    pub(crate) fn connecting(&self) -> u64 {
+        self.deaf
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .connect()
+    }
+
+    /// Subscribed again, and L1 resynced, since the losses counted when the
+    /// connection began (`since`): L1 answers again, unless another loss
+    /// came meanwhile.
+    pub(crate) fn found(&self, since: u64) {
+        self.change_deafness(|d| d.find(since));
     }
 
     pub(crate) fn is_deaf(&self) -> bool {
-        *self.deaf.lock().unwrap_or_else(|e| e.into_inner())
+        self.deaf.lock().unwrap_or_else(|e| e.into_inner()).deaf()
     }
 
-    fn set_deaf(&self, deaf: bool) {
+    fn change_deafness(&self, change: impl FnOnce(&mut Deafness)) {
         let mut state = self.deaf.lock().unwrap_or_else(|e| e.into_inner());
-        if *state != deaf {
-            *state = deaf;
-            if let Some(sink) = self.sink() {
-                sink.deaf(deaf);
-            }
+        let was = state.deaf();
+        change(&mut state);
+        if state.deaf() != was
+            && let Some(sink) = self.sink()
+        {
+            sink.deaf(!was);
         }
     }
 
@@ -154,6 +227,14 @@ impl Bus {
     }
 
     pub(crate) fn set_sink(&self, sink: Weak<dyn InvalidationSink>) {
+        // Under the deafness lock: a loss before the engine listened is
+        // told to it now, and one after it, by `change_deafness`.
+        let state = self.deaf.lock().unwrap_or_else(|e| e.into_inner());
+        if state.deaf()
+            && let Some(sink) = sink.upgrade()
+        {
+            sink.deaf(true);
+        }
         *self.sink.lock().unwrap_or_else(|e| e.into_inner()) = Some(sink);
     }
 
@@ -416,6 +497,39 @@ mod tests {
         assert!(hearing.give_up());
         assert!(hearing.heard(), "the instance served unheard");
         assert!(!hearing.heard(), "a later subscription is no first hearing");
+    }
+
+    #[test]
+    fn deafness_ends_only_with_a_subscription_begun_after_the_last_loss() {
+        let mut d = Deafness::default();
+        let before = d.connect();
+        d.lose();
+        // A subscription that began before the loss does not end it (its
+        // failure was seen after the reconnection's event).
+        d.find(before);
+        assert!(d.deaf());
+        let after = d.connect();
+        d.find(after);
+        assert!(!d.deaf());
+    }
+
+    #[test]
+    fn a_ping_answered_on_the_same_connection_ends_a_silence() {
+        let mut d = Deafness::default();
+        let first = d.connect();
+        d.go_silent();
+        d.answer();
+        assert!(!d.deaf(), "a slow moment: nothing was missed on it");
+        d.go_silent();
+        // Reconnected meanwhile: the new connection's ping says nothing of
+        // what the old one missed; its subscription and resync do.
+        let second = d.connect();
+        d.answer();
+        assert!(d.deaf());
+        d.find(first);
+        assert!(d.deaf(), "a subscription older than the silence");
+        d.find(second);
+        assert!(!d.deaf());
     }
 
     #[test]

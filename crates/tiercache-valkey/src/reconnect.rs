@@ -97,6 +97,7 @@ pub(crate) async fn on_reconnect<F, Fut>(
         // subscription that went through settles it.
         let mut served_unheard = false;
         let was_deaf = live.is_deaf();
+        let since = live.connecting();
         let subscribed = live
             .subscriber
             .subscribe(live.channel.clone())
@@ -131,7 +132,7 @@ pub(crate) async fn on_reconnect<F, Fut>(
                 live.resync();
             }
             if subscribed {
-                live.found();
+                live.found(since);
             }
             continue;
         }
@@ -146,7 +147,7 @@ pub(crate) async fn on_reconnect<F, Fut>(
                 live.resync();
             }
             if subscribed {
-                live.found();
+                live.found(since);
             }
         }
         if retrying.swap(true, Relaxed) {
@@ -382,13 +383,14 @@ pub(crate) async fn heartbeat(bus: Weak<Bus>, timeout: Duration, unheard_for: Du
             });
             if answers(&bus.subscriber, subscription, timeout).await {
                 unheard_since = None;
+                bus.answered();
                 bus.unsubscribe_strays(timeout).await;
                 continue;
             }
             // Deaf from now: what is published while it reconnects is
             // missed (the reconnection's resync ends it).
             if *bus.subscribed.borrow() {
-                bus.lost();
+                bus.silent();
             }
             let _ = tokio::time::timeout(timeout, bus.subscriber.force_reconnection()).await;
         } else if *bus.subscribed.borrow() {

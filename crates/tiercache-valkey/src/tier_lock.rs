@@ -151,22 +151,26 @@ impl ValkeyTier {
         };
         let (lock, token) = (self.lock_key(key), token.0.clone());
         let px = ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
+        // Its release is retried until this end, not the first one: set
+        // before the command, which may land unanswered.
+        let until = tokio::time::Instant::now() + ttl;
+        if let Some(end) = inner
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(&token)
+        {
+            *end = (*end).max(until);
+        }
         let inner = Arc::downgrade(inner);
         runtime.spawn(async move {
             let Some(inner) = inner.upgrade() else {
                 return;
             };
-            let args = vec![Value::from(token.clone()), px.into()];
+            let args = vec![Value::from(token), px.into()];
             let client = inner.client();
             let moved = client.eval::<i64, _, _, _>(EXTEND_SCRIPT, vec![lock], args);
-            if let Ok(Ok(1)) = tokio::time::timeout(inner.command_timeout, moved).await {
-                // Its release is retried until this end, not the first one.
-                let until = tokio::time::Instant::now() + ttl;
-                let mut held = inner.held.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some(end) = held.get_mut(&token) {
-                    *end = (*end).max(until);
-                }
-            }
+            let _ = tokio::time::timeout(inner.command_timeout, moved).await;
         });
     }
 

@@ -443,6 +443,7 @@ impl TieredCache {
         let now = self.now();
         if let Some(entry) = self.peek(key, now)
             && matches!(entry.freshness(now), Freshness::Fresh(_))
+            && !self.deaf_to_the_fleet()
         {
             return Some(entry);
         }

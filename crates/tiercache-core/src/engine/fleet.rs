@@ -138,6 +138,9 @@ impl TieredCache {
             if let Some(entry) = self.lookup_l2(key, epoch, accept).await {
                 return (FleetJoin::Filled(entry), false);
             }
+            // Its end is taken from before the ask: a slow answer (a
+            // loaded machine) must not read as the holder moving it on.
+            let asked = Instant::now();
             let attempt = l2.try_lock(key, hold).await;
             let now = Instant::now();
             match attempt {
@@ -155,7 +158,7 @@ impl TieredCache {
                     // progress would (up to four waits from its start), so
                     // this request and its waiters wait on that load
                     // rather than load beside it.
-                    if new_holder || (next.is_some() && now + left > ends + hold / 8) {
+                    if new_holder || (next.is_some() && asked + left > ends + hold / 8) {
                         progress.made();
                         deadline = deadline.max(progress.deadline().unwrap_or(deadline));
                     }
@@ -168,7 +171,7 @@ impl TieredCache {
                     if deadline <= now {
                         return (FleetJoin::Lead(FleetLock::local()), true);
                     }
-                    (held_for, holder, ends) = (left, next, now + left);
+                    (held_for, holder, ends) = (left, next, asked + left);
                 }
                 _ => return (FleetJoin::Lead(FleetLock::local()), true),
             }

@@ -89,7 +89,7 @@ impl TieredCache {
     /// either (its breaker open), L1 answers on: a write elsewhere then
     /// waits for Valkey too, and `unheard` bounds what is missed.
     #[inline]
-    fn deaf_to_the_fleet(&self) -> bool {
+    pub(super) fn deaf_to_the_fleet(&self) -> bool {
         self.inner.deaf.load(Relaxed) && self.inner.l2.as_ref().is_some_and(|l2| l2.available())
     }
 
