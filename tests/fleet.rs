@@ -569,6 +569,7 @@ async fn an_instance_whose_subscription_is_lost_answers_no_l1_copy_as_fresh() {
         }
     };
     bounded("B to answer from Valkey, not its L1", from_l2).await;
+    assert!(b.engine.stats().l2.deaf, "said in its stats");
     origin.bump_version();
     a.engine.invalidate(&key("/p/5")).await.unwrap();
     let (_, _, body) = send(&b.app, "GET", "/p/5").await;
@@ -576,13 +577,23 @@ async fn an_instance_whose_subscription_is_lost_answers_no_l1_copy_as_fresh() {
         body, "product 5 v1",
         "B answered the copy A's write replaced"
     );
+    // A prefix invalidation leaves the entries in Valkey under a ban B has
+    // not heard either: B reads the bans with them (the proxy's admin
+    // invalidates a URL so).
+    send(&b.app, "GET", "/p/6").await;
+    origin.bump_version();
+    let url = format!("http://{}/p/6", tiercache_testkit::http::HOST);
+    let pattern = tiercache::http::key::url_pattern(&url.parse().unwrap());
+    a.engine.invalidate_prefix(pattern).await.unwrap();
+    let (_, _, body) = send(&b.app, "GET", "/p/6").await;
+    assert_eq!(body, "product 6 v2", "B answered a copy A's ban covers");
 
     server.cmd(&["ACL", "SETUSER", "b", "on"]);
     server.subscribed("tc:inv", 2).await;
     let from_l1 = async {
         loop {
             let (_, headers, body) = send(&b.app, "GET", "/p/5").await;
-            assert_eq!(body, "product 5 v1");
+            assert_eq!(body, "product 5 v2");
             if tier(&headers) == "l1" {
                 return;
             }
@@ -590,4 +601,5 @@ async fn an_instance_whose_subscription_is_lost_answers_no_l1_copy_as_fresh() {
         }
     };
     bounded("B to answer from its L1 again", from_l1).await;
+    assert!(!b.engine.stats().l2.deaf);
 }

@@ -170,10 +170,11 @@ async fn a_busy_refresh_leaves_the_entry_it_refreshes() {
 }
 
 /// A shared tier whose fleet lock every key takes, and which records each
-/// release; it stores nothing.
+/// release and each move of a lock's end; it stores nothing.
 #[derive(Debug, Default)]
-struct RecordingLocks {
-    released: std::sync::Mutex<Vec<Unlocked>>,
+pub(crate) struct RecordingLocks {
+    pub(crate) released: std::sync::Mutex<Vec<Unlocked>>,
+    pub(crate) moved: std::sync::Mutex<Vec<Duration>>,
 }
 
 impl Tier for RecordingLocks {
@@ -198,6 +199,10 @@ impl Tier for RecordingLocks {
 
     fn unlock(&self, _: &CacheKey, _: &LockToken, how: Unlocked) {
         self.released.lock().unwrap().push(how);
+    }
+
+    fn extend_lock(&self, _: &CacheKey, _: &LockToken, ttl: Duration) {
+        self.moved.lock().unwrap().push(ttl);
     }
 }
 

@@ -266,38 +266,6 @@ async fn a_request_gone_mid_wait_gives_its_wait_sample() {
     assert_eq!((cache.stats().coalesced, waits), (1, 1));
 }
 
-/// A shared tier whose fleet lock every key takes, recording how far each
-/// move of the lock set its end; it stores nothing.
-#[derive(Debug, Default)]
-struct MovedLocks {
-    moved: std::sync::Mutex<Vec<Duration>>,
-}
-
-impl Tier for MovedLocks {
-    fn get<'a>(&'a self, _: &'a CacheKey) -> BoxFuture<'a, Result<Option<TierHit>, TierError>> {
-        Box::pin(async { Ok(None) })
-    }
-
-    fn put(&self, _: &CacheKey, _: &Entry, _: Duration, _: &[bytes::Bytes]) {}
-
-    fn invalidate<'a>(&'a self, _: Invalidation) -> BoxFuture<'a, Result<(), TierError>> {
-        Box::pin(async { Ok(()) })
-    }
-
-    fn try_lock<'a>(
-        &'a self,
-        _: &'a CacheKey,
-        _: Duration,
-    ) -> BoxFuture<'a, Result<LockAttempt, TierError>> {
-        let token = LockToken(bytes::Bytes::from_static(b"this instance"));
-        Box::pin(async { Ok(LockAttempt::Acquired(token)) })
-    }
-
-    fn extend_lock(&self, _: &CacheKey, _: &LockToken, ttl: Duration) {
-        self.moved.lock().unwrap().push(ttl);
-    }
-}
-
 /// An origin telling of its progress at these times from its call, which
 /// leaves its `Progress` behind.
 struct Beating(Vec<u64>, std::sync::Arc<std::sync::Mutex<Option<Progress>>>);
@@ -330,7 +298,7 @@ impl Origin for Beating {
 /// other instances took it over and called the origin.
 #[tokio::test(start_paused = true)]
 async fn a_loads_progress_moves_its_fleet_lock_on() {
-    let tier = std::sync::Arc::new(MovedLocks::default());
+    let tier = std::sync::Arc::new(crate::tests_busy::RecordingLocks::default());
     let cache = TieredCache::builder()
         .sweep_interval(None)
         .l2_shared(tier.clone())

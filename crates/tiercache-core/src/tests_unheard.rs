@@ -54,8 +54,8 @@ impl Tier for Listening {
     }
 }
 
-#[tokio::test]
-async fn an_entry_unheard_of_needs_the_origin_and_keeps_stale_if_error() {
+/// An engine on a mock clock, on a [`Listening`] tier.
+fn listening() -> (MockClock, Arc<Listening>, TieredCache) {
     let clock = MockClock::new();
     let tier = Arc::new(Listening::default());
     let cache = TieredCache::builder()
@@ -64,10 +64,21 @@ async fn an_entry_unheard_of_needs_the_origin_and_keeps_stale_if_error() {
         .l2_shared(tier.clone())
         .build()
         .unwrap();
-    let policy = Policy::ttl(Duration::from_secs(60))
+    (clock, tier, cache)
+}
+
+/// No jitter, no XFetch, 30 s of stale-while-revalidate.
+fn windows(policy: PolicyBuilder) -> PolicyBuilder {
+    policy
         .jitter(0.0)
         .xfetch_beta(0.0)
         .stale_while_revalidate(Duration::from_secs(30))
+}
+
+#[tokio::test]
+async fn an_entry_unheard_of_needs_the_origin_and_keeps_stale_if_error() {
+    let (clock, tier, cache) = listening();
+    let policy = windows(Policy::ttl(Duration::from_secs(60)))
         .stale_if_error(Duration::from_secs(300))
         .build()
         .unwrap();
@@ -119,18 +130,8 @@ async fn an_entry_unheard_of_needs_the_origin_and_keeps_stale_if_error() {
 /// the stream is back.
 #[tokio::test]
 async fn a_deaf_instance_answers_no_l1_copy_while_the_tier_answers() {
-    let clock = MockClock::new();
-    let tier = Arc::new(Listening::default());
-    let cache = TieredCache::builder()
-        .clock(clock.clone())
-        .sweep_interval(None)
-        .l2_shared(tier.clone())
-        .build()
-        .unwrap();
-    let policy = Policy::ttl(Duration::from_secs(60))
-        .jitter(0.0)
-        .xfetch_beta(0.0)
-        .stale_while_revalidate(Duration::from_secs(30))
+    let (clock, tier, cache) = listening();
+    let policy = windows(Policy::ttl(Duration::from_secs(60)))
         .build()
         .unwrap();
     let (fresh, stale) = (CacheKey::new("fresh"), CacheKey::new("stale"));

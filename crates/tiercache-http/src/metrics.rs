@@ -24,7 +24,7 @@
 //! `tiercache_l2_timeouts_total`, `tiercache_l2_write_drops_total`,
 //! `tiercache_l2_corrupt_total`, `tiercache_l2_breaker_trips_total`,
 //! `tiercache_l2_reconnects_forced_total`, `tiercache_l2_connection_errors_total`,
-//! `tiercache_l2_breaker_open` (gauge), `tiercache_expired_total`,
+//! `tiercache_l2_breaker_open`, `tiercache_l2_deaf` (gauges), `tiercache_expired_total`,
 //! `tiercache_evicted_total`, `tiercache_sweeps_total`,
 //! `tiercache_invalidations_received_total`, `tiercache_resyncs_total`,
 //! `tiercache_fleet_locks_acquired_total`, `tiercache_fleet_lock_waits_total`,
@@ -379,6 +379,8 @@ impl EngineMetrics {
         }
         let open = if stats.l2.breaker_open { 1.0 } else { 0.0 };
         self.sink.gauge("tiercache_l2_breaker_open").set(open);
+        let deaf = if stats.l2.deaf { 1.0 } else { 0.0 };
+        self.sink.gauge("tiercache_l2_deaf").set(deaf);
         self.sink.gauge("tiercache_l1_bytes").set(l1_bytes as f64);
         self.sink
             .gauge("tiercache_l1_entries")

@@ -368,6 +368,17 @@ impl Tier for ValkeyTier {
                     return Ok(None);
                 }
             };
+            // Deaf: a prefix invalidation (a ban) made meanwhile was not
+            // heard; the bans are read from Valkey, after this read's own
+            // request (a ban acknowledged before it is seen), and a copy
+            // they cannot be read for is a miss.
+            if self.inner.bus.is_deaf() {
+                let weak = Arc::downgrade(&self.inner);
+                let Some(bans) = crate::bans::load_bans(weak).await else {
+                    return Ok(None);
+                };
+                self.inner.bus.merge_bans(bans, crate::bans::BAN_RETENTION);
+            }
             // Covered by a prefix invalidation: gone, like a deleted key.
             if self.inner.bus.banned(entry.key(), entry.times().created_at) {
                 return Ok(None);
@@ -461,6 +472,7 @@ impl Tier for ValkeyTier {
         report.skipped = i.skipped.load(Relaxed);
         report.breaker_trips = i.breaker.trips.load(Relaxed);
         report.breaker_open = i.breaker.is_open();
+        report.deaf = i.bus.is_deaf();
         report.invalidations_received = i.bus.received.load(Relaxed);
         report.resyncs = i.bus.resyncs.load(Relaxed);
         report.locks_acquired = i.bus.locks_acquired.load(Relaxed);

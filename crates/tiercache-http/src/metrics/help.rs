@@ -121,6 +121,11 @@ pub(super) const HELP: &[(&str, Kind, &str)] = &[
         "1 while the L2 circuit breaker is open.",
     ),
     (
+        "tiercache_l2_deaf",
+        Kind::Gauge,
+        "1 while this instance cannot hear the fleet's invalidations (its subscription lost): its L1 hits read L2 meanwhile.",
+    ),
+    (
         "tiercache_expired_total",
         Kind::Counter,
         "L1 entries removed past their expiry (by the sweep or a read).",
