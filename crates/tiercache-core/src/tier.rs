@@ -167,8 +167,8 @@ pub struct TierReport {
     pub breaker_trips: u64,
     /// Whether the breaker is open now.
     pub breaker_open: bool,
-    /// Whether the message stream is lost now, so L1 hits read the tier
-    /// instead (see [`InvalidationSink::deaf`]).
+    /// Whether the message stream is lost now: while the tier answers, L1
+    /// hits read it instead (see [`InvalidationSink::deaf`]).
     pub deaf: bool,
     /// Invalidations received from other instances.
     pub invalidations_received: u64,

@@ -60,8 +60,10 @@ struct Deafness {
     /// `connections` counts them): until one is answered on it, or as
     /// `failed`.
     silent: Option<u64>,
-    /// Losses so far: a resubscription that began before one does not end it.
-    losses: u64,
+    /// Failures and silences so far: a resubscription that began before
+    /// one does not end it (and a silence does not keep a failure on).
+    failures: u64,
+    silences: u64,
     /// Connections the subscriber has had.
     connections: u64,
 }
@@ -73,12 +75,12 @@ impl Deafness {
 
     fn lose(&mut self) {
         self.failed = true;
-        self.losses += 1;
+        self.failures += 1;
     }
 
     fn go_silent(&mut self) {
         self.silent = Some(self.connections);
-        self.losses += 1;
+        self.silences += 1;
     }
 
     fn answer(&mut self) {
@@ -87,14 +89,17 @@ impl Deafness {
         }
     }
 
-    fn connect(&mut self) -> u64 {
+    fn connect(&mut self) -> (u64, u64) {
         self.connections += 1;
-        self.losses
+        (self.failures, self.silences)
     }
 
-    fn find(&mut self, since: u64) {
-        if self.losses == since {
-            (self.failed, self.silent) = (false, None);
+    fn find(&mut self, (failures, silences): (u64, u64)) {
+        if self.failures == failures {
+            self.failed = false;
+        }
+        if self.silences == silences {
+            self.silent = None;
         }
     }
 }
@@ -178,7 +183,7 @@ impl Bus {
 
     /// A (re)connection of the subscriber begins: the losses so far, which
     /// [`found`](Self::found) then ends.
-    pub(crate) fn connecting(&self) -> u64 {
+    pub(crate) fn connecting(&self) -> (u64, u64) {
         self.deaf
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -188,7 +193,7 @@ impl Bus {
     /// Subscribed again, and L1 resynced, since the losses counted when the
     /// connection began (`since`): L1 answers again, unless another loss
     /// came meanwhile.
-    pub(crate) fn found(&self, since: u64) {
+    pub(crate) fn found(&self, since: (u64, u64)) {
         self.change_deafness(|d| d.find(since));
     }
 
@@ -511,6 +516,18 @@ mod tests {
         let after = d.connect();
         d.find(after);
         assert!(!d.deaf());
+    }
+
+    #[test]
+    fn a_silence_during_a_subscription_leaves_the_failure_it_ends_ended() {
+        let mut d = Deafness::default();
+        d.lose();
+        let since = d.connect();
+        d.go_silent();
+        d.find(since);
+        assert!(d.deaf(), "the silence came after the subscription began");
+        d.answer();
+        assert!(!d.deaf(), "the failure was ended by the subscription");
     }
 
     #[test]

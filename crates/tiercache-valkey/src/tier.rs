@@ -374,7 +374,9 @@ impl Tier for ValkeyTier {
             // they cannot be read for is a miss.
             if self.inner.bus.is_deaf() {
                 let weak = Arc::downgrade(&self.inner);
-                let Some(bans) = crate::bans::load_bans(weak).await else {
+                let read = crate::bans::load_bans(weak);
+                let Ok(Some(bans)) = tokio::time::timeout(self.inner.command_timeout, read).await
+                else {
                     return Ok(None);
                 };
                 self.inner.bus.merge_bans(bans, crate::bans::BAN_RETENTION);

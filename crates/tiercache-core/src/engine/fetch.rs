@@ -330,11 +330,9 @@ impl TieredCache {
     }
 
     pub(super) fn stale_usable(&self, entry: &Entry) -> bool {
-        // Fresh too: a copy a deaf instance (or a client's reload) kept as
-        // the miss's fallback stands in for a failing origin as well.
         matches!(
             entry.freshness(self.now()),
-            Freshness::Fresh(_) | Freshness::Stale | Freshness::StaleIfError
+            Freshness::Stale | Freshness::StaleIfError
         )
     }
 }

@@ -123,7 +123,7 @@ pub(super) const HELP: &[(&str, Kind, &str)] = &[
     (
         "tiercache_l2_deaf",
         Kind::Gauge,
-        "1 while this instance cannot hear the fleet's invalidations (its subscription lost): its L1 hits read L2 meanwhile.",
+        "1 while this instance cannot hear the fleet's invalidations (its subscription lost): while L2 answers, its L1 hits read L2.",
     ),
     (
         "tiercache_expired_total",
