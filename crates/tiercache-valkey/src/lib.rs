@@ -34,6 +34,7 @@ mod breaker;
 mod bus;
 pub mod codec;
 mod config;
+mod deaf;
 mod failures;
 mod invalidate;
 mod keys;
