@@ -226,16 +226,28 @@ async fn invalidation_by_key_tag_and_url_reaches_every_instances_l1() {
         (header(&headers, "x-cache"), body.as_str()),
         ("HIT", "product 4 v0")
     );
-    let published = server.command_calls("publish");
+    // Counted by what the others applied: the instances' own echoes are
+    // `PUBLISH`es too.
+    let received = |fleet: &[Instance]| -> Vec<u64> {
+        let report = |i: &Instance| i.engine.stats().l2.invalidations_received;
+        fleet[..2].iter().map(report).collect()
+    };
+    let before = received(&fleet);
     let (status, _, _) = send(&fleet[2].app, "POST", "/p/4").await;
     assert_eq!(status, StatusCode::OK);
     eventually("/p/4 gone from every L1", || {
         in_l1(&fleet, "/p/4") == [false; 3]
     })
     .await;
+    // Counted just after it is applied.
+    eventually("both to count it", || {
+        received(&fleet).iter().zip(&before).all(|(a, b)| a > b)
+    })
+    .await;
+    let after = received(&fleet);
     assert_eq!(
-        server.command_calls("publish") - published,
-        1,
+        (after[0] - before[0], after[1] - before[1]),
+        (1, 1),
         "one message for the URL: its keys and its variants' family tag"
     );
     let (_, headers, body) = send(&fleet[0].app, "GET", "/p/4").await;
@@ -602,4 +614,70 @@ async fn an_instance_whose_subscription_is_lost_answers_no_l1_copy_as_fresh() {
     };
     bounded("B to answer from its L1 again", from_l1).await;
     assert!(!b.engine.stats().l2.deaf);
+}
+
+/// An instance whose user may not subscribe (an ACL without `subscribe`,
+/// or without the channel) is told `Ok` by fred for its refused
+/// `SUBSCRIBE`: it believed it heard the fleet and answered its L1 copy
+/// after another instance's write. Its subscription is now confirmed by a
+/// message it sends itself: unheard (or refused), it is deaf (it answers
+/// no L1 copy as it is while Valkey answers), and once its user may
+/// subscribe, it subscribes, drops L1 and answers from it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_whose_subscription_was_refused_answers_no_l1_copy_as_fresh() {
+    refused_then_allowed(&["-subscribe"], &["+subscribe"]).await;
+    // Without the channel, its own writes are refused too.
+    refused_then_allowed(&["resetchannels", "&tc:{*"], &["&tc:inv"]).await;
+}
+
+async fn refused_then_allowed(refuse: &[&str], allow: &[&str]) {
+    let server = ValkeyServer::start();
+    let user = ["ACL", "SETUSER", "c", "on", ">secret", "~*", "&*", "+@all"];
+    server.cmd(&[&user[..], refuse].concat());
+    let origin = Origin::new();
+    origin.gate.open();
+    let a = instance(&server.url(), &origin).await;
+    let c_url = format!("redis://c:secret@{}", server.addr());
+    let c = instance(&c_url, &origin).await;
+    server.subscribed("tc:inv", 1).await;
+    let tier = |headers: &axum::http::HeaderMap| header(headers, "x-cache-tier").to_owned();
+    send(&c.app, "GET", "/p/5").await;
+    let from_l2 = async {
+        while tier(&send(&c.app, "GET", "/p/5").await.1) != "l2" {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    bounded(&format!("C ({refuse:?}) to answer from Valkey"), from_l2).await;
+    assert!(c.engine.stats().l2.deaf, "said in its stats");
+    origin.bump_version();
+    a.engine.invalidate(&key("/p/5")).await.unwrap();
+    let (_, _, body) = send(&c.app, "GET", "/p/5").await;
+    assert_eq!(
+        body, "product 5 v1",
+        "C answered the copy A's write replaced"
+    );
+
+    server.cmd(&[&["ACL", "SETUSER", "c"][..], allow].concat());
+    server.subscribed("tc:inv", 2).await;
+    let from_l1 = async {
+        loop {
+            let (_, headers, body) = send(&c.app, "GET", "/p/5").await;
+            assert_eq!(body, "product 5 v1");
+            if tier(&headers) == "l1" {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    bounded("C to answer from its L1 again", from_l1).await;
+    assert!(!c.engine.stats().l2.deaf);
+    // Heard now: A's next write reaches C's L1.
+    origin.bump_version();
+    a.engine.invalidate(&key("/p/5")).await.unwrap();
+    let heard = async {
+        while send(&c.app, "GET", "/p/5").await.2 != "product 5 v2" {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    bounded("C to hear A's write", heard).await;
 }

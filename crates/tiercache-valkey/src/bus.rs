@@ -8,7 +8,7 @@
 //! its messages, counts as missed messages: the engine drops its L1.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, SystemTime};
 
@@ -18,7 +18,8 @@ use tiercache_core::{Invalidation, InvalidationSink, Unlocked};
 use tokio::sync::{broadcast, watch};
 
 pub(crate) use crate::bans::Ban;
-use crate::deaf::Deafness;
+pub(crate) use crate::deaf::Hearing;
+use crate::deaf::{Deafness, Losses};
 pub(crate) use crate::message::{
     Message, decode, decode_drop, decode_stale_fill, encode, encode_drop, encode_stale_fill, hex,
     millis, unhex,
@@ -49,35 +50,11 @@ pub(crate) struct Bus {
     /// Whether the subscription is lost (see [`Bus::lost`]); a lock, so
     /// the sink is told in the order the state changes.
     deaf: Mutex<Deafness>,
-}
-
-/// Whether an instance began serving before its invalidation channel was
-/// subscribed: `connect` gives up waiting at its bound and the instance
-/// serves (and fills L1) unheard, so the subscription that lands later
-/// must drop L1. One atomic state, so a subscription that lands while
-/// `connect` is giving up is seen by exactly one side: either `connect`
-/// finds the instance heard (nothing was served unheard), or the
-/// subscription finds it unheard and resyncs.
-#[derive(Debug, Default)]
-pub(crate) struct Hearing(AtomicU8);
-
-impl Hearing {
-    const WAITING: u8 = 0;
-    const HEARD: u8 = 1;
-    const UNHEARD: u8 = 2;
-
-    /// `connect` stopped waiting; false when the subscription landed first.
-    pub(crate) fn give_up(&self) -> bool {
-        self.0
-            .compare_exchange(Self::WAITING, Self::UNHEARD, Relaxed, Relaxed)
-            .is_ok()
-    }
-
-    /// The channel is subscribed; true when the instance served unheard
-    /// before it (once: later subscriptions find it heard).
-    pub(crate) fn heard(&self) -> bool {
-        self.0.swap(Self::HEARD, Relaxed) == Self::UNHEARD
-    }
+    /// The latest of this instance's own echoes heard back (see
+    /// [`crate::echo`]).
+    pub(crate) echoes: watch::Sender<u64>,
+    /// Asks the heartbeat for an echo now (a subscription just landed).
+    pub(crate) echo_soon: Arc<tokio::sync::Notify>,
 }
 
 impl Bus {
@@ -105,6 +82,8 @@ impl Bus {
             subscribed: watch::channel(false).0,
             hearing: Hearing::default(),
             deaf: Mutex::default(),
+            echoes: watch::channel(0).0,
+            echo_soon: Arc::default(),
         }
     }
 
@@ -130,7 +109,7 @@ impl Bus {
 
     /// A (re)connection of the subscriber begins: the losses so far, which
     /// [`found`](Self::found) then ends.
-    pub(crate) fn connecting(&self) -> (u64, u64) {
+    pub(crate) fn connecting(&self) -> Losses {
         self.deaf
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -140,8 +119,30 @@ impl Bus {
     /// Subscribed again, and L1 resynced, since the losses counted when the
     /// connection began (`since`): L1 answers again, unless another loss
     /// came meanwhile.
-    pub(crate) fn found(&self, since: (u64, u64)) {
+    pub(crate) fn found(&self, since: Losses) {
         self.change_deafness(|d| d.find(since));
+    }
+
+    /// The losses so far (an echo is about to go out).
+    pub(crate) fn losses(&self) -> Losses {
+        self.deaf.lock().unwrap_or_else(|e| e.into_inner()).losses()
+    }
+
+    /// This instance's own echo did not come back through its
+    /// subscription: deaf as [`lost`](Self::lost), until one does.
+    pub(crate) fn refused(&self) {
+        self.change_deafness(Deafness::refuse);
+    }
+
+    /// An echo sent when the losses were `since` came back: the
+    /// subscription carries messages. A deaf instance drops L1 first (what
+    /// was published while it could not hear was missed), then answers
+    /// again, unless another loss came meanwhile.
+    pub(crate) fn confirmed(&self, since: Losses) {
+        if self.is_deaf() {
+            self.resync();
+        }
+        self.change_deafness(|d| d.confirm(since));
     }
 
     pub(crate) fn is_deaf(&self) -> bool {
@@ -349,6 +350,9 @@ impl Bus {
         let Some(text) = message.value.as_str() else {
             return;
         };
+        if crate::echo::hear(self, &text) {
+            return;
+        }
         // This instance's own too: one of its requests may have read the
         // copy from L2 before the delete.
         if let Some(hashes) = decode_drop(&text) {
@@ -436,29 +440,5 @@ pub(crate) async fn dispatch(bus: Weak<Bus>, mut rx: broadcast::Receiver<fred::t
             Err(broadcast::error::RecvError::Lagged(_)) => bus.resync(),
             Err(broadcast::error::RecvError::Closed) => return,
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_subscription_after_connect_gave_up_resyncs_once() {
-        let hearing = Hearing::default();
-        assert!(hearing.give_up());
-        assert!(hearing.heard(), "the instance served unheard");
-        assert!(!hearing.heard(), "a later subscription is no first hearing");
-    }
-
-    #[test]
-    fn a_subscription_that_lands_while_connect_gives_up_resyncs_nothing_later() {
-        // The subscription lands after the wait timed out but before
-        // connect recorded it: nothing was served yet, so nothing is owed,
-        // and no flag may linger to drop L1 on some later subscription.
-        let hearing = Hearing::default();
-        assert!(!hearing.heard());
-        assert!(!hearing.give_up(), "connect finds the instance heard");
-        assert!(!hearing.heard());
     }
 }

@@ -1,6 +1,47 @@
 //! Whether an instance can hear the fleet's invalidations: the state the
-//! bus keeps of its subscription's failures and silences (see
-//! `Bus::lost`).
+//! bus keeps of its subscription's failures, silences and refusals (see
+//! `Bus::lost`, `crate::echo`), and whether it served before its first
+//! subscription.
+
+use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
+
+/// The losses counted when a (re)subscription or an echo began: what it
+/// ends when it lands (a loss after it began is not ended by it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Losses {
+    failures: u64,
+    silences: u64,
+    refusals: u64,
+}
+
+/// Whether an instance began serving before its invalidation channel was
+/// subscribed: `connect` gives up waiting at its bound and the instance
+/// serves (and fills L1) unheard, so the subscription that lands later
+/// must drop L1. One atomic state, so a subscription that lands while
+/// `connect` is giving up is seen by exactly one side: either `connect`
+/// finds the instance heard (nothing was served unheard), or the
+/// subscription finds it unheard and resyncs.
+#[derive(Debug, Default)]
+pub(crate) struct Hearing(AtomicU8);
+
+impl Hearing {
+    const WAITING: u8 = 0;
+    const HEARD: u8 = 1;
+    const UNHEARD: u8 = 2;
+
+    /// `connect` stopped waiting; false when the subscription landed first.
+    pub(crate) fn give_up(&self) -> bool {
+        self.0
+            .compare_exchange(Self::WAITING, Self::UNHEARD, Relaxed, Relaxed)
+            .is_ok()
+    }
+
+    /// The channel is subscribed; true when the instance served unheard
+    /// before it (once: later subscriptions find it heard).
+    pub(crate) fn heard(&self) -> bool {
+        self.0.swap(Self::HEARD, Relaxed) == Self::UNHEARD
+    }
+}
 
 /// Why the invalidation channel may not be heard.
 #[derive(Debug, Default)]
@@ -12,17 +53,23 @@ pub(crate) struct Deafness {
     /// `connections` counts them): until one is answered on it, or as
     /// `failed`.
     silent: Option<u64>,
-    /// Failures and silences so far: a resubscription that began before
-    /// one does not end it (and a silence does not keep a failure on).
+    /// Its own echo did not come back through the subscription (a
+    /// `SUBSCRIBE` the server refused, which fred answers `Ok`): until one
+    /// does, and L1 is resynced. A subscription landing does not end it.
+    unconfirmed: bool,
+    /// Failures, silences and refusals so far: a resubscription that began
+    /// before one does not end it (and a silence does not keep a failure
+    /// on).
     failures: u64,
     silences: u64,
+    refusals: u64,
     /// Connections the subscriber has had.
     connections: u64,
 }
 
 impl Deafness {
     pub(crate) fn deaf(&self) -> bool {
-        self.failed || self.silent.is_some()
+        self.failed || self.silent.is_some() || self.unconfirmed
     }
 
     pub(crate) fn lose(&mut self) {
@@ -41,17 +88,42 @@ impl Deafness {
         }
     }
 
-    pub(crate) fn connect(&mut self) -> (u64, u64) {
-        self.connections += 1;
-        (self.failures, self.silences)
+    pub(crate) fn refuse(&mut self) {
+        self.unconfirmed = true;
+        self.refusals += 1;
     }
 
-    pub(crate) fn find(&mut self, (failures, silences): (u64, u64)) {
-        if self.failures == failures {
+    pub(crate) fn losses(&self) -> Losses {
+        Losses {
+            failures: self.failures,
+            silences: self.silences,
+            refusals: self.refusals,
+        }
+    }
+
+    pub(crate) fn connect(&mut self) -> Losses {
+        self.connections += 1;
+        self.losses()
+    }
+
+    /// A subscription begun at `since` landed (and L1 was resynced): ends
+    /// the failures and silences since, not a refusal (fred's `Ok` is no
+    /// proof).
+    pub(crate) fn find(&mut self, since: Losses) {
+        if self.failures == since.failures {
             self.failed = false;
         }
-        if self.silences == silences {
+        if self.silences == since.silences {
             self.silent = None;
+        }
+    }
+
+    /// An echo sent at `since` came back (and L1 was resynced): the
+    /// subscription carries messages, which ends every loss since.
+    pub(crate) fn confirm(&mut self, since: Losses) {
+        self.find(since);
+        if self.refusals == since.refusals {
+            self.unconfirmed = false;
         }
     }
 }
@@ -59,6 +131,14 @@ impl Deafness {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_subscription_after_connect_gave_up_resyncs_once() {
+        let hearing = Hearing::default();
+        assert!(hearing.give_up());
+        assert!(hearing.heard(), "the instance served unheard");
+        assert!(!hearing.heard(), "a later subscription is no first hearing");
+    }
 
     #[test]
     fn deafness_ends_only_with_a_subscription_begun_after_the_last_loss() {
@@ -103,5 +183,36 @@ mod tests {
         assert!(d.deaf(), "a subscription older than the silence");
         d.find(second);
         assert!(!d.deaf());
+    }
+
+    #[test]
+    fn a_refusal_ends_only_with_an_echo_sent_after_it() {
+        let mut d = Deafness::default();
+        let since = d.connect();
+        d.refuse();
+        d.find(since);
+        assert!(d.deaf(), "fred's Ok to a refused SUBSCRIBE is no proof");
+        let after = d.connect();
+        d.find(after);
+        assert!(d.deaf(), "nor a later one");
+        d.confirm(since);
+        assert!(d.deaf(), "an echo sent before the refusal");
+        let echo = d.losses();
+        d.lose();
+        d.confirm(echo);
+        assert!(d.deaf(), "a failure after the echo was sent");
+        d.confirm(d.losses());
+        assert!(!d.deaf());
+    }
+
+    #[test]
+    fn a_subscription_that_lands_while_connect_gives_up_resyncs_nothing_later() {
+        // The subscription lands after the wait timed out but before
+        // connect recorded it: nothing was served yet, so nothing is owed,
+        // and no flag may linger to drop L1 on some later subscription.
+        let hearing = Hearing::default();
+        assert!(!hearing.heard());
+        assert!(!hearing.give_up(), "connect finds the instance heard");
+        assert!(!hearing.heard());
     }
 }

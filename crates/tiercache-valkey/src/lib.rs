@@ -35,6 +35,7 @@ mod bus;
 pub mod codec;
 mod config;
 mod deaf;
+mod echo;
 mod failures;
 mod invalidate;
 mod keys;

@@ -106,6 +106,8 @@ pub(crate) async fn on_reconnect<F, Fut>(
         if subscribed {
             served_unheard = live.hearing.heard();
             live.subscribed.send_replace(true);
+            // fred's `Ok` is no proof that the server took it.
+            live.echo_soon.notify_one();
         }
         // The lock channels after, apart: a round trip per slot group must
         // not hold the invalidation channel, nor the resync.
@@ -367,16 +369,44 @@ pub(crate) async fn watchdog(tier: Weak<Inner>, timeout: Duration) {
 /// the client's name and routes its plain `SUBSCRIBE` by (a plain `PING`
 /// goes to a node of fred's choosing, so a silent connection there was
 /// never found); no other node's stall is taken for it.
-pub(crate) async fn heartbeat(bus: Weak<Bus>, timeout: Duration, unheard_for: Duration) {
+///
+/// It also sends the instance's echo (see [`crate::echo`]) through the
+/// tier's client (`client`): when a subscription lands, every
+/// [`ECHO_EVERY`](crate::echo::ECHO_EVERY), and each beat while the
+/// instance is deaf.
+pub(crate) async fn heartbeat(
+    bus: Weak<Bus>,
+    client: impl Fn() -> Option<Client>,
+    timeout: Duration,
+    unheard_for: Duration,
+) {
+    let Some(echo_soon) = bus.upgrade().map(|bus| bus.echo_soon.clone()) else {
+        return;
+    };
     let mut tick = tokio::time::interval(heartbeat_every(timeout));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // When this instance was found unable to hear (or L1 last dropped for it).
     let mut unheard_since: Option<tokio::time::Instant> = None;
+    let mut nonce = 0;
+    let mut echoed = tokio::time::Instant::now();
     loop {
-        tick.tick().await;
+        // A subscription that just landed is echoed at once, without a ping
+        // (pinged sooner than a beat apart, a silence would hide).
+        let soon = tokio::select! {
+            _ = tick.tick() => false,
+            _ = echo_soon.notified() => true,
+        };
         let Some(bus) = bus.upgrade() else {
             return;
         };
+        if soon {
+            if let Some(client) = client().filter(|_| bus.subscriber.is_connected()) {
+                nonce += 1;
+                crate::echo::send(&bus, &client, nonce, timeout).await;
+                echoed = tokio::time::Instant::now();
+            }
+            continue;
+        }
         if bus.subscriber.is_connected() {
             let subscription = bus.subscriber.is_clustered().then(|| {
                 ClusterHash::Custom(fred::util::redis_keyslot(bus.subscriber.id().as_bytes()))
@@ -385,6 +415,12 @@ pub(crate) async fn heartbeat(bus: Weak<Bus>, timeout: Duration, unheard_for: Du
                 unheard_since = None;
                 bus.answered();
                 bus.unsubscribe_strays(timeout).await;
+                let due = bus.is_deaf() || echoed.elapsed() >= crate::echo::ECHO_EVERY;
+                if let Some(client) = client().filter(|_| due) {
+                    nonce += 1;
+                    crate::echo::send(&bus, &client, nonce, timeout).await;
+                    echoed = tokio::time::Instant::now();
+                }
                 continue;
             }
             // Deaf from now: what is published while it reconnects is
