@@ -239,15 +239,20 @@ async fn invalidation_by_key_tag_and_url_reaches_every_instances_l1() {
         in_l1(&fleet, "/p/4") == [false; 3]
     })
     .await;
-    // Counted just after it is applied.
-    eventually("both to count it", || {
-        received(&fleet).iter().zip(&before).all(|(a, b)| a > b)
+    // Counted just after it is applied; a second write marks the end (a
+    // message more for the first would be counted before it).
+    fleet[2].engine.invalidate(&key("/p/999")).await.unwrap();
+    eventually("both to count both", || {
+        received(&fleet)
+            .iter()
+            .zip(&before)
+            .all(|(a, b)| *a >= b + 2)
     })
     .await;
     let after = received(&fleet);
     assert_eq!(
         (after[0] - before[0], after[1] - before[1]),
-        (1, 1),
+        (2, 2),
         "one message for the URL: its keys and its variants' family tag"
     );
     let (_, headers, body) = send(&fleet[0].app, "GET", "/p/4").await;
@@ -649,6 +654,18 @@ async fn refused_then_allowed(refuse: &[&str], allow: &[&str]) {
     };
     bounded(&format!("C ({refuse:?}) to answer from Valkey"), from_l2).await;
     assert!(c.engine.stats().l2.deaf, "said in its stats");
+    // Refused, it keeps its connections: fred matched the refusal's error
+    // to the next ping, which made the subscriber reconnect every beat.
+    let connections = || -> Vec<String> {
+        let list = server.cmd(&["CLIENT", "LIST", "USER", "c"]);
+        list.lines()
+            .filter_map(|l| Some(l.split(' ').next()?.to_owned()))
+            .collect()
+    };
+    let before = connections();
+    assert!(!before.is_empty());
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(connections(), before, "C's connections while refused");
     origin.bump_version();
     a.engine.invalidate(&key("/p/5")).await.unwrap();
     let (_, _, body) = send(&c.app, "GET", "/p/5").await;
@@ -656,13 +673,30 @@ async fn refused_then_allowed(refuse: &[&str], allow: &[&str]) {
         body, "product 5 v1",
         "C answered the copy A's write replaced"
     );
+    // A ban recorded while C is refused, and C idle: read once C hears.
+    send(&c.app, "GET", "/p/6").await;
+    origin.bump_version();
+    let url = format!("http://{}/p/6", tiercache_testkit::http::HOST);
+    let pattern = tiercache::http::key::url_pattern(&url.parse().unwrap());
+    a.engine.invalidate_prefix(pattern).await.unwrap();
 
     server.cmd(&[&["ACL", "SETUSER", "c"][..], allow].concat());
     server.subscribed("tc:inv", 2).await;
+    // No request until it hears: a deaf instance's L2 hit reads the bans.
+    let hears = async {
+        while c.engine.stats().l2.deaf {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    bounded("C to hear again", hears).await;
+    let (_, _, body) = send(&c.app, "GET", "/p/6").await;
+    assert_eq!(body, "product 6 v2", "C answered a copy A's ban covers");
     let from_l1 = async {
         loop {
+            // v1, or v2 once deaf past `unheard_l1_for` (L1 asks the
+            // origin again then): never the copy A's write replaced.
             let (_, headers, body) = send(&c.app, "GET", "/p/5").await;
-            assert_eq!(body, "product 5 v1");
+            assert_ne!(body, "product 5 v0");
             if tier(&headers) == "l1" {
                 return;
             }
@@ -675,7 +709,7 @@ async fn refused_then_allowed(refuse: &[&str], allow: &[&str]) {
     origin.bump_version();
     a.engine.invalidate(&key("/p/5")).await.unwrap();
     let heard = async {
-        while send(&c.app, "GET", "/p/5").await.2 != "product 5 v2" {
+        while send(&c.app, "GET", "/p/5").await.2 != "product 5 v3" {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     };

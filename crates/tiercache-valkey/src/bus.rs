@@ -55,6 +55,8 @@ pub(crate) struct Bus {
     pub(crate) echoes: watch::Sender<u64>,
     /// Asks the heartbeat for an echo now (a subscription just landed).
     pub(crate) echo_soon: Arc<tokio::sync::Notify>,
+    /// Whether an echo has come back or been refused (`connect` waits).
+    echo_decided: watch::Sender<bool>,
 }
 
 impl Bus {
@@ -84,6 +86,7 @@ impl Bus {
             deaf: Mutex::default(),
             echoes: watch::channel(0).0,
             echo_soon: Arc::default(),
+            echo_decided: watch::channel(false).0,
         }
     }
 
@@ -123,26 +126,26 @@ impl Bus {
         self.change_deafness(|d| d.find(since));
     }
 
-    /// The losses so far (an echo is about to go out).
-    pub(crate) fn losses(&self) -> Losses {
-        self.deaf.lock().unwrap_or_else(|e| e.into_inner()).losses()
-    }
-
     /// This instance's own echo did not come back through its
-    /// subscription: deaf as [`lost`](Self::lost), until one does.
+    /// subscription (see [`crate::echo`]): deaf as [`lost`](Self::lost),
+    /// until one does.
     pub(crate) fn refused(&self) {
         self.change_deafness(Deafness::refuse);
+        self.echo_decided.send_replace(true);
     }
 
-    /// An echo sent when the losses were `since` came back: the
-    /// subscription carries messages. A deaf instance drops L1 first (what
-    /// was published while it could not hear was missed), then answers
-    /// again, unless another loss came meanwhile.
-    pub(crate) fn confirmed(&self, since: Losses) {
-        if self.is_deaf() {
-            self.resync();
-        }
-        self.change_deafness(|d| d.confirm(since));
+    /// An echo came back: the subscription carries messages (after a
+    /// refusal, the caller read the bans and dropped L1 first).
+    pub(crate) fn confirmed(&self) {
+        self.change_deafness(Deafness::confirm);
+        self.echo_decided.send_replace(true);
+    }
+
+    pub(crate) fn is_refused(&self) -> bool {
+        self.deaf
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .refused()
     }
 
     pub(crate) fn is_deaf(&self) -> bool {
@@ -163,6 +166,8 @@ impl Bus {
     /// Waits, until `deadline` at most, for the invalidation channel's
     /// first subscription: a message published before it is missed, and
     /// the first connection is no reconnect, so nothing would drop L1.
+    /// Then for its echo's verdict (within the same bound): until then
+    /// the instance is deaf.
     pub(crate) async fn until_subscribed(&self, deadline: tokio::time::Instant) {
         let mut subscribed = self.subscribed.subscribe();
         if tokio::time::timeout_at(deadline, subscribed.wait_for(|s| *s))
@@ -170,7 +175,10 @@ impl Bus {
             .is_err()
         {
             self.serving_unheard();
+            return;
         }
+        let mut decided = self.echo_decided.subscribe();
+        let _ = tokio::time::timeout_at(deadline, decided.wait_for(|d| *d)).await;
     }
 
     /// The instance serves from now on, subscribed or not: a subscription

@@ -5,13 +5,12 @@
 
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 
-/// The losses counted when a (re)subscription or an echo began: what it
-/// ends when it lands (a loss after it began is not ended by it).
+/// The losses counted when a (re)subscription began: what it ends when it
+/// lands (a loss after it began is not ended by it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Losses {
     failures: u64,
     silences: u64,
-    refusals: u64,
 }
 
 /// Whether an instance began serving before its invalidation channel was
@@ -53,23 +52,25 @@ pub(crate) struct Deafness {
     /// `connections` counts them): until one is answered on it, or as
     /// `failed`.
     silent: Option<u64>,
-    /// Its own echo did not come back through the subscription (a
-    /// `SUBSCRIBE` the server refused, which fred answers `Ok`): until one
-    /// does, and L1 is resynced. A subscription landing does not end it.
-    unconfirmed: bool,
-    /// Failures, silences and refusals so far: a resubscription that began
-    /// before one does not end it (and a silence does not keep a failure
-    /// on).
+    /// An echo did not come back (or its `PUBLISH` was refused): what was
+    /// published meanwhile was missed, until one comes back and L1 is
+    /// resynced. A subscription landing does not end it.
+    refused: bool,
+    /// Failures and silences so far: a resubscription that began before
+    /// one does not end it (and a silence does not keep a failure on).
     failures: u64,
     silences: u64,
-    refusals: u64,
     /// Connections the subscriber has had.
     connections: u64,
 }
 
 impl Deafness {
     pub(crate) fn deaf(&self) -> bool {
-        self.failed || self.silent.is_some() || self.unconfirmed
+        self.failed || self.silent.is_some() || self.refused
+    }
+
+    pub(crate) fn refused(&self) -> bool {
+        self.refused
     }
 
     pub(crate) fn lose(&mut self) {
@@ -89,26 +90,20 @@ impl Deafness {
     }
 
     pub(crate) fn refuse(&mut self) {
-        self.unconfirmed = true;
-        self.refusals += 1;
-    }
-
-    pub(crate) fn losses(&self) -> Losses {
-        Losses {
-            failures: self.failures,
-            silences: self.silences,
-            refusals: self.refusals,
-        }
+        self.refused = true;
     }
 
     pub(crate) fn connect(&mut self) -> Losses {
         self.connections += 1;
-        self.losses()
+        Losses {
+            failures: self.failures,
+            silences: self.silences,
+        }
     }
 
     /// A subscription begun at `since` landed (and L1 was resynced): ends
-    /// the failures and silences since, not a refusal (fred's `Ok` is no
-    /// proof).
+    /// the failures and silences since, not what an echo decides (fred's
+    /// `Ok` is no proof).
     pub(crate) fn find(&mut self, since: Losses) {
         if self.failures == since.failures {
             self.failed = false;
@@ -118,13 +113,12 @@ impl Deafness {
         }
     }
 
-    /// An echo sent at `since` came back (and L1 was resynced): the
-    /// subscription carries messages, which ends every loss since.
-    pub(crate) fn confirm(&mut self, since: Losses) {
-        self.find(since);
-        if self.refusals == since.refusals {
-            self.unconfirmed = false;
-        }
+    /// An echo came back (and L1 was resynced, if it was refused): the
+    /// subscription carries messages. Ends a refusal; not a failure or a
+    /// silence, which the reconnection and the ping end (the heartbeat
+    /// sends echoes, and judges them, one at a time).
+    pub(crate) fn confirm(&mut self) {
+        self.refused = false;
     }
 }
 
@@ -186,23 +180,21 @@ mod tests {
     }
 
     #[test]
-    fn a_refusal_ends_only_with_an_echo_sent_after_it() {
+    fn a_refusal_ends_only_with_an_echo() {
         let mut d = Deafness::default();
         let since = d.connect();
-        d.refuse();
         d.find(since);
-        assert!(d.deaf(), "fred's Ok to a refused SUBSCRIBE is no proof");
-        let after = d.connect();
-        d.find(after);
-        assert!(d.deaf(), "nor a later one");
-        d.confirm(since);
-        assert!(d.deaf(), "an echo sent before the refusal");
-        let echo = d.losses();
-        d.lose();
-        d.confirm(echo);
-        assert!(d.deaf(), "a failure after the echo was sent");
-        d.confirm(d.losses());
         assert!(!d.deaf());
+        d.refuse();
+        assert!(d.deaf());
+        let later = d.connect();
+        d.find(later);
+        assert!(d.deaf(), "fred's Ok to a SUBSCRIBE ends no refusal");
+        d.confirm();
+        assert!(!d.deaf());
+        d.lose();
+        d.confirm();
+        assert!(d.deaf(), "an echo ends no failure");
     }
 
     #[test]

@@ -371,12 +371,13 @@ pub(crate) async fn watchdog(tier: Weak<Inner>, timeout: Duration) {
 /// never found); no other node's stall is taken for it.
 ///
 /// It also sends the instance's echo (see [`crate::echo`]) through the
-/// tier's client (`client`): when a subscription lands, every
+/// tier's client: when a subscription lands, every
 /// [`ECHO_EVERY`](crate::echo::ECHO_EVERY), and each beat while the
-/// instance is deaf.
+/// instance is deaf. An instance that answers its pings but is deaf (its
+/// echo not back) is unheard as one that does not answer.
 pub(crate) async fn heartbeat(
     bus: Weak<Bus>,
-    client: impl Fn() -> Option<Client>,
+    tier: Weak<Inner>,
     timeout: Duration,
     unheard_for: Duration,
 ) {
@@ -387,11 +388,11 @@ pub(crate) async fn heartbeat(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // When this instance was found unable to hear (or L1 last dropped for it).
     let mut unheard_since: Option<tokio::time::Instant> = None;
-    let mut nonce = 0;
-    let mut echoed = tokio::time::Instant::now();
+    let mut echoes = crate::echo::Echoes::new();
     loop {
-        // A subscription that just landed is echoed at once, without a ping
-        // (pinged sooner than a beat apart, a silence would hide).
+        // A subscription that just landed is echoed at once, without a ping;
+        // the next ping waits a beat (pinged sooner, a silence would hide,
+        // and fred would match a refused `SUBSCRIBE`'s error to it).
         let soon = tokio::select! {
             _ = tick.tick() => false,
             _ = echo_soon.notified() => true,
@@ -399,37 +400,43 @@ pub(crate) async fn heartbeat(
         let Some(bus) = bus.upgrade() else {
             return;
         };
+        let subscribed = *bus.subscribed.borrow();
+        let subscription = bus.subscriber.is_clustered().then(|| {
+            ClusterHash::Custom(fred::util::redis_keyslot(bus.subscriber.id().as_bytes()))
+        });
         if soon {
-            if let Some(client) = client().filter(|_| bus.subscriber.is_connected()) {
-                nonce += 1;
-                crate::echo::send(&bus, &client, nonce, timeout).await;
-                echoed = tokio::time::Instant::now();
+            // The ping's answer says the `SUBSCRIBE` before it was taken.
+            if subscribed
+                && bus.subscriber.is_connected()
+                && answers(&bus.subscriber, subscription.clone(), timeout).await
+            {
+                echoes.send(&tier, &bus, timeout).await;
             }
+            tick.reset();
             continue;
         }
         if bus.subscriber.is_connected() {
-            let subscription = bus.subscriber.is_clustered().then(|| {
-                ClusterHash::Custom(fred::util::redis_keyslot(bus.subscriber.id().as_bytes()))
-            });
             if answers(&bus.subscriber, subscription, timeout).await {
-                unheard_since = None;
                 bus.answered();
                 bus.unsubscribe_strays(timeout).await;
-                let due = bus.is_deaf() || echoed.elapsed() >= crate::echo::ECHO_EVERY;
-                if let Some(client) = client().filter(|_| due) {
-                    nonce += 1;
-                    crate::echo::send(&bus, &client, nonce, timeout).await;
-                    echoed = tokio::time::Instant::now();
+                if subscribed && echoes.due(&bus) && echoes.send(&tier, &bus, timeout).await {
+                    tick.reset();
                 }
-                continue;
+                if !bus.is_deaf() {
+                    unheard_since = None;
+                    continue;
+                }
+                // Answered but deaf (its echo not back): what others
+                // write is missed, as below.
+            } else {
+                // Deaf from now: what is published while it reconnects is
+                // missed (the reconnection's resync ends it).
+                if subscribed {
+                    bus.silent();
+                }
+                let _ = tokio::time::timeout(timeout, bus.subscriber.force_reconnection()).await;
             }
-            // Deaf from now: what is published while it reconnects is
-            // missed (the reconnection's resync ends it).
-            if *bus.subscribed.borrow() {
-                bus.silent();
-            }
-            let _ = tokio::time::timeout(timeout, bus.subscriber.force_reconnection()).await;
-        } else if *bus.subscribed.borrow() {
+        } else if subscribed {
             bus.lost();
         }
         let since = *unheard_since.get_or_insert_with(tokio::time::Instant::now);

@@ -265,10 +265,9 @@ impl ValkeyTier {
             subscriber.error_rx(),
             move || crate::bans::load_bans(weak.clone()),
         ));
-        let weak = Arc::downgrade(&inner);
         runtime.spawn(crate::reconnect::heartbeat(
             Arc::downgrade(&bus),
-            move || weak.upgrade().map(|inner| inner.client()),
+            Arc::downgrade(&inner),
             heartbeat_timeout,
             unheard_l1_for,
         ));
