@@ -81,10 +81,10 @@ pub(crate) enum Waited {
 #[derive(Debug)]
 struct Slot {
     tx: watch::Sender<Option<FlightResult>>,
-    /// Bumped when a slower flight this one took over ends with an answer
-    /// its followers may not share: those waiting then are released (see
-    /// `Flights::finish`); those that join later are not.
-    released: watch::Sender<u64>,
+    /// What a slower flight this one took over ended with, when not a
+    /// stored answer: for the requests waiting then (see
+    /// `Flights::finish`); those that join later wait on this flight.
+    handed: watch::Sender<Option<FlightResult>>,
     deadline: Deadline,
 }
 
@@ -182,17 +182,17 @@ impl Flights {
         if let Some(slot) = map.get(&key)
             && slot.deadline.at() + grace > now
         {
-            let mut released = slot.released.subscribe();
-            released.mark_unchanged();
+            let mut handed = slot.handed.subscribe();
+            handed.mark_unchanged();
             return Join::Follower(Follower {
                 rx: slot.tx.subscribe(),
-                released,
+                handed,
                 slot: slot.clone(),
             });
         }
         let slot = Arc::new(Slot {
             tx: watch::channel(None).0,
-            released: watch::channel(0).0,
+            handed: watch::channel(None).0,
             deadline: Deadline::new(now, wait),
         });
         // A stalled flight's slot is replaced: its leader finishes alone.
@@ -249,23 +249,36 @@ impl Flights {
         // the requests waiting on the flight that took its over too (that
         // flight's leader still finishes its own load, and later joiners
         // get this answer at once), instead of each waiter taking the
-        // flight over in turn. An answer they may not share releases the
-        // ones waiting now to load alone (they waited on the next leader
-        // before, one more taking the flight over at each deadline: twenty
-        // requests of an 8 s long poll were answered 5 s apart); not the
-        // later ones, whose flight's leader may yet store what they want.
-        // Nothing else is passed on: a failure, an overtaken or transient
-        // answer is this flight's, not the newer one's.
-        if let (Some(newer), FlightResult::Released) = (&newer, &result) {
-            newer.released.send_modify(|n| *n += 1);
-        }
-        if let (Some(newer), FlightResult::Shared(..)) = (newer, &result) {
-            newer.tx.send_if_modified(|value| {
-                value.is_none() && {
-                    *value = Some(result.clone());
-                    true
+        // flight over in turn. What else it ends with reaches the ones
+        // waiting now, each taking it as this flight's own followers do: an
+        // answer they may not share releases them to load alone; a failure,
+        // a stale stand-in, an answer not stored or one an invalidation
+        // overtook answers them. Before, they waited on the next leader,
+        // one more taking the flight over at each deadline: twenty
+        // requests of an 8 s long poll were answered 5 s apart, and six of
+        // a 503 after 6 s under a 5 s wait cost six origin calls, the last
+        // answered at 31 s. Not the later ones, whose flight's leader may
+        // yet store what they want; nor a panic (this load's own), a drop
+        // or a retry, which say nothing of the origin's answer.
+        if let Some(newer) = newer {
+            match &result {
+                FlightResult::Shared(..) => {
+                    newer.tx.send_if_modified(|value| {
+                        value.is_none() && {
+                            *value = Some(result.clone());
+                            true
+                        }
+                    });
                 }
-            });
+                FlightResult::Released
+                | FlightResult::Transient(..)
+                | FlightResult::Stale(..)
+                | FlightResult::Overtaken(..)
+                | FlightResult::Failed(FlightError::Origin) => {
+                    newer.handed.send_replace(Some(result.clone()));
+                }
+                FlightResult::Retry | FlightResult::Failed(_) => {}
+            }
         }
         slot.tx.send_replace(Some(result));
     }
@@ -419,8 +432,9 @@ impl Drop for Leader {
 #[derive(Debug)]
 pub(crate) struct Follower {
     rx: watch::Receiver<Option<FlightResult>>,
-    /// Changes when a slower flight this one took over is released.
-    released: watch::Receiver<u64>,
+    /// What a slower flight this one took over ended with (see
+    /// `Flights::finish`).
+    handed: watch::Receiver<Option<FlightResult>>,
     slot: Arc<Slot>,
 }
 
@@ -429,7 +443,7 @@ impl Follower {
     /// (as its load's progress moves it).
     pub(crate) async fn wait(mut self) -> Waited {
         let slot = self.slot.clone();
-        let released = &mut self.released;
+        let handed = &mut self.handed;
         let answered = async {
             tokio::select! {
                 biased;
@@ -437,7 +451,9 @@ impl Follower {
                     value.map(|v| v.clone().unwrap_or(FlightResult::Released))
                 }
                 // The sender lives as long as its slot: an error is no news.
-                Ok(()) = released.changed() => Ok(FlightResult::Released),
+                Ok(()) = handed.changed() => {
+                    Ok(handed.borrow().clone().unwrap_or(FlightResult::Released))
+                }
             }
         };
         let mut answered = std::pin::pin!(answered);

@@ -85,6 +85,81 @@ async fn an_answer_that_may_not_be_shared_releases_every_waiting_request() {
     );
 }
 
+/// What an origin answers, or fails with.
+type Load = fn() -> Result<Loaded<&'static str>, ()>;
+
+/// An origin that counts its calls and answers `loaded()` after [`SLOW`].
+fn counted_slow_origin(
+    loaded: Load,
+    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> impl Origin<Output = &'static str, Error = ()> + use<> {
+    origin_fn(move |_stale: Option<Entry>| {
+        calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        async move {
+            tokio::time::sleep(SLOW).await;
+            loaded()
+        }
+    })
+}
+
+/// A slow load that fails, or answers what is not stored: its answer
+/// reaches the requests waiting on the flight that took it over, as its
+/// own followers get it. It did not (only a stored answer or a release
+/// did): each waiting request waited on the next leader, one more taking
+/// the flight over at each deadline (a black-box audit: six clients of a
+/// 503 after 6 s under a 5 s wait made six origin calls, answered 6 to
+/// 31 s; an origin that never answered, one call per client).
+#[tokio::test(start_paused = true)]
+async fn a_slow_failure_reaches_the_requests_waiting_on_the_flight_that_took_it_over() {
+    let cases: [(&str, Load); 4] = [
+        ("a failure shared", || {
+            Ok(Loaded::Share {
+                value: Value::from_body("503"),
+                failed: true,
+            })
+        }),
+        ("an answer not stored", || {
+            Ok(Loaded::Share {
+                value: Value::from_body("200"),
+                failed: false,
+            })
+        }),
+        ("a failure", || Ok(Loaded::Failed { output: "502" })),
+        ("an error", || Err(())),
+    ];
+    for (case, loaded) in cases {
+        let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
+        let policy = Policy::ttl(Duration::from_secs(60))
+            .lock_timeout(WAIT)
+            .build()
+            .unwrap();
+        let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let started = Instant::now();
+        let requests: Vec<_> = (0..20)
+            .map(|_| {
+                let (cache, policy, calls) = (cache.clone(), policy.clone(), calls.clone());
+                let origin = counted_slow_origin(loaded, calls);
+                tokio::spawn(async move {
+                    let _ = cache.fetch(&CacheKey::new("k"), &policy, origin).await;
+                    started.elapsed()
+                })
+            })
+            .collect();
+        let mut last = Duration::ZERO;
+        for request in requests {
+            last = last.max(request.await.unwrap());
+        }
+        // The first load, and the one that took it over at its deadline
+        // (its own request waits on it): 1 + SLOW / WAIT.
+        let calls = calls.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(calls, 2, "{case}: origin calls");
+        assert!(
+            last <= WAIT + SLOW,
+            "{case}: the last request waited {last:?}"
+        );
+    }
+}
+
 /// An origin that answers a stored value after `took`, and records what
 /// the engine tells it of its request's waits.
 struct Watched {
