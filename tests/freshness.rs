@@ -448,6 +448,69 @@ async fn a_failed_refresh_keeps_the_stale_entry_until_the_window_ends() {
     }
 }
 
+/// A refresh that failed is not started again by every stale hit: the
+/// stale entry answers on, and the origin is asked again a second later
+/// (a black-box audit: 24 refreshes a second of one key under 8 clients,
+/// each starting as the last failed).
+#[tokio::test]
+async fn a_failed_refresh_is_retried_a_second_later_not_at_every_stale_hit() {
+    let t = Harness::new(
+        Policy::ttl(secs(1))
+            .jitter(0.0)
+            .stale_while_revalidate(secs(30))
+            .build()
+            .unwrap(),
+    );
+    t.get("/r").await;
+    t.advance(1500);
+    t.origin.set(Mode::Status(503));
+    for _ in 0..5 {
+        let (_, h, body) = t.get("/r").await;
+        assert_eq!((x_cache(&h), body.as_str()), ("STALE", "body 1"));
+        let engine = t.engine.clone();
+        eventually("the refresh", || engine.in_flight() == 0).await;
+    }
+    assert_eq!(t.origin.calls.get(), 2, "the fill and one refresh");
+    t.advance(1100);
+    t.origin.set(Mode::Ok(&[]));
+    let (_, h, _) = t.get("/r").await;
+    assert_eq!(x_cache(&h), "STALE");
+    let engine = t.engine.clone();
+    eventually("the refresh", || engine.in_flight() == 0).await;
+    // Revalidated (a 304 for its `ETag`): fresh again.
+    let (_, h, body) = t.get("/r").await;
+    assert_eq!((x_cache(&h), body.as_str()), ("HIT", "body 1"));
+    assert_eq!(t.origin.calls.get(), 3);
+}
+
+/// An error stored with explicit freshness (RFC 9111 lets a shared cache
+/// store it) is never served stale, so `max_error_ttl` bounds it: a 500
+/// declaring 600 s, capped at 60 s, was answered stale while revalidating
+/// past that, and stood in for the origin's next failure.
+#[tokio::test]
+async fn a_stored_error_is_never_served_stale() {
+    let t = Harness::new(
+        Policy::ttl(secs(60))
+            .jitter(0.0)
+            .stale_while_revalidate(secs(60))
+            .stale_if_error(secs(300))
+            .build()
+            .unwrap(),
+    );
+    t.origin
+        .set(Mode::StatusWith(500, &[("cache-control", "max-age=600")]));
+    let (status, _, _) = t.get("/r").await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    let (_, h, _) = t.get("/r").await;
+    assert_eq!(x_cache(&h), "HIT");
+    t.advance(61_000);
+    t.origin.set(Mode::Status(502));
+    let (status, h, _) = t.get("/r").await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{h:?}");
+    assert_ne!(x_cache(&h), "STALE");
+    assert_eq!(t.origin.calls.get(), 2);
+}
+
 /// A body that breaks off midway says nothing about the resource: the key
 /// is not remembered as uncacheable (hit-for-miss), so the requests that
 /// follow still share one origin call.

@@ -415,6 +415,8 @@ struct Plan {
     origin: OriginFreshness,
     /// What of a route lifetime the response spent already (its `Age`).
     spent: std::time::Duration,
+    /// A 4xx/5xx: never served stale, so never past `max_error_ttl`.
+    error: bool,
 }
 
 impl Plan {
@@ -425,7 +427,7 @@ impl Plan {
                 self.origin.stale_while_revalidate,
                 self.origin.stale_if_error,
             )
-            .no_stale(self.origin.no_stale)
+            .no_stale(self.origin.no_stale || self.error)
             .initial_age(self.origin.age)
             .spent(self.spent)
     }
@@ -482,6 +484,7 @@ fn fill_for(route: &Route, headers: &HeaderMap, status: StatusCode) -> Result<Pl
         lifetime,
         origin,
         spent,
+        error,
     })
 }
 

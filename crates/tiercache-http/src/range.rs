@@ -80,16 +80,36 @@ pub fn parse_range(value: &str) -> Option<ByteRange> {
     }
 }
 
+/// Whether `value` asks for one range in bytes (well formed or not).
+fn one_bytes_range(value: &str) -> bool {
+    let value = value.trim();
+    value
+        .get(..6)
+        .is_some_and(|unit| unit.eq_ignore_ascii_case("bytes="))
+        && !value.contains(',')
+}
+
 impl RangeAsk {
     /// Takes `Range` and `If-Range` off a request (the origin is asked for
     /// the whole representation). `Err(())` for a `Range` the cache does not
-    /// answer (several ranges, another unit): the request bypasses.
+    /// answer (several ranges, another unit): the request bypasses. One
+    /// byte range that is malformed (`bytes=abc`, `bytes=4-2`) is ignored,
+    /// as RFC 9110 §14.2 lets a server: the whole representation answers,
+    /// from the cache (it bypassed it, one origin call each).
     pub(crate) fn take(headers: &mut HeaderMap) -> Result<Option<Self>, ()> {
         let Some(value) = headers.get(RANGE) else {
             headers.remove(IF_RANGE);
             return Ok(None);
         };
-        let range = value.to_str().ok().and_then(parse_range).ok_or(())?;
+        let text = value.to_str().ok();
+        let Some(range) = text.and_then(parse_range) else {
+            if text.is_some_and(one_bytes_range) {
+                headers.remove(RANGE);
+                headers.remove(IF_RANGE);
+                return Ok(None);
+            }
+            return Err(());
+        };
         let if_range = headers.get(IF_RANGE).map(|v| v.as_bytes().to_vec());
         let sent = (value.clone(), headers.get(IF_RANGE).cloned());
         headers.remove(RANGE);

@@ -261,6 +261,12 @@ impl TieredCache {
     /// is already running (it will do), or as many refreshes as allowed are
     /// running (a later hit starts it: refreshes are paced).
     pub(super) fn refresh(&self, keys: Keys, policy: &Policy, current: &Entry) -> Option<Refresh> {
+        // Its last refresh failed a moment ago: the stale entry answers on.
+        if let Some(until) = self.inner.refresh_failed.get(&keys.flight.hash())
+            && until > self.now()
+        {
+            return None;
+        }
         // No slot free: deferred, unless the key's own load runs (it will
         // do). Looked up, not led: no flight opened and closed per hit.
         if self.inner.refreshes.available_permits() == 0 {

@@ -78,6 +78,9 @@ pub(crate) struct Inner {
     rng: Mutex<SmallRng>,
     /// Keys whose last response could not be shared, until when (hit-for-miss).
     pub(crate) uncacheable: moka::sync::Cache<KeyHash, SystemTime>,
+    /// Keys whose last background refresh failed, and until when no other
+    /// starts (see [`REFRESH_RETRY_AFTER`]); at most [`FAILED_REFRESHES`].
+    pub(crate) refresh_failed: moka::sync::Cache<KeyHash, SystemTime>,
     /// Tag → the keys this instance stored with it (tag invalidation without L2).
     pub(crate) tags: tag_index::TagIndex,
     /// The tag index lost a tag to its bound: the next tag invalidation
@@ -106,6 +109,17 @@ pub(crate) struct Inner {
     /// See [`TieredCache::shared_state`].
     shared: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
 }
+
+/// How long after a background refresh failed (the origin's error, or an
+/// answer that broke off) the key's stale entry answers without another:
+/// a failing origin is asked once a second per key, not by every stale hit
+/// (a black-box audit: 24 refreshes a second for one key of 8 clients).
+pub(crate) const REFRESH_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// The most keys whose failed refresh is remembered (each a few dozen
+/// bytes): past it, the oldest are forgotten, and refreshed at their next
+/// stale hit.
+pub(crate) const FAILED_REFRESHES: u64 = 10_000;
 
 /// What one hit-for-miss mark holds: moka's node with its timer, the key
 /// hash and the time (~330 bytes measured, from a flood of `private` URLs
@@ -318,6 +332,7 @@ impl Inner {
         let reclaimed = self.l1.sweep();
         self.prune_tags();
         self.uncacheable.run_pending_tasks();
+        self.refresh_failed.run_pending_tasks();
         bump(&self.counters.sweeps);
         reclaimed
     }
