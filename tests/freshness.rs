@@ -454,18 +454,10 @@ async fn a_failed_refresh_keeps_the_stale_entry_until_the_window_ends() {
 /// each starting as the last failed).
 #[tokio::test]
 async fn a_failed_refresh_is_retried_a_second_later_not_at_every_stale_hit() {
-    let t = Harness::new(
-        Policy::ttl(secs(1))
-            .jitter(0.0)
-            .stale_while_revalidate(secs(30))
-            .build()
-            .unwrap(),
-    );
-    t.get("/r").await;
-    t.advance(1500);
+    let t = stale_p(true).await;
     t.origin.set(Mode::Status(503));
     for _ in 0..5 {
-        let (_, h, body) = t.get("/r").await;
+        let (_, h, body) = t.get("/p").await;
         assert_eq!((x_cache(&h), body.as_str()), ("STALE", "body 1"));
         let engine = t.engine.clone();
         eventually("the refresh", || engine.in_flight() == 0).await;
@@ -473,12 +465,12 @@ async fn a_failed_refresh_is_retried_a_second_later_not_at_every_stale_hit() {
     assert_eq!(t.origin.calls.get(), 2, "the fill and one refresh");
     t.advance(1100);
     t.origin.set(Mode::Ok(&[]));
-    let (_, h, _) = t.get("/r").await;
+    let (_, h, _) = t.get("/p").await;
     assert_eq!(x_cache(&h), "STALE");
     let engine = t.engine.clone();
     eventually("the refresh", || engine.in_flight() == 0).await;
     // Revalidated (a 304 for its `ETag`): fresh again.
-    let (_, h, body) = t.get("/r").await;
+    let (_, h, body) = t.get("/p").await;
     assert_eq!((x_cache(&h), body.as_str()), ("HIT", "body 1"));
     assert_eq!(t.origin.calls.get(), 3);
 }
@@ -509,6 +501,27 @@ async fn a_stored_error_is_never_served_stale() {
     assert_eq!(status, StatusCode::BAD_GATEWAY, "{h:?}");
     assert_ne!(x_cache(&h), "STALE");
     assert_eq!(t.origin.calls.get(), 2);
+}
+
+/// Nor after a 304 renewed it: an error kept for its validators, renewed
+/// by a 304 that gives no freshness but a stale-while-revalidate window,
+/// was answered stale in it.
+#[tokio::test]
+async fn a_stored_error_renewed_by_a_304_is_not_served_stale() {
+    let t = Harness::new(Policy::ttl(secs(60)).jitter(0.0).build().unwrap());
+    let stored = &[("cache-control", "max-age=1"), ("etag", "\"v1\"")];
+    t.origin.set(Mode::StatusWith(500, stored));
+    t.get("/r").await;
+    t.advance(1500);
+    let renewal = &[("cache-control", "stale-while-revalidate=60")];
+    t.origin.set(Mode::NotModified(renewal));
+    let (status, _, _) = t.get("/r").await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(t.origin.calls.get(), 2, "revalidated");
+    t.advance(1000);
+    let (_, h, _) = t.get("/r").await;
+    assert_ne!(x_cache(&h), "STALE");
+    assert_eq!(t.origin.calls.get(), 3, "revalidated again");
 }
 
 /// A body that breaks off midway says nothing about the resource: the key

@@ -81,9 +81,10 @@ pub(crate) enum Waited {
 #[derive(Debug)]
 struct Slot {
     tx: watch::Sender<Option<FlightResult>>,
-    /// What a slower flight this one took over ended with, when not a
-    /// stored answer: for the requests waiting then (see
-    /// `Flights::finish`); those that join later wait on this flight.
+    /// What a slower flight ended with, when not a stored answer, while
+    /// this one held its key (it took it over, or took over one that did):
+    /// for the requests waiting then (see `Flights::finish`); those that
+    /// join later wait on this flight.
     handed: watch::Sender<Option<FlightResult>>,
     deadline: Deadline,
 }
@@ -270,14 +271,17 @@ impl Flights {
                         }
                     });
                 }
+                // Not a stale stand-in without the failure: a request with
+                // no copy of its own would load alone, where it waits on
+                // the newer flight's call.
                 FlightResult::Released
                 | FlightResult::Transient(..)
-                | FlightResult::Stale(..)
+                | FlightResult::Stale(Some(_))
                 | FlightResult::Overtaken(..)
                 | FlightResult::Failed(FlightError::Origin) => {
                     newer.handed.send_replace(Some(result.clone()));
                 }
-                FlightResult::Retry | FlightResult::Failed(_) => {}
+                FlightResult::Retry | FlightResult::Stale(None) | FlightResult::Failed(_) => {}
             }
         }
         slot.tx.send_replace(Some(result));

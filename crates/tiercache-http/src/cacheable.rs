@@ -403,5 +403,10 @@ pub fn content_length(headers: &HeaderMap) -> Option<u64> {
         .ok()
 }
 
+/// 500, 502, 503, 504: the statuses stale-if-error answers for (RFC 5861 §4).
+pub(crate) fn is_origin_error(status: http::StatusCode) -> bool {
+    matches!(status.as_u16(), 500 | 502 | 503 | 504)
+}
+
 #[cfg(test)]
 mod tests;

@@ -17,7 +17,9 @@ use tower::{Service, ServiceExt};
 
 use crate::body::{BoxError, CacheBody};
 use crate::cache_control::targeted;
-use crate::cacheable::{Reason, response_shareable, response_storable, status_heuristic};
+use crate::cacheable::{
+    Reason, is_origin_error, response_shareable, response_storable, status_heuristic,
+};
 use crate::freshness::OriginFreshness;
 use crate::headers;
 use crate::key::{family_of, variant_for, variant_key};
@@ -401,11 +403,6 @@ impl Load<'_> {
             uncacheable,
         }
     }
-}
-
-/// 500, 502, 503, 504: the statuses stale-if-error answers for (RFC 5861 §4).
-fn is_origin_error(status: StatusCode) -> bool {
-    matches!(status.as_u16(), 500 | 502 | 503 | 504)
 }
 
 /// How a response is stored: its lifetime and what the origin said.

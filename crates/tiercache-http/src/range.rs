@@ -80,13 +80,18 @@ pub fn parse_range(value: &str) -> Option<ByteRange> {
     }
 }
 
-/// Whether `value` asks for one range in bytes (well formed or not).
+/// Whether `value` asks for one range in bytes that is malformed (not
+/// one whose positions pass `u64`: that goes to the origin as it did).
 fn one_bytes_range(value: &str) -> bool {
     let value = value.trim();
+    let too_long = value
+        .split(|c: char| !c.is_ascii_digit())
+        .any(|digits| digits.len() > 19);
     value
         .get(..6)
         .is_some_and(|unit| unit.eq_ignore_ascii_case("bytes="))
         && !value.contains(',')
+        && !too_long
 }
 
 impl RangeAsk {

@@ -166,8 +166,8 @@ impl Bus {
     /// Waits, until `deadline` at most, for the invalidation channel's
     /// first subscription: a message published before it is missed, and
     /// the first connection is no reconnect, so nothing would drop L1.
-    /// Then for its echo's verdict (within the same bound): until then
-    /// the instance is deaf.
+    /// Then for its echo's verdict (within the same bound): a refused
+    /// subscription then serves deaf from the start.
     pub(crate) async fn until_subscribed(&self, deadline: tokio::time::Instant) {
         let mut subscribed = self.subscribed.subscribe();
         if tokio::time::timeout_at(deadline, subscribed.wait_for(|s| *s))

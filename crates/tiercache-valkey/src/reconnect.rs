@@ -390,8 +390,8 @@ pub(crate) async fn heartbeat(
     let mut unheard_since: Option<tokio::time::Instant> = None;
     let mut echoes = crate::echo::Echoes::new();
     loop {
-        // A subscription that just landed is echoed at once, without a ping;
-        // the next ping waits a beat (pinged sooner, a silence would hide,
+        // A subscription that just landed is echoed at once (after a ping
+        // that says it was taken); the next ping waits a beat (pinged sooner, a silence would hide,
         // and fred would match a refused `SUBSCRIBE`'s error to it).
         let soon = tokio::select! {
             _ = tick.tick() => false,

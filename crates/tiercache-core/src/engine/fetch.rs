@@ -296,6 +296,19 @@ impl TieredCache {
         })))
     }
 
+    /// A background refresh (`refresh`) of `key` met the origin failing:
+    /// stale hits start no other for [`REFRESH_RETRY_AFTER`], an XFetch
+    /// hit near expiry neither. Marked before its flight ends, so no hit
+    /// starts one in between.
+    ///
+    /// [`REFRESH_RETRY_AFTER`]: super::REFRESH_RETRY_AFTER
+    pub(super) fn refresh_failed(&self, key: &CacheKey, refresh: bool) {
+        if refresh {
+            let until = self.now() + super::REFRESH_RETRY_AFTER;
+            self.inner.refresh_failed.insert(key.hash(), until);
+        }
+    }
+
     /// Whether `key` was recently found uncacheable (hit-for-miss).
     pub(crate) fn is_uncacheable(&self, key: &CacheKey, now: SystemTime) -> bool {
         match self.inner.uncacheable.get(&key.hash()) {

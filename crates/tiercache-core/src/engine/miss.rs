@@ -224,15 +224,9 @@ impl Refresh {
             timed_out: false,
             current: Some(current),
         };
-        let key = lead.keys.flight.hash();
         tokio::spawn(async move {
-            let filled = engine.clone().fill(lead, origin).await;
-            // The origin failed (its stale entry stood in): not asked again
-            // by the next stale hit, but a while later.
-            if matches!(filled, Ok(super::fill::Filled::Stale(_)) | Err(_)) {
-                let until = engine.now() + super::REFRESH_RETRY_AFTER;
-                engine.inner.refresh_failed.insert(key, until);
-            }
+            // An origin failing marks the key (see `refresh_failed`).
+            let _ = engine.fill(lead, origin).await;
             drop(slot);
         });
     }

@@ -116,9 +116,10 @@ pub(crate) struct Inner {
 /// (a black-box audit: 24 refreshes a second for one key of 8 clients).
 pub(crate) const REFRESH_RETRY_AFTER: Duration = Duration::from_secs(1);
 
-/// The most keys whose failed refresh is remembered (each a few dozen
-/// bytes): past it, the oldest are forgotten, and refreshed at their next
-/// stale hit.
+/// The most keys whose failed refresh is remembered (each about a
+/// hit-for-miss mark's [`MARK_WEIGHT`], so 3.3 MB at most, beside L1's
+/// budget): past it, the oldest are forgotten, and refreshed at their
+/// next stale hit.
 pub(crate) const FAILED_REFRESHES: u64 = 10_000;
 
 /// What one hit-for-miss mark holds: moka's node with its timer, the key

@@ -275,7 +275,8 @@ impl TieredCache {
             }
         };
         // A negative entry is not served stale on the route's say-so: the
-        // resource may exist by now. Only the origin's own windows apply.
+        // resource may exist by now. Only the origin's own windows apply
+        // (the HTTP layer gives a 4xx/5xx none).
         let (route_swr, route_sie) = match fill.lifetime {
             super::Lifetime::Negative => (Duration::ZERO, Duration::ZERO),
             _ => (policy.swr_window(), policy.sie_window()),

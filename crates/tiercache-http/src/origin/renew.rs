@@ -227,7 +227,8 @@ fn renew(route: &Route, stale: &Entry, merged: HeaderMap) -> Fill {
             Fill::new(value)
                 .lifetime(Lifetime::Declared(Duration::from_millis(1)))
                 .stale_windows(origin.stale_while_revalidate, origin.stale_if_error)
-                .no_stale(origin.no_stale)
+                // A 4xx/5xx never stale (see `Plan::error`).
+                .no_stale(origin.no_stale || status.is_client_error() || status.is_server_error())
         }
     };
     drop(cache_control);
