@@ -217,3 +217,53 @@ async fn early_refreshes_count_the_refreshes_started() {
     assert_eq!(cache.stats().early_refreshes, 1, "{:?}", cache.stats());
     gate.add_permits(1);
 }
+
+/// An origin that counts its calls and shares a failure (an error page).
+fn failing_origin(calls: Arc<AtomicUsize>) -> impl Origin<Output = (), Error = ()> + use<> {
+    origin_fn(move |_stale: Option<Entry>| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        async move {
+            Ok(Loaded::Share {
+                value: Value::from_body("503"),
+                failed: true,
+            })
+        }
+    })
+}
+
+/// An XFetch refresh that meets the origin failing marks its key, as a
+/// stale entry's does: the next hits near expiry start none for a second.
+/// Only a stale entry's stand-in or an error marked it: a failure the
+/// origin answered started one refresh after another, each hit as the
+/// last ended.
+#[tokio::test]
+async fn a_failed_early_refresh_is_not_started_again_by_the_next_hits() {
+    let clock = MockClock::new();
+    let cache = engine(&clock, 3);
+    let policy = Policy::ttl(Duration::from_secs(10))
+        .jitter(0.0)
+        .xfetch_beta(Policy::MAX_XFETCH_BETA)
+        .build()
+        .unwrap();
+    let key = CacheKey::new("k");
+    let fill = Fill::new(Value::from_body("v1")).origin_latency(Duration::from_secs(5));
+    cache.put(&key, fill, &policy);
+    clock.advance(Duration::from_secs(9));
+    let calls = Arc::new(AtomicUsize::new(0));
+    for _ in 0..5 {
+        let fetched = cache
+            .fetch(&key, &policy, failing_origin(calls.clone()))
+            .await;
+        let Ok(Fetched::Entry(answer)) = fetched else {
+            panic!("the fresh entry answers")
+        };
+        assert_eq!(answer.entry.value().body, "v1");
+        for _ in 0..1000 {
+            if cache.in_flight() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "one early refresh");
+}
