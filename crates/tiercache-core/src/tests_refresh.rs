@@ -184,10 +184,9 @@ async fn a_stale_hit_of_get_or_load_as_does_not_wait_for_its_refresh() {
     assert_eq!(answered.unwrap(), 1);
 }
 
-/// `early_refreshes` counts the refreshes XFetch started: hits on a key
-/// whose early refresh already runs start none, and are not counted.
-#[tokio::test]
-async fn early_refreshes_count_the_refreshes_started() {
+/// `v1` under `k`, loaded in 5 s, a second before its 10 s expire, with
+/// XFetch at its strongest: each hit calls for an early refresh.
+fn near_expiry_under_xfetch() -> (TieredCache, Policy, CacheKey, MockClock) {
     let clock = MockClock::new();
     let cache = engine(&clock, 3);
     let policy = Policy::ttl(Duration::from_secs(10))
@@ -199,6 +198,14 @@ async fn early_refreshes_count_the_refreshes_started() {
     let fill = Fill::new(Value::from_body("v1")).origin_latency(Duration::from_secs(5));
     cache.put(&key, fill, &policy);
     clock.advance(Duration::from_secs(9));
+    (cache, policy, key, clock)
+}
+
+/// `early_refreshes` counts the refreshes XFetch started: hits on a key
+/// whose early refresh already runs start none, and are not counted.
+#[tokio::test]
+async fn early_refreshes_count_the_refreshes_started() {
+    let (cache, policy, key, _clock) = near_expiry_under_xfetch();
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let started = Arc::new(AtomicUsize::new(0));
     for _ in 0..5 {
@@ -238,17 +245,7 @@ fn failing_origin(calls: Arc<AtomicUsize>) -> impl Origin<Output = (), Error = (
 /// last ended.
 #[tokio::test]
 async fn a_failed_early_refresh_is_not_started_again_by_the_next_hits() {
-    let clock = MockClock::new();
-    let cache = engine(&clock, 3);
-    let policy = Policy::ttl(Duration::from_secs(10))
-        .jitter(0.0)
-        .xfetch_beta(Policy::MAX_XFETCH_BETA)
-        .build()
-        .unwrap();
-    let key = CacheKey::new("k");
-    let fill = Fill::new(Value::from_body("v1")).origin_latency(Duration::from_secs(5));
-    cache.put(&key, fill, &policy);
-    clock.advance(Duration::from_secs(9));
+    let (cache, policy, key, _clock) = near_expiry_under_xfetch();
     let calls = Arc::new(AtomicUsize::new(0));
     for _ in 0..5 {
         let fetched = cache
