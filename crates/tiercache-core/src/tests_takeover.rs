@@ -11,6 +11,16 @@ use crate::*;
 const WAIT: Duration = Duration::from_secs(5);
 const SLOW: Duration = Duration::from_secs(8);
 
+/// An engine, and a minute's policy whose flights wait `wait`.
+fn cache_waiting(wait: Duration) -> (TieredCache, Policy) {
+    let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
+    let policy = Policy::ttl(Duration::from_secs(60))
+        .lock_timeout(wait)
+        .build()
+        .unwrap();
+    (cache, policy)
+}
+
 /// An origin that answers `loaded()` after [`SLOW`].
 fn slow_origin(
     loaded: fn() -> Loaded<&'static str>,
@@ -25,11 +35,7 @@ fn slow_origin(
 /// [`SLOW`] (past the flight's [`WAIT`]) with `loaded()`: when each was
 /// answered, from the start.
 async fn twenty_requests(loaded: fn() -> Loaded<&'static str>) -> Vec<Duration> {
-    let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
-    let policy = Policy::ttl(Duration::from_secs(60))
-        .lock_timeout(WAIT)
-        .build()
-        .unwrap();
+    let (cache, policy) = cache_waiting(WAIT);
     let started = Instant::now();
     let requests: Vec<_> = (0..20)
         .map(|_| {
@@ -128,11 +134,7 @@ async fn a_slow_failure_reaches_the_requests_waiting_on_the_flight_that_took_it_
         ("an error", || Err(())),
     ];
     for (case, loaded) in cases {
-        let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
-        let policy = Policy::ttl(Duration::from_secs(60))
-            .lock_timeout(WAIT)
-            .build()
-            .unwrap();
+        let (cache, policy) = cache_waiting(WAIT);
         let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let started = Instant::now();
         let requests: Vec<_> = (0..20)
@@ -190,11 +192,7 @@ impl Origin for Watched {
 /// every deadline each reached: 9 lock timeouts, 10 wait samples.
 #[tokio::test(start_paused = true)]
 async fn each_request_that_waited_is_counted_once() {
-    let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
-    let policy = Policy::ttl(Duration::from_secs(60))
-        .lock_timeout(Duration::from_millis(300))
-        .build()
-        .unwrap();
+    let (cache, policy) = cache_waiting(Duration::from_millis(300));
     let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let requests: Vec<_> = (0..5)
         .map(|_| {
@@ -261,11 +259,7 @@ impl Origin for Ticking {
 /// (past the flight's 5 s wait): the origin calls they make, and the lock
 /// timeouts.
 async fn twenty_on_a_ticking_origin(ticks: u32, alive: bool) -> (usize, u64) {
-    let cache = TieredCache::builder().sweep_interval(None).build().unwrap();
-    let policy = Policy::ttl(Duration::from_secs(60))
-        .lock_timeout(WAIT)
-        .build()
-        .unwrap();
+    let (cache, policy) = cache_waiting(WAIT);
     let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let requests: Vec<_> = (0..20)
         .map(|_| {
