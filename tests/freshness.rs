@@ -910,6 +910,30 @@ async fn a_304_to_the_request_asked_again_is_a_502() {
     assert!(!t.engine.l1_contains(&key_of("/p")));
 }
 
+/// A 304 to a load without validators (the client's are taken off, and
+/// none is added without a stored response) answers nothing (RFC 9110
+/// §15.4.5): the request gets a 502, and so do the requests waiting on
+/// it. Each went to the origin alone and passed its bare 304 on to a
+/// client that had asked for none (a black-box audit: 21 origin calls for
+/// 20 clients of an origin that answers 304 to everything).
+#[tokio::test]
+async fn a_304_to_a_load_without_validators_is_a_502_for_every_request_waiting() {
+    let t = Harness::new(Policy::ttl(secs(60)).jitter(0.0).build().unwrap());
+    let gate = Gate::new();
+    t.origin.set(Mode::HeldStatus(gate.clone(), 304));
+    let requests = futures_join((0..5).map(|_| t.get("/n")).collect());
+    let opener = async {
+        t.origin.calls.reached(1).await;
+        gate.open();
+    };
+    let (answers, ()) = tokio::join!(requests, opener);
+    for (status, h, body) in answers {
+        assert_eq!(status, StatusCode::BAD_GATEWAY, "{h:?} {body}");
+    }
+    assert_eq!(t.origin.calls.get(), 1, "one origin call for the five");
+    assert!(!t.engine.l1_contains(&key_of("/n")));
+}
+
 /// A request for a key that is not stored goes to the origin with its
 /// `Range`; the origin's 416 answers that request only. Stored under the
 /// URL's key, an anonymous `Range: bytes=999999999-` would have answered

@@ -139,6 +139,8 @@ struct EntryInner {
     origin_latency: Duration,
     /// The tags it was stored under (see [`Entry::with_tags`]).
     tags: Box<[Bytes]>,
+    /// See [`Entry::load`].
+    load: u64,
     /// A representation of the value built once by a reader and reused on
     /// every later hit (the HTTP layer keeps a ready `HeaderMap` here).
     view: OnceLock<Box<dyn Any + Send + Sync>>,
@@ -195,6 +197,7 @@ impl Entry {
             times,
             origin_latency,
             tags: Box::default(),
+            load: 0,
             view: OnceLock::new(),
         }))
     }
@@ -231,7 +234,7 @@ impl Entry {
         self.rebuilt(times).with_tags(self.tags())
     }
 
-    /// A new entry with this one's parts, untagged, and `times`.
+    /// A new entry with this one's parts and load, untagged, and `times`.
     fn rebuilt(&self, times: Times) -> Entry {
         Entry::new(
             self.key().clone(),
@@ -240,6 +243,30 @@ impl Entry {
             times,
             self.origin_latency(),
         )
+        .loaded_by(self.load())
+    }
+
+    /// This entry, the answer of the load numbered `load` (see
+    /// [`Entry::load`]).
+    pub(crate) fn loaded_by(mut self, load: u64) -> Self {
+        match Arc::get_mut(&mut self.0) {
+            Some(inner) => {
+                inner.load = load;
+                self
+            }
+            None => self
+                .rebuilt(self.times())
+                .with_tags(self.tags())
+                .loaded_by(load),
+        }
+    }
+
+    /// The number of the load this entry answers: the engine numbers its
+    /// loads as they start, and a fill gives way to an entry in L1 of a
+    /// later load (an older, slower load does not replace a newer answer).
+    /// `0` when not known (a copy read from the shared tier).
+    pub(crate) fn load(&self) -> u64 {
+        self.0.load
     }
 
     /// The tags this entry was stored under.

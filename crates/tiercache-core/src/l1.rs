@@ -210,9 +210,9 @@ impl L1 {
         None
     }
 
-    /// Puts `entry` in under `hash`; this fill's [`Holding`]. Never from
-    /// inside a compute's closure under the same key (moka's computes
-    /// under one key wait for each other: it would wait for itself).
+    /// Puts `entry` in under `hash`, whatever L1 holds there; this fill's
+    /// [`Holding`] (the engine stores with [`replace`](Self::replace)).
+    #[cfg(test)]
     pub(crate) fn insert(&self, hash: KeyHash, entry: Entry) -> Holding {
         let held = Held::new(entry);
         let holding = held.holding();
@@ -224,13 +224,17 @@ impl L1 {
     }
 
     /// The entry held under `hash`, live or not, as moka has it.
+    #[cfg(test)]
     pub(crate) fn held(&self, hash: &KeyHash) -> Option<Entry> {
         self.cache.get(hash)?.entry()
     }
 
     /// Inserts `entry` only if `unchanged` says so of what L1 holds under
     /// `hash` now: a promotion checks that L1 holds nothing fresh; a
-    /// renewal, the fill it read. moka runs it atomically against other
+    /// renewal, the fill it read; a store, that L1 holds no later load's
+    /// answer. Never from inside a compute's closure under the same key
+    /// (moka's computes under one key wait for each other: it would wait
+    /// for itself). moka runs it atomically against other
     /// computes under `hash` (stores and removals by `remove_if` are
     /// computes too), not against `invalidate`; the engine's fills,
     /// promotions and renewals all write under the journal's lock. The

@@ -94,15 +94,16 @@ async fn an_answer_that_may_not_be_shared_releases_every_waiting_request() {
 /// What an origin answers, or fails with.
 type Load = fn() -> Result<Loaded<&'static str>, ()>;
 
-/// An origin that counts its calls and answers `loaded()` after [`SLOW`].
-fn counted_slow_origin(
+/// An origin that counts its calls and answers `loaded()` after `took`.
+fn counted_origin(
     loaded: Load,
     calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    took: Duration,
 ) -> impl Origin<Output = &'static str, Error = ()> + use<> {
     origin_fn(move |_stale: Option<Entry>| {
         calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         async move {
-            tokio::time::sleep(SLOW).await;
+            tokio::time::sleep(took).await;
             loaded()
         }
     })
@@ -140,7 +141,7 @@ async fn a_slow_failure_reaches_the_requests_waiting_on_the_flight_that_took_it_
         let requests: Vec<_> = (0..20)
             .map(|_| {
                 let (cache, policy, calls) = (cache.clone(), policy.clone(), calls.clone());
-                let origin = counted_slow_origin(loaded, calls);
+                let origin = counted_origin(loaded, calls, SLOW);
                 tokio::spawn(async move {
                     let _ = cache.fetch(&CacheKey::new("k"), &policy, origin).await;
                     started.elapsed()
@@ -398,4 +399,96 @@ async fn a_loads_progress_moves_its_fleet_lock_on() {
     tokio::time::advance(ms(500)).await;
     left.lock().unwrap().take().unwrap().made();
     assert_eq!(tier.moved.lock().unwrap().len(), 4, "a released lock moved");
+}
+
+/// A slow load that answers after the flight that took it over stored a
+/// newer answer: the slow one still answers its own request, but the
+/// newer answer stays stored. It did not: the older answer replaced it
+/// (a black-box audit: a `500` that took 5 s replaced the `200` a newer
+/// flight stored at 2.7 s, then answered as a hit; and the reverse).
+#[tokio::test(start_paused = true)]
+async fn a_slow_answer_does_not_replace_the_newer_one_stored_meanwhile() {
+    let (cache, policy) = cache_waiting(WAIT);
+    let key = CacheKey::new("k");
+    fn answer(body: &'static str, after: Duration) -> impl Origin<Output = (), Error = ()> {
+        origin_fn(move |_stale: Option<Entry>| async move {
+            tokio::time::sleep(after).await;
+            Ok(Loaded::Store(Fill::new(Value::from_body(body))))
+        })
+    }
+    let slow = {
+        let (cache, policy, key) = (cache.clone(), policy.clone(), key.clone());
+        tokio::spawn(async move { cache.fetch(&key, &policy, answer("older", SLOW)).await })
+    };
+    tokio::task::yield_now().await;
+    // Waits on the slow flight, takes it over at its deadline, stores.
+    let newer = cache.fetch(&key, &policy, answer("newer", Duration::ZERO));
+    let Ok(Fetched::Entry(newer)) = newer.await else {
+        panic!("the request that took the flight over was not answered");
+    };
+    assert_eq!(newer.entry.value().body, "newer");
+    let Ok(Fetched::Entry(older)) = slow.await.unwrap() else {
+        panic!("the slow request was not answered");
+    };
+    assert_eq!(older.entry.value().body, "older", "its own load's answer");
+    let stored = cache.get(&key).await.expect("an entry stored");
+    assert_eq!(stored.body, "newer", "the newer answer stays stored");
+}
+
+/// A slow load whose failure may not be shared, its stale copy standing
+/// in for it, ends while the requests that came after an invalidation
+/// (no copy of their own) wait on a newer flight: they keep waiting on
+/// it, rather than each loading alone as its own followers without a
+/// copy would.
+#[tokio::test(start_paused = true)]
+async fn a_slow_stand_in_without_the_failure_is_not_handed_on() {
+    let clock = MockClock::new();
+    let cache = TieredCache::builder()
+        .clock(clock.clone())
+        .sweep_interval(None)
+        .build()
+        .unwrap();
+    let policy = Policy::ttl(Duration::from_secs(1))
+        .jitter(0.0)
+        .stale_if_error(Duration::from_secs(60))
+        .lock_timeout(WAIT)
+        .build()
+        .unwrap();
+    let key = CacheKey::new("k");
+    cache.put(&key, Value::from_body("stale"), &policy);
+    clock.advance(Duration::from_secs(2));
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let private_failure: Load = || {
+        Ok(Loaded::Pass {
+            output: "mine",
+            failed: true,
+            uncacheable: false,
+        })
+    };
+    let first = fetch_k(
+        &cache,
+        &policy,
+        counted_origin(private_failure, calls.clone(), SLOW),
+    );
+    tokio::task::yield_now().await;
+    let _ = cache.invalidate(&key).await;
+    // Their load answers within the flight's wait: the slow one ends while
+    // they wait on the one that took it over.
+    let stored: Load = || Ok(Loaded::Store(Fill::new(Value::from_body("new"))));
+    let quick = WAIT - Duration::from_secs(1);
+    let after: Vec<_> = (0..5)
+        .map(|_| {
+            let (cache, policy, key) = (cache.clone(), policy.clone(), key.clone());
+            let origin = counted_origin(stored, calls.clone(), quick);
+            tokio::spawn(async move { cache.fetch(&key, &policy, origin).await })
+        })
+        .collect();
+    first.await.unwrap();
+    for request in after {
+        let Ok(Fetched::Entry(answer)) = request.await.unwrap() else {
+            panic!("a request after the invalidation was not answered");
+        };
+        assert_eq!(answer.entry.value().body, "new");
+    }
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
 }

@@ -135,7 +135,8 @@ where
             let res = load.call(inner, req).await?;
             // A 304 to a request without validators renews nothing.
             if res.status() == StatusCode::NOT_MODIFIED {
-                return Ok(load.not_selected(&stale).await);
+                load.drop_outdated(&stale).await;
+                return Ok(load.unasked_not_modified());
             }
             let loaded = load.answer(res, Some(&stale), None).await;
             // The current version stored replaces the outdated one (an
@@ -215,10 +216,11 @@ impl Load<'_> {
                 parts.headers.insert(DATE, date);
             }
         }
-        if parts.status == StatusCode::NOT_MODIFIED
-            && let Some(stale) = revalidating
-        {
-            return self.renewed(parts, stale).await;
+        if parts.status == StatusCode::NOT_MODIFIED {
+            return match revalidating {
+                Some(stale) => self.renewed(parts, stale).await,
+                None => self.unasked_not_modified(),
+            };
         }
         // A live stream has no end to read to (to store it, or share it
         // with the requests waiting): it goes to its client as it comes,

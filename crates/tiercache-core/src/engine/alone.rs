@@ -24,7 +24,7 @@ impl TieredCache {
         hit_for_miss: bool,
     ) -> Result<Fetched<O::Output>, FetchError<O::Error>> {
         let usable = fallback.filter(|e| self.stale_usable(e));
-        let epoch = self.inner.journal.epoch();
+        let start = self.inner.journal.start();
         let (started, began) = (Instant::now(), self.now());
         let loaded = origin.load(None).await;
         let took = started.elapsed();
@@ -57,8 +57,8 @@ impl TieredCache {
                 if fill.origin_latency_unset() {
                     fill = fill.origin_latency(delta);
                 }
-                let (entry, stored) = self.store_since(&keys.flight, fill, policy, epoch);
-                Ok(answer(entry, stored.is_ok()))
+                let (entry, stored) = self.store_since(&keys.flight, fill, policy, start);
+                Ok(answer(entry, stored == Ok(true)))
             }
             Loaded::Share { value, .. } => {
                 let mut fetched = answer(self.transient(&keys.flight, value, took), false);

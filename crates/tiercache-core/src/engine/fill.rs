@@ -199,8 +199,10 @@ impl TieredCache {
         // A refresh is no request: its waits are not a request's.
         let refresh = current.is_some();
         // Noted before anything is read: an invalidation after this point
-        // keeps what this fill reads from being stored.
-        let epoch = self.inner.journal.epoch();
+        // keeps what this fill reads from being stored (and a later
+        // load's answer stored meanwhile stays).
+        let start = self.inner.journal.start();
+        let epoch = start.epoch;
         // The origin is asked which entries fit across the awaits below; a
         // lock makes it shareable with them whatever it holds (`Send` only).
         let origin = Locked(std::sync::Mutex::new(origin));
@@ -298,18 +300,19 @@ impl TieredCache {
                 if fill.origin_latency_unset() {
                     fill = fill.origin_latency(delta);
                 }
-                let (entry, stored) = self.store_since(&keys.flight, fill, &policy, epoch);
-                // After the store was queued: the waiting instances read it.
+                let (entry, stored) = self.store_since(&keys.flight, fill, &policy, start);
+                // After the store was queued (or a later load's): the
+                // waiting instances read it.
                 lock.release(if stored.is_ok() {
                     Unlocked::Filled
                 } else {
                     Unlocked::Passed
                 });
                 leader.complete(match stored {
-                    Ok(()) => FlightResult::Shared(entry.clone(), Source::Origin),
+                    Ok(_) => FlightResult::Shared(entry.clone(), Source::Origin),
                     Err(at) => FlightResult::Overtaken(entry.clone(), at),
                 });
-                Ok(Filled::Entry(entry, Source::Origin, stored.is_ok()))
+                Ok(Filled::Entry(entry, Source::Origin, stored == Ok(true)))
             }
             Ok(Loaded::Share { value, failed }) => {
                 self.refresh_failed(&keys.flight, refresh && failed);

@@ -16,6 +16,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 
@@ -78,10 +79,22 @@ struct State {
     hashes: usize,
 }
 
+/// Where a fill starts: the journal's epoch (an invalidation recorded
+/// from it on overtakes the fill) and the load's number (loads are
+/// numbered as they start: a fill gives way to an entry a later load
+/// stored meanwhile, see [`Entry::load`](crate::Entry)).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Start {
+    pub(crate) epoch: u64,
+    pub(crate) load: u64,
+}
+
 /// See the module docs.
 #[derive(Debug, Default)]
 pub(crate) struct Journal {
     state: Mutex<State>,
+    /// The number the last load started took.
+    loads: AtomicU64,
 }
 
 impl Journal {
@@ -98,6 +111,15 @@ impl Journal {
     /// The sequence a fill starting now notes.
     pub(crate) fn epoch(&self) -> u64 {
         self.lock().next
+    }
+
+    /// Where a fill starting now starts: the epoch, and a load number
+    /// above every earlier one's (`0` is no load's).
+    pub(crate) fn start(&self) -> Start {
+        Start {
+            epoch: self.epoch(),
+            load: self.loads.fetch_add(1, Ordering::Relaxed) + 1,
+        }
     }
 
     /// Records `scope` and runs `apply` (the L1 drop) under the journal's lock.

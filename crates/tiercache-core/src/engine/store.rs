@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 
 use super::TieredCache;
-use super::journal::Footprint;
+use super::journal::{Footprint, Start};
 use crate::{CacheKey, Entry, KeyHash, Policy, Times, Value};
 
 /// Where a fill's fresh lifetime comes from.
@@ -179,20 +179,25 @@ pub(super) fn later(t: SystemTime, d: Duration) -> SystemTime {
 }
 
 impl TieredCache {
-    /// Stores `fill` under `key` (or the keys it names, see
-    /// [`Fill::store_under`]) in L1 and, queued, in L2, unless an invalidation recorded since
-    /// `epoch` covers it, with the policy's tags added to the fill's own. Returns the entry under `key`, and `Ok` when it
-    /// was stored or the sequence of the invalidation that overtook it
-    /// (see [`Journal::unless_overtaken`](super::journal::Journal::unless_overtaken)). The fresh lifetime is drawn now from the policy's jitter band
-    /// (or, for a lifetime the origin declared, from below it); the stale
+    /// Stores `fill`, the answer of a load that started at `start`, under
+    /// `key` (or the keys it names, see [`Fill::store_under`]) in L1 and,
+    /// queued, in L2, with the policy's tags added to the fill's own;
+    /// unless an invalidation recorded since covers it, and under each key
+    /// only if L1 holds no answer of a later load there (see
+    /// [`Entry::load`]). Returns the entry under `key`, and `Ok(true)`
+    /// when it was stored, `Ok(false)` when a later load's answer stays, or
+    /// the sequence of the invalidation that overtook it (see
+    /// [`Journal::unless_overtaken`](super::journal::Journal::unless_overtaken)).
+    /// The fresh lifetime is drawn now from the policy's jitter band (or,
+    /// for a lifetime the origin declared, from below it); the stale
     /// windows follow it; L2's `PX` is the whole hard lifetime.
     pub(crate) fn store_since(
         &self,
         key: &CacheKey,
         fill: Fill,
         policy: &Policy,
-        epoch: u64,
-    ) -> (Entry, Result<(), u64>) {
+        start: Start,
+    ) -> (Entry, Result<bool, u64>) {
         // Whatever stores under a policy (a load, a `put`, a `touch`)
         // carries its tags.
         let fill = fill.add_tags(policy.tags());
@@ -207,6 +212,7 @@ impl TieredCache {
                 fill.origin_latency,
             )
             .with_tags(&fill.tags)
+            .loaded_by(start.load)
         };
         let mut under = fill.under.iter();
         let key = under.next().unwrap_or(key);
@@ -226,20 +232,23 @@ impl TieredCache {
             fulls: &fulls,
             tags: &fill.tags,
         };
-        let stored = self.inner.journal.unless_overtaken(epoch, &footprint, || {
-            for (k, e) in &extra {
-                self.insert(k, e.clone(), l2_ttl, &fill.tags);
-            }
-            self.insert(key, main.clone(), l2_ttl, &fill.tags);
-        });
+        let stored = self
+            .inner
+            .journal
+            .unless_overtaken(start.epoch, &footprint, || {
+                for (k, e) in &extra {
+                    self.insert(k, e.clone(), l2_ttl, &fill.tags);
+                }
+                self.insert(key, main.clone(), l2_ttl, &fill.tags)
+            });
         self.inner.prune_tags_if_due();
         (main, stored)
     }
 
     /// Stores `fill` now, whatever came before (the programmatic `put`).
     pub(crate) fn store_now(&self, key: &CacheKey, fill: Fill, policy: &Policy) -> Entry {
-        let epoch = self.inner.journal.epoch();
-        self.store_since(key, fill, policy, epoch).0
+        let start = self.inner.journal.start();
+        self.store_since(key, fill, policy, start).0
     }
 
     /// An answer that is shared but not stored: fresh for no time.
@@ -309,24 +318,34 @@ impl TieredCache {
     }
 
     /// Puts `entry` in L1 and (queued) in L2 under `key`, records it under
-    /// `tags`, and clears any hit-for-miss mark. Callers hold the journal's
-    /// lock (see [`store_since`](Self::store_since)).
-    pub(crate) fn insert(&self, key: &CacheKey, entry: Entry, l2_ttl: Duration, tags: &[Bytes]) {
+    /// `tags`, and clears any hit-for-miss mark; unless L1 holds the answer
+    /// of a later load there (see [`Entry::load`]), which stays, in both
+    /// tiers. Whether it went in. Callers hold the journal's lock (see
+    /// [`store_since`](Self::store_since)).
+    pub(crate) fn insert(
+        &self,
+        key: &CacheKey,
+        entry: Entry,
+        l2_ttl: Duration,
+        tags: &[Bytes],
+    ) -> bool {
+        let mut old = None;
+        let load = entry.load();
+        let older = |live: Option<&Entry>| {
+            old = live.cloned();
+            live.is_none_or(|live| live.load() <= load)
+        };
+        // In L1 before its tags record it: a prune that finds a record's
+        // fill gone from L1 then knows it is not this one.
+        let Some(holding) = self.inner.l1.replace(key.hash(), entry.clone(), older) else {
+            return false;
+        };
         self.inner.uncacheable.invalidate(&key.hash());
         if let Some(l2) = &self.inner.l2 {
             l2.put(key, &entry, l2_ttl, tags);
         }
-        // The entry it replaces, for its tags (none recorded: none to drop).
-        let any_tags = self
-            .inner
-            .tag_keys
-            .load(std::sync::atomic::Ordering::Relaxed)
-            > 0;
-        let old = any_tags.then(|| self.inner.l1.held(&key.hash())).flatten();
-        // In L1 before its tags record it: a prune that finds a record's
-        // fill gone from L1 then knows it is not this one.
-        let holding = self.inner.l1.insert(key.hash(), entry);
         self.inner.retag(key.hash(), &holding, old.as_ref(), tags);
+        true
     }
 
     /// Stores `entry`, a renewal of `read`, under its own tags: in L1 only

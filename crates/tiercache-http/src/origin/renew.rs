@@ -76,6 +76,25 @@ impl Load<'_> {
         }
     }
 
+    /// A 304 to a load that carried no validators (the client's are taken
+    /// off, and none is added without a stored response, or to a request
+    /// asked again) answers nothing (RFC 9110 §15.4.5): a 502, shared
+    /// with the requests waiting, so an origin that answers 304 to
+    /// everything is asked once, not by each of them. Not a failure a
+    /// stale copy stands in for: the copy asked again for is outdated.
+    pub(super) fn unasked_not_modified<ResB>(&self) -> Loaded<Passed<ResB>> {
+        self.route.metrics.origin(self.started.elapsed());
+        self.route.metrics.not_stored(Reason::Status);
+        let mut value = Value::from_body(Bytes::from_static(
+            b"the origin answered 304 Not Modified to a request without validators\n",
+        ));
+        value.status = StatusCode::BAD_GATEWAY.as_u16();
+        Loaded::Share {
+            value,
+            failed: false,
+        }
+    }
+
     /// Drops a stored response a 304 did not renew, everywhere: under its
     /// own key and, for a `Vary` variant, under the URL's key too, where the
     /// same fill may have stored it.
