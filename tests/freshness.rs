@@ -576,7 +576,12 @@ async fn stale_if_error_covers_each_error_kind() {
         assert_eq!((status, body.as_str()), (StatusCode::OK, "body 1"));
         assert_eq!(x_cache(&h), "STALE");
         assert_eq!(status_of(&h), "tiercache; fwd=stale; detail=origin-error");
+        // For a second the stale copy answers without asking the origin.
+        let calls = t.origin.calls.get();
+        assert_eq!(t.get("/r").await.2, "body 1");
+        assert_eq!(t.origin.calls.get(), calls, "asked again at once");
         // A 404 is an answer, not an error: it is not papered over.
+        t.advance(1000);
         t.origin.set(Mode::Status(404));
         let (status, _, _) = t.get("/r").await;
         assert_eq!(status, StatusCode::NOT_FOUND);

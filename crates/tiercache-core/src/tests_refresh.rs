@@ -264,3 +264,50 @@ async fn a_failed_early_refresh_is_not_started_again_by_the_next_hits() {
     }
     assert_eq!(calls.load(Ordering::SeqCst), 1, "one early refresh");
 }
+
+/// Past stale-while-revalidate, inside stale-if-error, a key whose origin
+/// failed a moment ago: its stale copy answers without another load until
+/// [`RETRY_FAILING_AFTER`](crate::engine::RETRY_FAILING_AFTER) has passed,
+/// then the origin is asked again. Each request was a flight of its own
+/// that asked it, back to back (one call per flight, however fast it
+/// failed).
+#[tokio::test]
+async fn a_failing_origin_is_asked_once_a_second_while_a_stale_copy_stands_in() {
+    let clock = MockClock::new();
+    let cache = engine(&clock, 1);
+    let key = CacheKey::new("k");
+    let policy = Policy::ttl(Duration::from_secs(1))
+        .jitter(0.0)
+        .stale_if_error(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    cache.put(&key, Value::from_body("v1"), &policy);
+    clock.advance(Duration::from_secs(2));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let stale_answer = || async {
+        let fetched = cache
+            .fetch(&key, &policy, failing_origin(calls.clone()))
+            .await;
+        let Ok(Fetched::Entry(answer)) = fetched else {
+            panic!("the stale copy answers")
+        };
+        assert_eq!(answer.entry.value().body, "v1");
+        assert_eq!(answer.served, Served::Stale(StaleReason::OriginError));
+    };
+    for _ in 0..5 {
+        stale_answer().await;
+    }
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "one call for five requests"
+    );
+    clock.advance(crate::engine::RETRY_FAILING_AFTER);
+    stale_answer().await;
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "asked again a second later"
+    );
+    assert_eq!(cache.stats().stale_served, 6);
+}

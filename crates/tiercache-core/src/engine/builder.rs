@@ -167,7 +167,7 @@ impl TieredCacheBuilder {
             None => SmallRng::from_os_rng(),
         };
         let marks_clock = self.clock.clone();
-        let failed_refreshes_clock = self.clock.clone();
+        let failing_clock = self.clock.clone();
         let tag_room = Inner::tag_room(self.l1_capacity);
         let (marks_room, carved) = super::marks_room(self.l1_capacity);
         let inner = Arc::new(Inner {
@@ -187,9 +187,9 @@ impl TieredCacheBuilder {
                 .weigher(|_, _| super::MARK_WEIGHT)
                 .expire_after(super::MarkExpiry(marks_clock))
                 .build(),
-            refresh_failed: moka::sync::Cache::builder()
-                .max_capacity(super::FAILED_REFRESHES)
-                .expire_after(super::MarkExpiry(failed_refreshes_clock))
+            failing: moka::sync::Cache::builder()
+                .max_capacity(super::FAILING_KEYS)
+                .expire_after(super::MarkExpiry(failing_clock))
                 .build(),
             // Pruned to follow L1 (see `engine::tags`), with a room past
             // which a tag invalidation drops all of L1.

@@ -230,6 +230,27 @@ impl TieredCache {
                 let Keys { requested, flight } = keys(flight);
                 Begin::Miss(self.miss(requested, flight, policy, Some(entry), true, now))
             }
+            // Inside stale-if-error, its origin failing a moment ago: the
+            // stale copy answers without asking it again.
+            Lookup::Miss {
+                fallback: Some(stale),
+            } if stale.freshness(now) == Freshness::StaleIfError
+                && self.origin_failing(flight.as_ref().unwrap_or(key)) =>
+            {
+                bump(&self.inner.counters.stale_served);
+                Begin::Hit(Hit {
+                    answer: Answer {
+                        entry: stale,
+                        source: Source::L1,
+                        served: Served::Stale(StaleReason::OriginError),
+                        collapsed: false,
+                    },
+                    remaining: Duration::ZERO,
+                    at: now,
+                    early_refresh: false,
+                    refresh: None,
+                })
+            }
             Lookup::Miss { fallback } => {
                 let Keys { requested, flight } = keys(flight);
                 Begin::Miss(self.miss(requested, flight, policy, fallback, false, now))
@@ -261,10 +282,8 @@ impl TieredCache {
     /// is already running (it will do), or as many refreshes as allowed are
     /// running (a later hit starts it: refreshes are paced).
     pub(super) fn refresh(&self, keys: Keys, policy: &Policy, current: &Entry) -> Option<Refresh> {
-        // Its last refresh failed a moment ago: the stale entry answers on.
-        if let Some(until) = self.inner.refresh_failed.get(&keys.flight.hash())
-            && until > self.now()
-        {
+        // Its origin failed a moment ago: the stale entry answers on.
+        if self.origin_failing(&keys.flight) {
             return None;
         }
         // No slot free: deferred, unless the key's own load runs (it will
@@ -296,17 +315,27 @@ impl TieredCache {
         })))
     }
 
-    /// A background refresh (`refresh`) of `key` met the origin failing:
-    /// stale hits start no other for [`REFRESH_RETRY_AFTER`], an XFetch
-    /// hit near expiry neither. Marked before its flight ends, so no hit
-    /// starts one in between.
+    /// A load of `key` (a request's or a refresh) met the origin failing
+    /// (`failed`): for [`RETRY_FAILING_AFTER`] stale hits start no
+    /// refresh, an XFetch hit near expiry neither, and a stale-if-error
+    /// copy answers without a load. Marked before its flight ends, so no
+    /// request starts one in between.
     ///
-    /// [`REFRESH_RETRY_AFTER`]: super::REFRESH_RETRY_AFTER
-    pub(super) fn refresh_failed(&self, key: &CacheKey, refresh: bool) {
-        if refresh {
-            let until = self.now() + super::REFRESH_RETRY_AFTER;
-            self.inner.refresh_failed.insert(key.hash(), until);
+    /// [`RETRY_FAILING_AFTER`]: super::RETRY_FAILING_AFTER
+    pub(super) fn origin_failed(&self, key: &CacheKey, failed: bool) {
+        if failed {
+            let until = self.now() + super::RETRY_FAILING_AFTER;
+            self.inner.failing.insert(key.hash(), until);
         }
+    }
+
+    /// Whether a load of `key` met the origin failing a moment ago (see
+    /// [`origin_failed`](Self::origin_failed)).
+    fn origin_failing(&self, key: &CacheKey) -> bool {
+        self.inner
+            .failing
+            .get(&key.hash())
+            .is_some_and(|until| until > self.now())
     }
 
     /// Whether `key` was recently found uncacheable (hit-for-miss).

@@ -271,7 +271,7 @@ impl TieredCache {
                 // Another instance's load failed: so does this one's wait,
                 // as a local follower's would (its stale copy stands in).
                 FleetJoin::Failed => {
-                    self.refresh_failed(&keys.flight, refresh);
+                    self.origin_failed(&keys.flight, true);
                     leader.complete(FlightResult::Failed(FlightError::Origin));
                     return match stale.filter(|e| self.stale_usable(e)) {
                         Some(stale) => Ok(Filled::Stale(stale)),
@@ -315,7 +315,7 @@ impl TieredCache {
                 Ok(Filled::Entry(entry, Source::Origin, stored == Ok(true)))
             }
             Ok(Loaded::Share { value, failed }) => {
-                self.refresh_failed(&keys.flight, refresh && failed);
+                self.origin_failed(&keys.flight, failed);
                 let entry = self.transient(&keys.flight, value, delta);
                 lock.release(Unlocked::Shared(entry.clone(), failed));
                 Ok(self.shared(leader, entry, failed, usable))
@@ -326,7 +326,7 @@ impl TieredCache {
                 uncacheable,
             }) => {
                 lock.release(Unlocked::Passed);
-                self.refresh_failed(&keys.flight, refresh && failed);
+                self.origin_failed(&keys.flight, failed);
                 if let Some(stale) = usable.filter(|_| failed) {
                     return Ok(stand_in(leader, stale));
                 }
@@ -350,7 +350,7 @@ impl TieredCache {
                 // after a lock that is gone; the key stays unmarked and a
                 // refreshed entry stays.
                 lock.release(Unlocked::Gone);
-                self.refresh_failed(&keys.flight, refresh && failed);
+                self.origin_failed(&keys.flight, failed);
                 if let Some(stale) = usable.filter(|_| failed) {
                     return Ok(stand_in(leader, stale));
                 }
@@ -363,13 +363,13 @@ impl TieredCache {
             // without (it came after an invalidation, or is another
             // variant) gets the failure too, not a call of its own.
             Ok(Loaded::Failed { output }) => {
-                self.refresh_failed(&keys.flight, refresh);
+                self.origin_failed(&keys.flight, true);
                 lock.release(Unlocked::Failed);
                 leader.complete(FlightResult::Failed(FlightError::Origin));
                 Ok(usable.map_or(Filled::Passed(output), Filled::Stale))
             }
             Err(e) => {
-                self.refresh_failed(&keys.flight, refresh);
+                self.origin_failed(&keys.flight, true);
                 lock.release(Unlocked::Failed);
                 leader.complete(FlightResult::Failed(FlightError::Origin));
                 usable.map(Filled::Stale).ok_or(FetchError::Origin(e))

@@ -225,7 +225,7 @@ impl Refresh {
             current: Some(current),
         };
         tokio::spawn(async move {
-            // An origin failing marks the key (see `refresh_failed`).
+            // An origin failing marks the key (see `origin_failed`).
             let _ = engine.fill(lead, origin).await;
             drop(slot);
         });

@@ -78,9 +78,10 @@ pub(crate) struct Inner {
     rng: Mutex<SmallRng>,
     /// Keys whose last response could not be shared, until when (hit-for-miss).
     pub(crate) uncacheable: moka::sync::Cache<KeyHash, SystemTime>,
-    /// Keys whose last background refresh failed, and until when no other
-    /// starts (see [`REFRESH_RETRY_AFTER`]); at most [`FAILED_REFRESHES`].
-    pub(crate) refresh_failed: moka::sync::Cache<KeyHash, SystemTime>,
+    /// Keys whose last load met the origin failing, and until when their
+    /// stale copy answers without another (see [`RETRY_FAILING_AFTER`]);
+    /// at most [`FAILING_KEYS`].
+    pub(crate) failing: moka::sync::Cache<KeyHash, SystemTime>,
     /// Tag → the keys this instance stored with it (tag invalidation without L2).
     pub(crate) tags: tag_index::TagIndex,
     /// The tag index lost a tag to its bound: the next tag invalidation
@@ -110,17 +111,22 @@ pub(crate) struct Inner {
     shared: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
 }
 
-/// How long after a background refresh failed (the origin's error, or an
-/// answer that broke off) the key's stale entry answers without another:
-/// a failing origin is asked once a second per key, not by every stale hit
-/// (a black-box audit: 24 refreshes a second for one key of 8 clients).
-pub(crate) const REFRESH_RETRY_AFTER: Duration = Duration::from_secs(1);
+/// How long after a load of a key met the origin failing (its error, or
+/// an answer that broke off) the key's stale entry answers without
+/// another: inside stale-while-revalidate no refresh starts, inside
+/// stale-if-error no load. A failing origin is asked once a second per
+/// key, not by every stale hit (a black-box audit: 24 refreshes a second
+/// for one key of 8 clients), nor by each flight back to back (nginx
+/// rests a failed upstream `fail_timeout`, 10 s; FusionCache throttles
+/// its fail-safe). Its cost: an origin back within the second is asked
+/// again at its end.
+pub(crate) const RETRY_FAILING_AFTER: Duration = Duration::from_secs(1);
 
-/// The most keys whose failed refresh is remembered (each about a
+/// The most keys whose origin's failure is remembered (each about a
 /// hit-for-miss mark's [`MARK_WEIGHT`], so 3.3 MB at most, beside L1's
-/// budget): past it, the oldest are forgotten, and refreshed at their
-/// next stale hit.
-pub(crate) const FAILED_REFRESHES: u64 = 10_000;
+/// budget): past it, the oldest are forgotten, and asked at their next
+/// stale hit.
+pub(crate) const FAILING_KEYS: u64 = 10_000;
 
 /// What one hit-for-miss mark holds: moka's node with its timer, the key
 /// hash and the time (~330 bytes measured, from a flood of `private` URLs
@@ -333,7 +339,7 @@ impl Inner {
         let reclaimed = self.l1.sweep();
         self.prune_tags();
         self.uncacheable.run_pending_tasks();
-        self.refresh_failed.run_pending_tasks();
+        self.failing.run_pending_tasks();
         bump(&self.counters.sweeps);
         reclaimed
     }

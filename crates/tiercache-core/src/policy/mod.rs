@@ -333,7 +333,8 @@ impl PolicyBuilder {
 
     /// Past its fresh time and inside this window an entry answers when the
     /// origin fails (5xx, an error, a soft timeout), unless the origin said
-    /// `must-revalidate`, `proxy-revalidate` or `no-cache`.
+    /// `must-revalidate`, `proxy-revalidate` or `no-cache`. For a second
+    /// after such a failure it answers without asking the origin again.
     pub fn stale_if_error(mut self, window: Duration) -> Self {
         self.0.stale_if_error = window;
         self
