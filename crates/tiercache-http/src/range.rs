@@ -166,7 +166,8 @@ impl RangeAsk {
     }
 
     /// Cuts the range from a full `200` answer whose body is `body`: a `206`,
-    /// a `416`, or the `200` unchanged (`If-Range` did not match).
+    /// a `416`, or the `200` unchanged (`If-Range` did not match, or a
+    /// suffix range of an empty body).
     pub(crate) fn answer<B>(
         &self,
         res: Response<CacheBody<B>>,
@@ -176,6 +177,10 @@ impl RangeAsk {
             return res;
         }
         let len = body.len() as u64;
+        // Satisfiable, yet no `206` can name the bytes of nothing.
+        if len == 0 && matches!(self.range, ByteRange::Last(_)) {
+            return res;
+        }
         let span = match self.range {
             ByteRange::FromTo(a, b) if a < len => Some((a, b.min(len - 1))),
             ByteRange::From(a) if a < len => Some((a, len - 1)),
@@ -240,6 +245,22 @@ mod tests {
         let res = ask("bytes=10-", None).answer(full("\"a\""), &body);
         assert_eq!(res.status(), StatusCode::RANGE_NOT_SATISFIABLE);
         assert_eq!(res.headers()[CONTENT_RANGE], "bytes */10");
+    }
+
+    /// An empty representation: a suffix range is satisfiable (RFC 9110
+    /// §14.1.1: the only form that is), but no `206` can name its bytes,
+    /// so the whole (empty) `200` answers; any other range is a `416`. A
+    /// suffix range was refused with a `416`.
+    #[test]
+    fn an_empty_body_answers_a_suffix_range_whole() {
+        let empty = Bytes::new();
+        let none = || Response::new(CacheBody::<()>::full(Bytes::new()));
+        let res = ask("bytes=-5", None).answer(none(), &empty);
+        assert_eq!(res.status(), StatusCode::OK);
+        assert!(!res.headers().contains_key(CONTENT_RANGE));
+        let res = ask("bytes=0-", None).answer(none(), &empty);
+        assert_eq!(res.status(), StatusCode::RANGE_NOT_SATISFIABLE);
+        assert_eq!(res.headers()[CONTENT_RANGE], "bytes */0");
     }
 
     #[test]
