@@ -578,7 +578,8 @@ async fn stale_if_error_covers_each_error_kind() {
         assert_eq!(status_of(&h), "tiercache; fwd=stale; detail=origin-error");
         // For a second the stale copy answers without asking the origin.
         let calls = t.origin.calls.get();
-        assert_eq!(t.get("/r").await.2, "body 1");
+        let (_, h, body) = t.get("/r").await;
+        assert_eq!((x_cache(&h), body.as_str()), ("STALE", "body 1"));
         assert_eq!(t.origin.calls.get(), calls, "asked again at once");
         // A 404 is an answer, not an error: it is not papered over.
         t.advance(1000);
@@ -937,6 +938,32 @@ async fn a_304_to_a_load_without_validators_is_a_502_for_every_request_waiting()
     }
     assert_eq!(t.origin.calls.get(), 1, "one origin call for the five");
     assert!(!t.engine.l1_contains(&key_of("/n")));
+}
+
+/// A stored response without validators, refreshed: the refresh is
+/// asked without validators, so the origin's 304 answers nothing and
+/// renews nothing (a review finding: it renewed the entry, and an origin
+/// that answers 304 to everything kept it fresh for good).
+#[tokio::test]
+async fn a_304_to_a_refresh_without_validators_renews_nothing() {
+    let t = Harness::new(
+        Policy::ttl(secs(1))
+            .jitter(0.0)
+            .stale_while_revalidate(secs(30))
+            .build()
+            .unwrap(),
+    );
+    t.origin.set(Mode::Always(&[]));
+    t.get("/r").await;
+    t.advance(1500);
+    t.origin.set(Mode::OnlyNotModified);
+    let (_, h, body) = t.get("/r").await;
+    assert_eq!((x_cache(&h), body.as_str()), ("STALE", "body 1"));
+    let engine = t.engine.clone();
+    eventually("the refresh", || engine.in_flight() == 0).await;
+    assert_eq!(t.origin.calls.get(), 2);
+    let (_, h, body) = t.get("/r").await;
+    assert_eq!((x_cache(&h), body.as_str()), ("STALE", "body 1"), "renewed");
 }
 
 /// A request for a key that is not stored goes to the origin with its

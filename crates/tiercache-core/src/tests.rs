@@ -386,3 +386,32 @@ async fn an_invalidation_whose_caller_goes_away_still_lands() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// A slower load of this instance ends after it read a newer copy from the
+/// shared tier (another instance's, stored meanwhile): the copy stays, in
+/// L1 and in the shared tier. A promoted copy had no load number (`0`),
+/// and the slower load's answer replaced it in both (a review finding).
+#[tokio::test(start_paused = true)]
+async fn a_slower_load_does_not_replace_a_newer_copy_read_from_the_shared_tier() {
+    let clock = MockClock::new();
+    let make = on_shared_l2(&clock);
+    let (here, other) = (make(), make());
+    let policy = Policy::ttl(TTL).jitter(0.0).build().unwrap();
+    let key = CacheKey::new("k");
+    let slow = {
+        let (here, policy, key) = (here.clone(), policy.clone(), key.clone());
+        tokio::spawn(async move {
+            let origin = origin_fn(|_stale: Option<Entry>| async {
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                Ok::<_, ()>(Loaded::<()>::Store(fill("older")))
+            });
+            here.fetch(&key, &policy, origin).await
+        })
+    };
+    tokio::task::yield_now().await;
+    other.put(&key, Value::from_body("newer"), &policy);
+    assert_eq!(here.get(&key).await.unwrap().body, "newer", "read from L2");
+    assert!(slow.await.unwrap().is_ok());
+    assert_eq!(here.get(&key).await.unwrap().body, "newer", "in L1");
+    assert_eq!(make().get(&key).await.unwrap().body, "newer", "in L2");
+}

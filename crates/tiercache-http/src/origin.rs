@@ -136,7 +136,7 @@ where
             // A 304 to a request without validators renews nothing.
             if res.status() == StatusCode::NOT_MODIFIED {
                 load.drop_outdated(&stale).await;
-                return Ok(load.unasked_not_modified());
+                return Ok(load.unasked_not_modified(false));
             }
             let loaded = load.answer(res, Some(&stale), None).await;
             // The current version stored replaces the outdated one (an
@@ -219,7 +219,7 @@ impl Load<'_> {
         if parts.status == StatusCode::NOT_MODIFIED {
             return match revalidating {
                 Some(stale) => self.renewed(parts, stale).await,
-                None => self.unasked_not_modified(),
+                None => self.unasked_not_modified(true),
             };
         }
         // A live stream has no end to read to (to store it, or share it

@@ -184,7 +184,7 @@ impl RangeAsk {
         let span = match self.range {
             ByteRange::FromTo(a, b) if a < len => Some((a, b.min(len - 1))),
             ByteRange::From(a) if a < len => Some((a, len - 1)),
-            ByteRange::Last(n) if len > 0 => Some((len - n.min(len), len - 1)),
+            ByteRange::Last(n) => Some((len - n.min(len), len - 1)),
             _ => None,
         };
         let (mut parts, _) = res.into_parts();

@@ -425,7 +425,8 @@ impl TieredCache {
             times,
             read.origin_latency(),
         )
-        .with_tags(&tags);
+        .with_tags(&tags)
+        .loaded_by(read.load());
         self.renew(key, &read, renewed, ttl, epoch);
         true
     }

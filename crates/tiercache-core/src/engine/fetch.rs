@@ -24,7 +24,8 @@ use crate::{
 #[derive(Debug)]
 #[must_use = "a miss does nothing until it is run with the origin"]
 pub enum Begin {
-    /// An entry answers now (fresh, or stale inside stale-while-revalidate).
+    /// An entry answers now (fresh; stale inside stale-while-revalidate; or
+    /// inside stale-if-error, its origin failing a moment ago).
     Hit(Hit),
     /// Nothing answers yet: [`Miss::run`] it with the origin.
     Miss(Miss),
@@ -235,6 +236,7 @@ impl TieredCache {
             Lookup::Miss {
                 fallback: Some(stale),
             } if stale.freshness(now) == Freshness::StaleIfError
+                && !self.deaf_to_the_fleet()
                 && self.origin_failing(flight.as_ref().unwrap_or(key)) =>
             {
                 bump(&self.inner.counters.stale_served);

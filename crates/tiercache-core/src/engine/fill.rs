@@ -259,6 +259,7 @@ impl TieredCache {
                     return Ok(self.filled_from_l2(leader, entry));
                 }
                 FleetJoin::Shared(entry, failed) => {
+                    self.origin_failed(&keys.flight, failed);
                     let usable = stale.clone().filter(|e| self.stale_usable(e));
                     // Another instance's answer that fits this request, or
                     // a failure this one's own stale copy stands in for;
@@ -347,8 +348,8 @@ impl TieredCache {
             Ok(Loaded::Busy { output, failed }) => {
                 // Nothing about the resource: the waiting instances read L2,
                 // then one takes the lock and the others wait on it, as
-                // after a lock that is gone; the key stays unmarked and a
-                // refreshed entry stays.
+                // after a lock that is gone; the key is not marked
+                // uncacheable and a refreshed entry stays.
                 lock.release(Unlocked::Gone);
                 self.origin_failed(&keys.flight, failed);
                 if let Some(stale) = usable.filter(|_| failed) {
@@ -358,7 +359,7 @@ impl TieredCache {
                 Ok(Filled::Passed(output))
             }
             // The origin failed: the waiting requests (and instances) get
-            // the failure, not a call each; nothing is marked or dropped.
+            // the failure, not a call each; nothing is dropped.
             // Each stands in its own stale copy, as this one does: one
             // without (it came after an invalidation, or is another
             // variant) gets the failure too, not a call of its own.

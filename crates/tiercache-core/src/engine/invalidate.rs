@@ -203,6 +203,10 @@ impl InvalidationSink for Inner {
 
     fn deaf(&self, deaf: bool) {
         self.deaf.store(deaf, SeqCst);
+        // Heard again: what waits for the tier goes now.
+        if !deaf {
+            self.outbox.nudge();
+        }
     }
 
     fn resync(&self) {
@@ -211,6 +215,7 @@ impl InvalidationSink for Inner {
             self.tags.clear();
             self.tag_keys.store(0, Relaxed);
         });
+        self.outbox.nudge();
     }
 }
 

@@ -118,8 +118,14 @@ impl Journal {
     pub(crate) fn start(&self) -> Start {
         Start {
             epoch: self.epoch(),
-            load: self.loads.fetch_add(1, Ordering::Relaxed) + 1,
+            load: self.next_load(),
         }
+    }
+
+    /// A load number above every earlier one's: a load's, or a copy's
+    /// promoted from L2 now (stored there by a load that ended before).
+    pub(crate) fn next_load(&self) -> u64 {
+        self.loads.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// Records `scope` and runs `apply` (the L1 drop) under the journal's lock.

@@ -185,7 +185,12 @@ impl TieredCache {
         let until = now
             .checked_add(hit.remaining)
             .unwrap_or(hit.entry.times().hard_until);
-        let promoted = hit.entry.with_times(hit.entry.times().capped(until));
+        // Numbered as a load ending now: a slower load of this instance
+        // still in flight does not replace it (see `Entry::load`).
+        let promoted = hit
+            .entry
+            .with_times(hit.entry.times().capped(until))
+            .loaded_by(self.inner.journal.next_load());
         let hashes = [key.hash()];
         let fulls = [key.full().as_ref()];
         // Not by its tags: a fleet waiter reads with its fill's epoch, from

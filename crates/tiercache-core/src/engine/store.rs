@@ -185,7 +185,8 @@ impl TieredCache {
     /// unless an invalidation recorded since covers it, and under each key
     /// only if L1 holds no answer of a later load there (see
     /// [`Entry::load`]). Returns the entry under `key`, and `Ok(true)`
-    /// when it was stored, `Ok(false)` when a later load's answer stays, or
+    /// when it was stored there, `Ok(false)` when a later load's answer
+    /// stays there (the fill may still be stored under its other keys), or
     /// the sequence of the invalidation that overtook it (see
     /// [`Journal::unless_overtaken`](super::journal::Journal::unless_overtaken)).
     /// The fresh lifetime is drawn now from the policy's jitter band (or,
@@ -318,9 +319,9 @@ impl TieredCache {
     }
 
     /// Puts `entry` in L1 and (queued) in L2 under `key`, records it under
-    /// `tags`, and clears any hit-for-miss mark; unless L1 holds the answer
-    /// of a later load there (see [`Entry::load`]), which stays, in both
-    /// tiers. Whether it went in. Callers hold the journal's lock (see
+    /// `tags`, and clears any hit-for-miss mark; unless L1 holds a fresh
+    /// answer of a later load there (see [`Entry::load`]), which stays, in
+    /// both tiers. Whether it went in. Callers hold the journal's lock (see
     /// [`store_since`](Self::store_since)).
     pub(crate) fn insert(
         &self,
@@ -330,10 +331,14 @@ impl TieredCache {
         tags: &[Bytes],
     ) -> bool {
         let mut old = None;
-        let load = entry.load();
+        let (load, now) = (entry.load(), self.now());
+        // A later answer past its fresh time gives way: it answers no one
+        // as it is.
         let older = |live: Option<&Entry>| {
             old = live.cloned();
-            live.is_none_or(|live| live.load() <= load)
+            live.is_none_or(|live| {
+                live.load() <= load || !matches!(live.freshness(now), crate::Freshness::Fresh(_))
+            })
         };
         // In L1 before its tags record it: a prune that finds a record's
         // fill gone from L1 then knows it is not this one.

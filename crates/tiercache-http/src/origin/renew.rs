@@ -35,6 +35,11 @@ impl Load<'_> {
         stale: &Entry,
     ) -> Loaded<Passed<ResB>> {
         let route = self.route;
+        // Asked without validators (the stored response has none): the
+        // 304 answers nothing, and renews nothing.
+        if !has_validator(stale.value()) {
+            return self.unasked_not_modified(true);
+        }
         if !selects(&parts.headers, stale.value()) {
             // This request could not be sent again without its
             // validators (see `asked_again`).
@@ -77,22 +82,20 @@ impl Load<'_> {
     }
 
     /// A 304 to a load that carried no validators (the client's are taken
-    /// off, and none is added without a stored response, or to a request
-    /// asked again) answers nothing (RFC 9110 §15.4.5): a 502, shared
-    /// with the requests waiting, so an origin that answers 304 to
-    /// everything is asked once, not by each of them. Not a failure a
-    /// stale copy stands in for: the copy asked again for is outdated.
-    pub(super) fn unasked_not_modified<ResB>(&self) -> Loaded<Passed<ResB>> {
+    /// off, and the cache adds only a stored response's own: none without
+    /// one, or for one that has none, or to a request asked again) answers
+    /// nothing (RFC 9110 §15.4.5): a 502, shared with the requests
+    /// waiting, so an origin that answers 304 to everything is asked once,
+    /// not by each of them. `failed`: a failure a stale copy may stand in
+    /// for (not the copy asked again for: that one is outdated).
+    pub(super) fn unasked_not_modified<ResB>(&self, failed: bool) -> Loaded<Passed<ResB>> {
         self.route.metrics.origin(self.started.elapsed());
         self.route.metrics.not_stored(Reason::Status);
         let mut value = Value::from_body(Bytes::from_static(
             b"the origin answered 304 Not Modified to a request without validators\n",
         ));
         value.status = StatusCode::BAD_GATEWAY.as_u16();
-        Loaded::Share {
-            value,
-            failed: false,
-        }
+        Loaded::Share { value, failed }
     }
 
     /// Drops a stored response a 304 did not renew, everywhere: under its
@@ -105,6 +108,13 @@ impl Load<'_> {
             let _ = self.route.engine.invalidate(self.primary).await;
         }
     }
+}
+
+/// Whether a stored response has a validator (`ETag`, `Last-Modified`).
+fn has_validator(stored: &Value) -> bool {
+    stored.headers.iter().any(|(n, _)| {
+        n.as_ref() == ETAG.as_str().as_bytes() || n.as_ref() == LAST_MODIFIED.as_str().as_bytes()
+    })
 }
 
 /// Whether a 304's validators select the stored response (RFC 9111
