@@ -23,8 +23,9 @@ impl TieredCache {
     /// followed as the local flight's own load is: each is progress of this
     /// request's flight (`progress`), whose deadline the wait then takes.
     /// Past it a new holder is waited on once more (for the policy's wait at
-    /// most); the same holder still there is stuck, and the request loads
-    /// without the lock (counted as a lock timeout). `(counted, timed_out)`: the request's
+    /// most), and the same holder's lock about to end (within a quarter of
+    /// the wait) to its end; the same holder still there is stuck, and the
+    /// request loads without the lock (counted as a lock timeout). `(counted, timed_out)`: the request's
     /// wait, and its lock timeout, were counted already (a request is
     /// counted once).
     #[allow(clippy::too_many_arguments)]
@@ -96,7 +97,7 @@ impl TieredCache {
             mut held_for,
             mut holder,
         } = held;
-        let mut extended = false;
+        let (mut extended, mut to_its_end) = (false, false);
         // Where the holder's lock ends, as last seen: a later end is its
         // load's progress.
         let mut ends = Instant::now() + held_for;
@@ -167,6 +168,14 @@ impl TieredCache {
                     // is stuck.
                     if deadline <= now && new_holder && !extended {
                         (deadline, extended) = (now + hold, true);
+                    }
+                    // The same holder's lock about to end on its own (this
+                    // request began a little before its take): waited to
+                    // its end and taken, not loaded beside the waiter that
+                    // takes it then.
+                    if deadline <= now && !new_holder && !to_its_end && left <= hold / 4 {
+                        let end = asked + left + Duration::from_millis(20);
+                        (deadline, to_its_end) = (end, true);
                     }
                     if deadline <= now {
                         return (FleetJoin::Lead(FleetLock::local()), true);
