@@ -45,15 +45,29 @@ where
     Fut: std::future::Future<Output = T> + Send + 'static,
     T: axum::response::IntoResponse + 'static,
 {
-    // Not a slow command on a loaded machine: what is counted is origin
-    // calls, not timeouts.
+    let (engine, policy) = engine_on(url).await;
+    let route = ResponseCacheLayer::new(engine.clone())
+        .route(policy)
+        .unwrap();
+    let app = Router::new().route(path, get(answer).layer(route));
+    (engine, app)
+}
+
+/// A connection to `url`. Not a slow command on a loaded machine: what
+/// is counted is origin calls, not timeouts.
+async fn tier_on(url: &str) -> ValkeyTier {
     let config = ValkeyConfig::from_url(url)
         .unwrap()
         .connect_timeout(Duration::from_secs(10))
         .command_timeout(Duration::from_secs(1));
-    let tier = ValkeyTier::connect(config).await.unwrap();
+    ValkeyTier::connect(config).await.unwrap()
+}
+
+/// An engine on its own connection to `url`, and a minute's policy under
+/// a flight's wait of [`LOCK`].
+async fn engine_on(url: &str) -> (TieredCache, Policy) {
     let engine = TieredCache::builder()
-        .l2(tier)
+        .l2(tier_on(url).await)
         .sweep_interval(None)
         .build()
         .unwrap();
@@ -61,11 +75,7 @@ where
         .lock_timeout(LOCK)
         .build()
         .unwrap();
-    let route = ResponseCacheLayer::new(engine.clone())
-        .route(policy)
-        .unwrap();
-    let app = Router::new().route(path, get(answer).layer(route));
-    (engine, app)
+    (engine, policy)
 }
 
 /// A fleet's instance: its engine, and its app whose `/slow` route answers
@@ -208,22 +218,8 @@ async fn a_new_lock_holder_is_waited_on_past_the_first_deadline() {
 async fn a_lock_about_to_end_at_a_waiters_deadline_is_waited_for() {
     use tiercache::core::{CacheKey, Fill, Loaded, LockAttempt, Tier, Value, origin_fn};
     let server = ValkeyServer::start();
-    let config = || {
-        ValkeyConfig::from_url(&server.url())
-            .unwrap()
-            .connect_timeout(Duration::from_secs(10))
-            .command_timeout(Duration::from_secs(1))
-    };
-    let holder = ValkeyTier::connect(config()).await.unwrap();
-    let waiter = TieredCache::builder()
-        .l2(ValkeyTier::connect(config()).await.unwrap())
-        .sweep_interval(None)
-        .build()
-        .unwrap();
-    let policy = Policy::ttl(Duration::from_secs(60))
-        .lock_timeout(LOCK)
-        .build()
-        .unwrap();
+    let holder = tier_on(&server.url()).await;
+    let (waiter, policy) = engine_on(&server.url()).await;
     let key = CacheKey::new("k");
     let Ok(LockAttempt::Acquired(token)) = holder.try_lock(&key, LOCK).await else {
         panic!("the holder did not take the lock");

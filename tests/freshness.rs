@@ -314,13 +314,7 @@ fn secs(s: u64) -> Duration {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_while_revalidate_answers_at_once_and_refreshes_exactly_once() {
-    let t = Harness::new(
-        Policy::ttl(secs(1))
-            .jitter(0.0)
-            .stale_while_revalidate(secs(30))
-            .build()
-            .unwrap(),
-    );
+    let t = Harness::new(a_second_then_30s_stale());
     let (_, h, body) = t.get("/r").await;
     assert_eq!((x_cache(&h), body.as_str()), ("MISS", "body 1"));
     t.advance(1400);
@@ -348,6 +342,31 @@ async fn stale_while_revalidate_answers_at_once_and_refreshes_exactly_once() {
     let (_, h, body) = t.get("/r").await;
     assert_eq!((x_cache(&h), body.as_str()), ("HIT", "body 2"));
     assert_eq!(t.engine.stats().stale_served, 20);
+}
+
+/// Fresh for a second, then stale while revalidated for 30 s.
+fn a_second_then_30s_stale() -> Policy {
+    Policy::ttl(secs(1))
+        .jitter(0.0)
+        .stale_while_revalidate(secs(30))
+        .build()
+        .unwrap()
+}
+
+/// Five requests for `path` at once, the origin held by `gate` until its
+/// calls reach `calls` (the first of them loads, the others wait on it).
+async fn five_at_once(
+    t: &Harness,
+    path: &str,
+    gate: &Gate,
+    calls: usize,
+) -> Vec<(StatusCode, HeaderMap, String)> {
+    let requests = futures_join((0..5).map(|_| t.get(path)).collect());
+    let opener = async {
+        t.origin.calls.reached(calls).await;
+        gate.open();
+    };
+    tokio::join!(requests, opener).0
 }
 
 async fn futures_join<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
@@ -544,13 +563,7 @@ async fn a_broken_body_does_not_mark_the_key_uncacheable() {
     t.origin.set(Mode::Held(gate.clone()));
     // Five requests at once while the origin is held: one loads, four wait
     // on it (hit-for-miss would send each to the origin).
-    let requests = futures_join((0..5).map(|_| t.get("/b")).collect());
-    let opener = async {
-        t.origin.calls.reached(2).await;
-        gate.open();
-    };
-    let (answers, ()) = tokio::join!(requests, opener);
-    for (_, _, body) in answers {
+    for (_, _, body) in five_at_once(&t, "/b", &gate, 2).await {
         assert_eq!(body, "body 2");
     }
     assert_eq!(t.origin.calls.get(), 2, "one origin call for the five");
@@ -783,13 +796,7 @@ async fn invalidated_while_it_fails(
 
 #[tokio::test]
 async fn a_304_renews_the_entry_without_a_body() {
-    let t = Harness::new(
-        Policy::ttl(secs(1))
-            .jitter(0.0)
-            .stale_while_revalidate(secs(30))
-            .build()
-            .unwrap(),
-    );
+    let t = Harness::new(a_second_then_30s_stale());
     t.get("/r").await;
     t.advance(1500);
     let (_, h, _) = t.get("/r").await;
@@ -927,13 +934,7 @@ async fn a_304_to_a_load_without_validators_is_a_502_for_every_request_waiting()
     let t = Harness::new(Policy::ttl(secs(60)).jitter(0.0).build().unwrap());
     let gate = Gate::new();
     t.origin.set(Mode::HeldStatus(gate.clone(), 304));
-    let requests = futures_join((0..5).map(|_| t.get("/n")).collect());
-    let opener = async {
-        t.origin.calls.reached(1).await;
-        gate.open();
-    };
-    let (answers, ()) = tokio::join!(requests, opener);
-    for (status, h, body) in answers {
+    for (status, h, body) in five_at_once(&t, "/n", &gate, 1).await {
         assert_eq!(status, StatusCode::BAD_GATEWAY, "{h:?} {body}");
     }
     assert_eq!(t.origin.calls.get(), 1, "one origin call for the five");
@@ -946,13 +947,7 @@ async fn a_304_to_a_load_without_validators_is_a_502_for_every_request_waiting()
 /// that answers 304 to everything kept it fresh for good).
 #[tokio::test]
 async fn a_304_to_a_refresh_without_validators_renews_nothing() {
-    let t = Harness::new(
-        Policy::ttl(secs(1))
-            .jitter(0.0)
-            .stale_while_revalidate(secs(30))
-            .build()
-            .unwrap(),
-    );
+    let t = Harness::new(a_second_then_30s_stale());
     t.origin.set(Mode::Always(&[]));
     t.get("/r").await;
     t.advance(1500);
