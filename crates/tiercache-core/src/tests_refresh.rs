@@ -238,6 +238,23 @@ fn failing_origin(calls: Arc<AtomicUsize>) -> impl Origin<Output = (), Error = (
     })
 }
 
+/// What a fetch of `key` through [`failing_origin`] is answered with (the
+/// cache's copy: the origin's failure is never the answer here).
+async fn answered_failing(
+    cache: &TieredCache,
+    key: &CacheKey,
+    policy: &Policy,
+    calls: &Arc<AtomicUsize>,
+) -> Answer {
+    match cache
+        .fetch(key, policy, failing_origin(calls.clone()))
+        .await
+    {
+        Ok(Fetched::Entry(answer)) => answer,
+        _ => panic!("the stored copy answers"),
+    }
+}
+
 /// An XFetch refresh that meets the origin failing marks its key, as a
 /// stale entry's does: the next hits near expiry start none for a second.
 /// Only a stale entry's stand-in or an error marked it: a failure the
@@ -248,12 +265,7 @@ async fn a_failed_early_refresh_is_not_started_again_by_the_next_hits() {
     let (cache, policy, key, _clock) = near_expiry_under_xfetch();
     let calls = Arc::new(AtomicUsize::new(0));
     for _ in 0..5 {
-        let fetched = cache
-            .fetch(&key, &policy, failing_origin(calls.clone()))
-            .await;
-        let Ok(Fetched::Entry(answer)) = fetched else {
-            panic!("the fresh entry answers")
-        };
+        let answer = answered_failing(&cache, &key, &policy, &calls).await;
         assert_eq!(answer.entry.value().body, "v1");
         for _ in 0..1000 {
             if cache.in_flight() == 0 {
@@ -285,12 +297,7 @@ async fn a_failing_origin_is_asked_once_a_second_while_a_stale_copy_stands_in() 
     clock.advance(Duration::from_secs(2));
     let calls = Arc::new(AtomicUsize::new(0));
     let stale_answer = || async {
-        let fetched = cache
-            .fetch(&key, &policy, failing_origin(calls.clone()))
-            .await;
-        let Ok(Fetched::Entry(answer)) = fetched else {
-            panic!("the stale copy answers")
-        };
+        let answer = answered_failing(&cache, &key, &policy, &calls).await;
         assert_eq!(answer.entry.value().body, "v1");
         assert_eq!(answer.served, Served::Stale(StaleReason::OriginError));
     };

@@ -443,11 +443,7 @@ async fn a_slow_answer_does_not_replace_the_newer_one_stored_meanwhile() {
 #[tokio::test(start_paused = true)]
 async fn a_slow_stand_in_without_the_failure_is_not_handed_on() {
     let clock = MockClock::new();
-    let cache = TieredCache::builder()
-        .clock(clock.clone())
-        .sweep_interval(None)
-        .build()
-        .unwrap();
+    let cache = crate::tests_freshness::engine(&clock, 1);
     let policy = Policy::ttl(Duration::from_secs(1))
         .jitter(0.0)
         .stale_if_error(Duration::from_secs(60))

@@ -110,29 +110,29 @@ impl Load<'_> {
     }
 }
 
+/// The stored response's field `name`, if it has one.
+fn stored_field<'a>(stored: &'a Value, name: &HeaderName) -> Option<&'a Bytes> {
+    stored
+        .headers
+        .iter()
+        .find(|(n, _)| n.as_ref() == name.as_str().as_bytes())
+        .map(|(_, v)| v)
+}
+
 /// Whether a stored response has a validator (`ETag`, `Last-Modified`).
 fn has_validator(stored: &Value) -> bool {
-    stored.headers.iter().any(|(n, _)| {
-        n.as_ref() == ETAG.as_str().as_bytes() || n.as_ref() == LAST_MODIFIED.as_str().as_bytes()
-    })
+    stored_field(stored, &ETAG).is_some() || stored_field(stored, &LAST_MODIFIED).is_some()
 }
 
 /// Whether a 304's validators select the stored response (RFC 9111
 /// §4.3.4): its `ETag` matches the stored one (weak comparison); without
 /// one, its `Last-Modified` is the stored one; a 304 with neither selects it.
 pub(super) fn selects(not_modified: &HeaderMap, stored: &Value) -> bool {
-    let stored_field = |name: &HeaderName| {
-        stored
-            .headers
-            .iter()
-            .find(|(n, _)| n.as_ref() == name.as_str().as_bytes())
-            .map(|(_, v)| v.as_ref())
-    };
     if let Some(etag) = not_modified.get(ETAG) {
-        return stored_field(&ETAG).is_some_and(|s| opaque(s) == opaque(etag.as_bytes()));
+        return stored_field(stored, &ETAG).is_some_and(|s| opaque(s) == opaque(etag.as_bytes()));
     }
     if let Some(modified) = not_modified.get(LAST_MODIFIED) {
-        return stored_field(&LAST_MODIFIED)
+        return stored_field(stored, &LAST_MODIFIED)
             .is_some_and(|s| s.trim_ascii() == modified.as_bytes().trim_ascii());
     }
     true
@@ -184,12 +184,8 @@ pub(super) fn with_validators<B>(req: Request<B>, stale: &Entry) -> Request<B> {
     let (mut parts, body) = req.into_parts();
     unconditional(&mut parts.headers);
     let stored = |name: &HeaderName| {
-        stale
-            .value()
-            .headers
-            .iter()
-            .find(|(n, _)| n.as_ref() == name.as_str().as_bytes())
-            .and_then(|(_, v)| HeaderValue::from_maybe_shared(v.clone()).ok())
+        stored_field(stale.value(), name)
+            .and_then(|v| HeaderValue::from_maybe_shared(v.clone()).ok())
     };
     if let Some(etag) = stored(&ETAG) {
         parts.headers.insert(IF_NONE_MATCH, etag);
