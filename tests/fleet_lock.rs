@@ -249,3 +249,131 @@ async fn a_lock_about_to_end_at_a_waiters_deadline_is_waited_for() {
         "it loaded without the lock at its deadline"
     );
 }
+
+/// Two instances on `url` sharing `clock`, each with its own engine in
+/// front of `origin` under a minute's policy.
+async fn two_on_one_clock(
+    url: &str,
+    clock: &tiercache::core::MockClock,
+    origin: &Router,
+) -> Vec<(TieredCache, Router)> {
+    let mut fleet = Vec::new();
+    for _ in 0..2 {
+        let engine = TieredCache::builder()
+            .l2(tier_on(url).await)
+            .clock(clock.clone())
+            .sweep_interval(None)
+            .build()
+            .unwrap();
+        let policy = Policy::ttl(Duration::from_secs(60))
+            .lock_timeout(LOCK)
+            .build()
+            .unwrap();
+        let route = ResponseCacheLayer::new(engine.clone())
+            .route(policy)
+            .unwrap();
+        fleet.push((engine, origin.clone().layer(route)));
+    }
+    fleet
+}
+
+/// An origin at `/e` whose first call answers `v1` under `cache_control`,
+/// and every later one `503`.
+fn failing_after_one(cache_control: &'static str, calls: &Counter) -> Router {
+    let calls = calls.clone();
+    let answer = move || {
+        let n = calls.bump();
+        let (status, cache_control) = match n {
+            1 => (StatusCode::OK, cache_control),
+            _ => (StatusCode::SERVICE_UNAVAILABLE, "no-store"),
+        };
+        std::future::ready((status, [("cache-control", cache_control)], format!("v{n}")))
+    };
+    Router::new().route("/e", get(answer))
+}
+
+/// Instance A's load meets the origin failing (a `503`): for a second
+/// the fleet knows, and instance B, with a stale-if-error copy of its
+/// own, answers it without calling the origin (each instance asked a
+/// failing origin once a second before, so a fleet of N asked N times:
+/// a black-box audit of three instances counted 1.8–3 calls a second).
+/// Once the mark is gone (a second on Valkey's clock) B asks again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_origin_failure_met_by_one_instance_spares_the_fleet_its_call() {
+    let server = ValkeyServer::start();
+    let clock = tiercache::core::MockClock::new();
+    let calls = Counter::new();
+    let origin = failing_after_one("max-age=1, stale-if-error=60", &calls);
+    let fleet = two_on_one_clock(&server.url(), &clock, &origin).await;
+    let (a, b) = (&fleet[0].1, &fleet[1].1);
+    let (_, _, body) = send(a, "GET", "/e").await;
+    assert_eq!(body, "v1");
+    // B's copy, promoted from Valkey.
+    let (_, _, body) = send(b, "GET", "/e").await;
+    assert_eq!((body.as_str(), calls.get()), ("v1", 1));
+    clock.advance(Duration::from_secs(2));
+    let (status, _, body) = send(a, "GET", "/e").await;
+    assert_eq!(
+        (status, body.as_str(), calls.get()),
+        (StatusCode::OK, "v1", 2)
+    );
+    let (status, headers, body) = send(b, "GET", "/e").await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "v1"));
+    assert_eq!(
+        calls.get(),
+        2,
+        "B asked the origin A saw failing a moment ago"
+    );
+    assert!(
+        tiercache_testkit::http::header(&headers, "cache-status").contains("fwd=stale"),
+        "{headers:?}"
+    );
+    // The mark ends on Valkey's clock (polled: an external server's state),
+    // B's own on the engine's: then B asks the origin again.
+    bounded("the fleet's mark to end", async {
+        while !server.keys("*:failing").is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    clock.advance(Duration::from_secs(1));
+    let (status, _, body) = send(b, "GET", "/e").await;
+    assert_eq!(
+        (status, body.as_str(), calls.get()),
+        (StatusCode::OK, "v1", 3)
+    );
+}
+
+/// The same for a background refresh: A's refresh meets the origin
+/// failing, and B's stale hit a moment later starts none that calls it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refresh_failed_on_one_instance_spares_the_fleet_its_call() {
+    let server = ValkeyServer::start();
+    let clock = tiercache::core::MockClock::new();
+    let calls = Counter::new();
+    let origin = failing_after_one("max-age=1, stale-while-revalidate=60", &calls);
+    let fleet = two_on_one_clock(&server.url(), &clock, &origin).await;
+    let ((_, a), (b_engine, b)) = (&fleet[0], &fleet[1]);
+    send(a, "GET", "/e").await;
+    send(b, "GET", "/e").await;
+    clock.advance(Duration::from_secs(2));
+    let (_, _, body) = send(a, "GET", "/e").await;
+    assert_eq!(body, "v1");
+    bounded("A's refresh", calls.reached(2)).await;
+    // A's refresh marks the key as it ends (its lock released after).
+    bounded("the fleet's mark", async {
+        while server.keys("*:failing").is_empty() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let (_, _, body) = send(b, "GET", "/e").await;
+    assert_eq!(body, "v1");
+    bounded("B's refresh to meet the mark", async {
+        while b_engine.stats().l2.failing_marks == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert_eq!(calls.get(), 2, "B's refresh asked the failing origin");
+}

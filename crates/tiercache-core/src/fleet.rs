@@ -59,6 +59,13 @@ pub enum LockAttempt {
     },
     /// The tier has no locks (the engine keeps its local single flight only).
     Unsupported,
+    /// Nothing taken: another instance's load of the key met the origin
+    /// failing a moment ago, and says so for `left` more (see
+    /// [`Tier::try_lock_unless_failing`]).
+    Failing {
+        /// How long the mark lasts (the tier's clock).
+        left: Duration,
+    },
 }
 
 /// How a wait on another instance's lock ended (and how an owner
@@ -212,11 +219,12 @@ impl FleetLock {
     /// Releases the lock, telling the waiting instances how the fill ended:
     /// stored (they read it), shared unstored (they answer with it), failed
     /// (they answer with the failure), passed (they load), or gone (they
-    /// take the lock in turn).
-    pub(crate) fn release(mut self, how: Unlocked) {
+    /// take the lock in turn). `failing`: the load met the origin failing,
+    /// which the fleet is told for a while (see [`Tier::unlock_failing`]).
+    pub(crate) fn release(mut self, how: Unlocked, failing: bool) {
         self.stop_extending();
         if let Some((tier, key, token)) = self.held.take() {
-            tier.unlock(&key, &token, how);
+            unlock(&*tier, &key, &token, how, failing);
         }
     }
 
@@ -234,13 +242,24 @@ impl Drop for FleetLock {
             // Dropped by the origin's panic: the waiting instances fail as
             // the local waiters do. Else the fill was cancelled (its
             // callers left): one of them takes the lock in turn.
-            let how = if std::thread::panicking() {
+            let panicking = std::thread::panicking();
+            let how = if panicking {
                 Unlocked::Failed
             } else {
                 Unlocked::Gone
             };
-            tier.unlock(&key, &token, how);
+            unlock(&*tier, &key, &token, how, panicking);
         }
+    }
+}
+
+/// A held lock's release, telling the fleet its origin is failing when
+/// the load met it so.
+fn unlock(tier: &dyn Tier, key: &CacheKey, token: &LockToken, how: Unlocked, failing: bool) {
+    if failing {
+        tier.unlock_failing(key, token, how, crate::engine::RETRY_FAILING_AFTER);
+    } else {
+        tier.unlock(key, token, how);
     }
 }
 
@@ -309,6 +328,8 @@ pub(crate) enum FleetJoin {
     /// Another instance's answer, shared but not stored (`true`: an origin
     /// failure).
     Shared(crate::Entry, bool),
-    /// Another instance's load failed with nothing to share.
-    Failed,
+    /// Another instance's load failed with nothing to share, or met the
+    /// origin failing a moment ago: its stale-if-error copy answers, and
+    /// the origin is not asked for this long.
+    Failed(Duration),
 }

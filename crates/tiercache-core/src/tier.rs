@@ -70,12 +70,36 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
         Box::pin(async { Ok(LockAttempt::Unsupported) })
     }
 
+    /// Tries to take the lock as [`try_lock`](Self::try_lock) does, for a
+    /// load with a stale copy to answer instead: while a load of `key`
+    /// (any instance's) met the origin failing a moment ago (see
+    /// [`unlock_failing`](Self::unlock_failing)), takes nothing and answers
+    /// [`LockAttempt::Failing`], so a fleet asks a failing origin once per
+    /// mark, not once per instance. By default, `try_lock`.
+    fn try_lock_unless_failing<'a>(
+        &'a self,
+        key: &'a CacheKey,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<LockAttempt, TierError>> {
+        self.try_lock(key, ttl)
+    }
+
     /// Releases a lock this instance holds (only with its token), after the
     /// writes queued before this call, and tells the waiting instances how
     /// the fill ended (`Filled`, `Passed`, `Failed`, `Gone`, or `Shared`
     /// with the answer).
     fn unlock(&self, key: &CacheKey, token: &LockToken, how: Unlocked) {
         let _ = (key, token, how);
+    }
+
+    /// Releases the lock as [`unlock`](Self::unlock) does after a load
+    /// that met the origin failing, and marks `key` so for `mark` (set
+    /// before the lock goes, so no instance takes it in between): within
+    /// it, [`try_lock_unless_failing`](Self::try_lock_unless_failing)
+    /// answers [`LockAttempt::Failing`]. By default, `unlock` alone.
+    fn unlock_failing(&self, key: &CacheKey, token: &LockToken, how: Unlocked, mark: Duration) {
+        let _ = mark;
+        self.unlock(key, token, how);
     }
 
     /// Moves a lock this instance holds (only with its token) to end `ttl`
@@ -176,6 +200,11 @@ pub struct TierReport {
     pub resyncs: u64,
     /// Fleet-wide fill locks taken by this instance.
     pub locks_acquired: u64,
+    /// Lock attempts answered that another instance's load met the origin
+    /// failing a moment ago: origin calls the fleet was spared (this
+    /// instance's stale copies answered instead; see
+    /// [`Tier::try_lock_unless_failing`]).
+    pub failing_marks: u64,
     /// Waits on another instance's fill lock, one per request and holder
     /// waited on (however often the wait looks at the lock again): counted
     /// by the engine and added to this (a tier's own count, normally 0).

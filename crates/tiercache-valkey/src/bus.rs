@@ -43,6 +43,8 @@ pub(crate) struct Bus {
     pub(crate) received: AtomicU64,
     pub(crate) resyncs: AtomicU64,
     pub(crate) locks_acquired: AtomicU64,
+    /// Lock attempts the key's failing mark answered.
+    pub(crate) failing_marks: AtomicU64,
     /// Whether the invalidation channel has been subscribed once.
     pub(crate) subscribed: watch::Sender<bool>,
     /// Whether the instance began serving before it could hear.
@@ -81,6 +83,7 @@ impl Bus {
             received: AtomicU64::new(0),
             resyncs: AtomicU64::new(0),
             locks_acquired: AtomicU64::new(0),
+            failing_marks: AtomicU64::new(0),
             subscribed: watch::channel(false).0,
             hearing: Hearing::default(),
             deaf: Mutex::default(),

@@ -12,6 +12,12 @@ impl ValkeyTier {
         slot_key(&self.inner.prefix, &key.hash(), "lock")
     }
 
+    /// The Valkey key that marks `key`'s origin failing for the fleet:
+    /// `PREFIX:{HASH}:failing`, in the lock's slot (the lock script reads it).
+    pub(crate) fn failing_key(&self, key: &CacheKey) -> String {
+        slot_key(&self.inner.prefix, &key.hash(), "failing")
+    }
+
     /// The Valkey sorted set of the keys stored with `tag`: `PREFIX:{TAGHASH}:tags`.
     ///
     /// A sorted set: each member (a key's hash) scored by when its entry

@@ -38,6 +38,10 @@ pub(crate) struct Release {
     /// Announce even when the lock was not there to delete (a real
     /// release); a possibly-held lock announces only what it deleted.
     pub(crate) announce: bool,
+    /// The load met the origin failing: this key marks it so for the fleet
+    /// for this long, set before the lock goes (see
+    /// [`LOCK_SCRIPT`]).
+    pub(crate) failing: Option<(String, Duration)>,
 }
 
 impl Release {
@@ -78,6 +82,10 @@ pub(crate) async fn release_once(inner: &Inner, release: &Release) -> bool {
     }
     let client = inner.client();
     let bound = inner.command_timeout;
+    if let Some((mark, px)) = &release.failing {
+        let set = client.set::<(), _, _>(mark.clone(), "1", Some(failing_px(*px)), None, false);
+        let _ = tokio::time::timeout(bound, set).await;
+    }
     // A shared answer is left first, for a moment, where a waiter that
     // finds the lock gone (it subscribed too late) reads it: so no waiter
     // can see the lock gone and the answer not there yet.
@@ -116,6 +124,12 @@ pub(crate) async fn pipe_release(
 ) -> Result<(usize, usize), fred::error::Error> {
     debug_assert!(release.announce);
     let mut queued = 0;
+    if let Some((mark, px)) = &release.failing {
+        let _: () = pipe
+            .set(mark, "1", Some(failing_px(*px)), None, false)
+            .await?;
+        queued += 1;
+    }
     if release.leaves_word() {
         let px = Some(shared_answer_px());
         let _: () = pipe
@@ -150,6 +164,11 @@ fn shared_answer_px() -> Expiration {
     Expiration::PX(SHARED_ANSWER_TTL.as_millis() as i64)
 }
 
+/// A failing mark's lifetime, as a `SET` expiration.
+fn failing_px(mark: Duration) -> Expiration {
+    Expiration::PX(mark.as_millis().clamp(1, i64::MAX as u128) as i64)
+}
+
 /// Retries `release` with backoff (50 ms, doubling, 1 s at most) until the
 /// unlock lands or the lock would have expired anyway.
 pub(crate) async fn release_until_done(inner: Weak<Inner>, mut release: Release) {
@@ -172,6 +191,8 @@ pub(crate) async fn release_until_done(inner: Weak<Inner>, mut release: Release)
         if release.message == FAILED {
             release.message = unlock_message(&Unlocked::Gone);
         }
+        // Nor marking the origin failing: the origin may be back by then.
+        release.failing = None;
         live.release_retries.fetch_add(1, Relaxed);
         drop(live);
         tokio::time::sleep(backoff.min(release.until.saturating_duration_since(Instant::now())))
@@ -190,8 +211,12 @@ pub(crate) async fn release(inner: &Arc<Inner>, release: Release) {
 }
 
 /// Takes the lock (`SET NX PX`) or tells how long it is still held.
-/// Replies `{-10, ''}` when taken, else `{PTTL, holder's token}`.
-pub(crate) const LOCK_SCRIPT: &str = "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then \
+/// Replies `{-10, ''}` when taken, else `{PTTL, holder's token}`; given
+/// a second key, the origin's failing mark, takes nothing while it stands
+/// and replies `{-20, its PTTL}`.
+pub(crate) const LOCK_SCRIPT: &str = "if KEYS[2] then local f = redis.call('PTTL', KEYS[2]) \
+     if f > 0 then return {-20, f} end end \
+     if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then \
      return {-10, ''} end \
      return {redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[1]) or ''}";
 
@@ -284,6 +309,7 @@ mod tests {
             message: unlock_message(&Unlocked::Failed),
             until: Instant::now(),
             announce: true,
+            failing: None,
         };
         assert_eq!(release.answer_bytes(), 0);
         release.drop_answer();

@@ -440,11 +440,23 @@ impl Tier for ValkeyTier {
         key: &'a CacheKey,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<LockAttempt, TierError>> {
-        Box::pin(self.acquire_lock(key, ttl))
+        Box::pin(self.acquire_lock(key, ttl, false))
+    }
+
+    fn try_lock_unless_failing<'a>(
+        &'a self,
+        key: &'a CacheKey,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<LockAttempt, TierError>> {
+        Box::pin(self.acquire_lock(key, ttl, true))
     }
 
     fn unlock(&self, key: &CacheKey, token: &LockToken, how: Unlocked) {
-        self.release_lock(key, token, how);
+        self.release_lock(key, token, how, None);
+    }
+
+    fn unlock_failing(&self, key: &CacheKey, token: &LockToken, how: Unlocked, mark: Duration) {
+        self.release_lock(key, token, how, Some(mark));
     }
 
     fn extend_lock(&self, key: &CacheKey, token: &LockToken, ttl: Duration) {
@@ -479,6 +491,7 @@ impl Tier for ValkeyTier {
         report.invalidations_received = i.bus.received.load(Relaxed);
         report.resyncs = i.bus.resyncs.load(Relaxed);
         report.locks_acquired = i.bus.locks_acquired.load(Relaxed);
+        report.failing_marks = i.bus.failing_marks.load(Relaxed);
         report.release_retries = i.release_retries.load(Relaxed);
         report.fills_overtaken = i.fills_overtaken.load(Relaxed);
         report.reconnects_forced = i.reconnects_forced.load(Relaxed);

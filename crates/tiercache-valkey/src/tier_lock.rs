@@ -28,11 +28,14 @@ const FAIL_OPEN_AFTER: Duration = Duration::from_millis(500);
 impl ValkeyTier {
     /// [`Tier::try_lock`](tiercache_core::Tier::try_lock): one run of the
     /// lock script, and a second when the holder is this instance's own
-    /// finished flight.
+    /// finished flight. `unless_failing`: nothing is taken while the key's
+    /// failing mark stands
+    /// ([`Tier::try_lock_unless_failing`](tiercache_core::Tier::try_lock_unless_failing)).
     pub(crate) async fn acquire_lock(
         &self,
         key: &CacheKey,
         ttl: Duration,
+        unless_failing: bool,
     ) -> Result<LockAttempt, TierError> {
         if !self.inner.fill_locks {
             return Ok(LockAttempt::Unsupported);
@@ -43,7 +46,10 @@ impl ValkeyTier {
         }
         let token = Bytes::from(bus::hex(&rand::rng().random::<[u8; 16]>()));
         let px = ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
-        let mut attempt = self.attempt_lock(key, &token, px, ttl).await?;
+        let mark = unless_failing.then(|| self.failing_key(key));
+        let mut attempt = self
+            .attempt_lock(key, &token, px, ttl, mark.as_deref())
+            .await?;
         // Held by this instance's own finished flight, whose release is
         // still in the write queue: let it land and try again, rather
         // than wait on (or answer with) a flight that is over.
@@ -54,7 +60,9 @@ impl ValkeyTier {
             && self.is_releasing(holder)
         {
             self.flush().await;
-            attempt = self.attempt_lock(key, &token, px, ttl).await?;
+            attempt = self
+                .attempt_lock(key, &token, px, ttl, mark.as_deref())
+                .await?;
         }
         if let LockAttempt::Acquired(_) = &attempt {
             self.inner
@@ -76,6 +84,7 @@ impl ValkeyTier {
         token: &Bytes,
         px: i64,
         ttl: Duration,
+        mark: Option<&str>,
     ) -> Result<LockAttempt, TierError> {
         let mut unanswered = Unanswered {
             tier: self,
@@ -84,14 +93,21 @@ impl ValkeyTier {
             ttl,
             armed: true,
         };
-        let attempt = self.lock_once(key, token, px).await;
+        let attempt = self.lock_once(key, token, px, mark).await;
         unanswered.armed = attempt.is_err();
         attempt
     }
 
     /// [`Tier::unlock`](tiercache_core::Tier::unlock): queued behind the
-    /// fill's writes.
-    pub(crate) fn release_lock(&self, key: &CacheKey, token: &LockToken, how: Unlocked) {
+    /// fill's writes; with `failing`, the key's failing mark set for that
+    /// long first ([`Tier::unlock_failing`](tiercache_core::Tier::unlock_failing)).
+    pub(crate) fn release_lock(
+        &self,
+        key: &CacheKey,
+        token: &LockToken,
+        how: Unlocked,
+        failing: Option<Duration>,
+    ) {
         self.inner
             .releasing
             .lock()
@@ -112,6 +128,7 @@ impl ValkeyTier {
             message: unlock_message(&how),
             until,
             announce: true,
+            failing: failing.map(|mark| (self.failing_key(key), mark)),
         };
         // The answer it shares rides the queue as a fill's copy does,
         // within its byte bound: past it the release goes without it.
@@ -288,6 +305,7 @@ impl ValkeyTier {
             message: Bytes::from_static(b"0"),
             until: tokio::time::Instant::now() + ttl,
             announce: false,
+            failing: None,
         };
         tokio::spawn(release_until_done(Arc::downgrade(&self.inner), release));
     }
@@ -328,9 +346,11 @@ impl ValkeyTier {
         key: &CacheKey,
         token: &Bytes,
         px: i64,
+        mark: Option<&str>,
     ) -> Result<LockAttempt, TierError> {
         {
-            let lock = self.lock_key(key);
+            let mut keys = vec![self.lock_key(key)];
+            keys.extend(mark.map(str::to_owned));
             let reply: Vec<Value> = self
                 .bounded(async {
                     let r: Result<Vec<Value>, _> = self
@@ -338,7 +358,7 @@ impl ValkeyTier {
                         .client()
                         .eval(
                             LOCK_SCRIPT,
-                            vec![lock],
+                            keys,
                             vec![Value::from(token.clone()), px.into()],
                         )
                         .await;
@@ -355,6 +375,13 @@ impl ValkeyTier {
                 -10 => {
                     self.inner.bus.locks_acquired.fetch_add(1, Relaxed);
                     LockAttempt::Acquired(LockToken(token.clone()))
+                }
+                -20 => {
+                    self.inner.bus.failing_marks.fetch_add(1, Relaxed);
+                    let left = reply.get(1).and_then(Value::as_i64).unwrap_or(0);
+                    LockAttempt::Failing {
+                        left: Duration::from_millis(left.max(0) as u64),
+                    }
                 }
                 ms if ms > 0 => LockAttempt::Held {
                     left: Duration::from_millis(ms as u64),

@@ -326,9 +326,15 @@ impl TieredCache {
     /// [`RETRY_FAILING_AFTER`]: super::RETRY_FAILING_AFTER
     pub(super) fn origin_failed(&self, key: &CacheKey, failed: bool) {
         if failed {
-            let until = self.now() + super::RETRY_FAILING_AFTER;
-            self.inner.failing.insert(key.hash(), until);
+            self.origin_failed_for(key, super::RETRY_FAILING_AFTER);
         }
+    }
+
+    /// As [`origin_failed`](Self::origin_failed), for `mark` (what the
+    /// fleet's mark has left, when another instance's load met it).
+    pub(super) fn origin_failed_for(&self, key: &CacheKey, mark: Duration) {
+        let until = self.now() + mark;
+        self.inner.failing.insert(key.hash(), until);
     }
 
     /// Whether a load of `key` met the origin failing a moment ago (see

@@ -245,8 +245,18 @@ impl TieredCache {
             let wait = leader.time_left();
             let counted = (waited.is_some() || refresh, timed_out);
             let progress = leader.progress(policy.lock_wait());
+            let fallback = stale.as_ref().is_some_and(|e| self.stale_usable(e));
             let fleet = self
-                .lead_fleet(&keys.flight, &policy, wait, &progress, epoch, fits, counted)
+                .lead_fleet(
+                    &keys.flight,
+                    &policy,
+                    wait,
+                    &progress,
+                    epoch,
+                    fits,
+                    counted,
+                    fallback,
+                )
                 .await;
             if !refresh {
                 report_wait(&origin, waited, fleet.waited);
@@ -271,8 +281,8 @@ impl TieredCache {
                 }
                 // Another instance's load failed: so does this one's wait,
                 // as a local follower's would (its stale copy stands in).
-                FleetJoin::Failed => {
-                    self.origin_failed(&keys.flight, true);
+                FleetJoin::Failed(mark) => {
+                    self.origin_failed_for(&keys.flight, mark);
                     leader.complete(FlightResult::Failed(FlightError::Origin));
                     return match stale.filter(|e| self.stale_usable(e)) {
                         Some(stale) => Ok(Filled::Stale(stale)),
@@ -304,11 +314,14 @@ impl TieredCache {
                 let (entry, stored) = self.store_since(&keys.flight, fill, &policy, start);
                 // After the store was queued (or a later load's): the
                 // waiting instances read it.
-                lock.release(if stored.is_ok() {
-                    Unlocked::Filled
-                } else {
-                    Unlocked::Passed
-                });
+                lock.release(
+                    if stored.is_ok() {
+                        Unlocked::Filled
+                    } else {
+                        Unlocked::Passed
+                    },
+                    false,
+                );
                 leader.complete(match stored {
                     Ok(_) => FlightResult::Shared(entry.clone(), Source::Origin),
                     Err(at) => FlightResult::Overtaken(entry.clone(), at),
@@ -318,7 +331,7 @@ impl TieredCache {
             Ok(Loaded::Share { value, failed }) => {
                 self.origin_failed(&keys.flight, failed);
                 let entry = self.transient(&keys.flight, value, delta);
-                lock.release(Unlocked::Shared(entry.clone(), failed));
+                lock.release(Unlocked::Shared(entry.clone(), failed), failed);
                 Ok(self.shared(leader, entry, failed, usable))
             }
             Ok(Loaded::Pass {
@@ -326,7 +339,7 @@ impl TieredCache {
                 failed,
                 uncacheable,
             }) => {
-                lock.release(Unlocked::Passed);
+                lock.release(Unlocked::Passed, failed);
                 self.origin_failed(&keys.flight, failed);
                 if let Some(stale) = usable.filter(|_| failed) {
                     return Ok(stand_in(leader, stale));
@@ -350,7 +363,7 @@ impl TieredCache {
                 // then one takes the lock and the others wait on it, as
                 // after a lock that is gone; the key is not marked
                 // uncacheable and a refreshed entry stays.
-                lock.release(Unlocked::Gone);
+                lock.release(Unlocked::Gone, failed);
                 self.origin_failed(&keys.flight, failed);
                 if let Some(stale) = usable.filter(|_| failed) {
                     return Ok(stand_in(leader, stale));
@@ -365,13 +378,13 @@ impl TieredCache {
             // variant) gets the failure too, not a call of its own.
             Ok(Loaded::Failed { output }) => {
                 self.origin_failed(&keys.flight, true);
-                lock.release(Unlocked::Failed);
+                lock.release(Unlocked::Failed, true);
                 leader.complete(FlightResult::Failed(FlightError::Origin));
                 Ok(usable.map_or(Filled::Passed(output), Filled::Stale))
             }
             Err(e) => {
                 self.origin_failed(&keys.flight, true);
-                lock.release(Unlocked::Failed);
+                lock.release(Unlocked::Failed, true);
                 leader.complete(FlightResult::Failed(FlightError::Origin));
                 usable.map(Filled::Stale).ok_or(FetchError::Origin(e))
             }

@@ -25,9 +25,12 @@ impl TieredCache {
     /// Past it a new holder is waited on once more (for the policy's wait at
     /// most), and the same holder's lock about to end (within a quarter of
     /// the wait) to its end; the same holder still there is stuck, and the
-    /// request loads without the lock (counted as a lock timeout). `(counted, timed_out)`: the request's
-    /// wait, and its lock timeout, were counted already (a request is
-    /// counted once).
+    /// request loads without the lock (counted as a lock timeout).
+    /// `(counted, timed_out)`: the request's wait, and its lock timeout,
+    /// were counted already (a request is counted once). `fallback`: the
+    /// load has a stale copy to answer with, so it takes no lock while
+    /// another instance's load met the origin failing a moment ago
+    /// ([`Tier::try_lock_unless_failing`](crate::Tier::try_lock_unless_failing)).
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn lead_fleet(
         &self,
@@ -38,6 +41,7 @@ impl TieredCache {
         epoch: u64,
         accept: impl Fn(&Entry) -> bool,
         (counted, timed_out): (bool, bool),
+        fallback: bool,
     ) -> FleetWait {
         let Some(l2) = self.inner.l2.clone() else {
             return FleetLock::local().into();
@@ -47,12 +51,13 @@ impl TieredCache {
         // stalled leader by then.
         let hold = policy.lock_wait();
         let began = Instant::now();
-        let (held_for, holder) = match l2.try_lock(key, hold).await {
+        let (held_for, holder) = match try_lock(&l2, key, hold, fallback).await {
             Ok(LockAttempt::Acquired(token)) => {
                 let lock = FleetLock::held(l2.clone(), key.clone(), token, hold);
                 return self.took_lock(key, lock, epoch, &accept).await.into();
             }
             Ok(LockAttempt::Held { left, holder }) => (left, holder),
+            Ok(LockAttempt::Failing { left }) => return FleetJoin::Failed(failing(left)).into(),
             Ok(_) => return FleetLock::local().into(),
             Err(_) => {
                 bump(&self.inner.counters.l2_errors);
@@ -68,6 +73,7 @@ impl TieredCache {
             deadline: began + wait,
             held_for,
             holder,
+            fallback,
         };
         let (join, gave_up) = self.wait_fleet(key, held, progress, epoch, &accept).await;
         if gave_up && !timed_out {
@@ -96,6 +102,7 @@ impl TieredCache {
             mut deadline,
             mut held_for,
             mut holder,
+            fallback,
         } = held;
         let (mut extended, mut to_its_end) = (false, false);
         // Where the holder's lock ends, as last seen: a later end is its
@@ -130,7 +137,7 @@ impl TieredCache {
             match unlocked {
                 // The owner's answer may not be shared; load without a lock.
                 Unlocked::Passed => return (FleetJoin::Lead(FleetLock::local()), false),
-                Unlocked::Failed => return (FleetJoin::Failed, false),
+                Unlocked::Failed => return (FleetJoin::Failed(super::RETRY_FAILING_AFTER), false),
                 Unlocked::Shared(entry, failed) if entry.key() == key.full() => {
                     return (FleetJoin::Shared(entry, failed), false);
                 }
@@ -142,12 +149,15 @@ impl TieredCache {
             // Its end is taken from before the ask: a slow answer (a
             // loaded machine) must not read as the holder moving it on.
             let asked = Instant::now();
-            let attempt = l2.try_lock(key, hold).await;
+            let attempt = try_lock(l2, key, hold, fallback).await;
             let now = Instant::now();
             match attempt {
                 Ok(LockAttempt::Acquired(token)) => {
                     let lock = FleetLock::held(l2.clone(), key.clone(), token, hold);
                     return (self.took_lock(key, lock, epoch, accept).await, false);
+                }
+                Ok(LockAttempt::Failing { left }) => {
+                    return (FleetJoin::Failed(failing(left)), false);
                 }
                 Ok(LockAttempt::Held { left, holder: next }) => {
                     let new_holder = next.is_some() && next != holder;
@@ -203,7 +213,7 @@ impl TieredCache {
         if let Some(entry) = self.lookup_l2(key, epoch, accept).await {
             // Filled, for the instances that began waiting on this lock
             // meanwhile: the entry is there to read.
-            lock.release(Unlocked::Filled);
+            lock.release(Unlocked::Filled, false);
             return FleetJoin::Filled(entry);
         }
         FleetJoin::Lead(lock)
@@ -219,6 +229,29 @@ struct HeldLock<'a> {
     deadline: Instant,
     held_for: Duration,
     holder: Option<crate::LockToken>,
+    /// The load has a stale copy to answer with (see `lead_fleet`).
+    fallback: bool,
+}
+
+/// One lock attempt; with a `fallback`, none while the fleet knows the
+/// origin failing.
+async fn try_lock(
+    l2: &std::sync::Arc<dyn crate::Tier>,
+    key: &CacheKey,
+    hold: Duration,
+    fallback: bool,
+) -> Result<LockAttempt, crate::TierError> {
+    if fallback {
+        l2.try_lock_unless_failing(key, hold).await
+    } else {
+        l2.try_lock(key, hold).await
+    }
+}
+
+/// How long this instance leaves a failing origin alone: what the fleet's
+/// mark has left, a second at most.
+fn failing(left: Duration) -> Duration {
+    left.min(super::RETRY_FAILING_AFTER)
 }
 
 /// How a request's turn at the fleet lock went: how it joined, how long it

@@ -161,6 +161,11 @@ pub(super) const HELP: &[(&str, Kind, &str)] = &[
         "Waits on a fill lock another instance held.",
     ),
     (
+        "tiercache_fleet_failing_marks_total",
+        Kind::Counter,
+        "Loads answered with a stale copy, not an origin call, because another instance's load met the origin failing a moment ago.",
+    ),
+    (
         "tiercache_l1_bytes",
         Kind::Gauge,
         "Bytes L1 holds, weighed against its budget.",
