@@ -240,8 +240,10 @@ impl Drop for FleetLock {
         self.stop_extending();
         if let Some((tier, key, token)) = self.held.take() {
             // Dropped by the origin's panic: the waiting instances fail as
-            // the local waiters do. Else the fill was cancelled (its
-            // callers left): one of them takes the lock in turn.
+            // the local waiters do, and the fleet leaves the origin alone
+            // a moment (a panic counts as its failure). Else the fill was
+            // cancelled (its callers left): one of them takes the lock in
+            // turn.
             let panicking = std::thread::panicking();
             let how = if panicking {
                 Unlocked::Failed
@@ -328,8 +330,10 @@ pub(crate) enum FleetJoin {
     /// Another instance's answer, shared but not stored (`true`: an origin
     /// failure).
     Shared(crate::Entry, bool),
-    /// Another instance's load failed with nothing to share, or met the
-    /// origin failing a moment ago: its stale-if-error copy answers, and
-    /// the origin is not asked for this long.
-    Failed(Duration),
+    /// Another instance's load failed with nothing to share.
+    Failed,
+    /// Another instance's load met the origin failing a moment ago (the
+    /// fleet's mark, this long left): nothing was asked, and the stale
+    /// copy answers.
+    Failing(Duration),
 }

@@ -82,6 +82,8 @@ mod tests_busy;
 #[cfg(test)]
 mod tests_detached;
 #[cfg(test)]
+mod tests_fleet_mark;
+#[cfg(test)]
 mod tests_freshness;
 #[cfg(test)]
 mod tests_refresh;

@@ -62,6 +62,14 @@ impl Release {
         self.answer_bytes() > 0 || self.message == FAILED
     }
 
+    /// Sent again after an attempt that failed: without the failing mark,
+    /// which a retry must not set (nor start again) once the origin may
+    /// be back.
+    pub(crate) fn retried(mut self) -> Self {
+        self.failing = None;
+        self
+    }
+
     /// Goes on without the answer it shares: the waiters look for the
     /// entry, then take turns at the lock.
     pub(crate) fn drop_answer(&mut self) {
@@ -71,8 +79,8 @@ impl Release {
     }
 }
 
-/// Sends `release` once: the unlock, the shared answer (if any) and the
-/// notification, each on its own bound. Whether the unlock landed.
+/// Sends `release` once: the failing mark and the shared answer (if any),
+/// the unlock and the notification, each on its own bound. Whether the unlock landed.
 pub(crate) async fn release_once(inner: &Inner, release: &Release) -> bool {
     // Not queued in fred while it reconnects (see `Inner::connected`),
     // nor waiting for it: the writer runs releases inline while the
@@ -113,8 +121,8 @@ pub(crate) async fn release_once(inner: &Inner, release: &Release) -> bool {
     deleted.is_some()
 }
 
-/// Queues `release` on a pipeline, in `release_once`'s order: the shared
-/// answer (if any), the unlock, the notification (sent whatever the unlock
+/// Queues `release` on a pipeline, in `release_once`'s order: the failing
+/// mark (if any), the shared answer (if any), the unlock, the notification (sent whatever the unlock
 /// finds: only real releases are queued; a possibly-held lock's goes through
 /// `release_until_done`). How many commands it queued, and the offset among
 /// them of the unlock, whose reply says whether the release landed.
@@ -191,8 +199,7 @@ pub(crate) async fn release_until_done(inner: Weak<Inner>, mut release: Release)
         if release.message == FAILED {
             release.message = unlock_message(&Unlocked::Gone);
         }
-        // Nor marking the origin failing: the origin may be back by then.
-        release.failing = None;
+        release = release.retried();
         live.release_retries.fetch_add(1, Relaxed);
         drop(live);
         tokio::time::sleep(backoff.min(release.until.saturating_duration_since(Instant::now())))
@@ -206,7 +213,7 @@ pub(crate) async fn release(inner: &Arc<Inner>, release: Release) {
     if release_once(inner, &release).await {
         inner.released(&release.token);
     } else {
-        tokio::spawn(release_until_done(Arc::downgrade(inner), release));
+        tokio::spawn(release_until_done(Arc::downgrade(inner), release.retried()));
     }
 }
 
@@ -314,6 +321,24 @@ mod tests {
         assert_eq!(release.answer_bytes(), 0);
         release.drop_answer();
         assert!(release.leaves_word());
+    }
+
+    /// A release sent again after an attempt that failed leaves no
+    /// failing mark: by then the origin may be back, and a mark would keep
+    /// the fleet from asking it for another second.
+    #[test]
+    fn a_release_sent_again_marks_nothing() {
+        let release = Release {
+            lock: "l".into(),
+            channel: "c".into(),
+            shared: "s".into(),
+            token: Bytes::from_static(b"t"),
+            message: unlock_message(&Unlocked::Failed),
+            until: Instant::now(),
+            announce: true,
+            failing: Some(("f".into(), Duration::from_secs(1))),
+        };
+        assert!(release.retried().failing.is_none());
     }
 
     /// A failure page too large to carry still tells the waiters the load

@@ -178,7 +178,7 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
                 Command::Unlock(release) => {
                     tokio::spawn(crate::lock::release_until_done(
                         std::sync::Arc::downgrade(&inner),
-                        release,
+                        release.retried(),
                     ));
                 }
             }
@@ -292,8 +292,8 @@ const SET_OVER: &str = "local held = redis.call('GETRANGE', KEYS[1], ARGV[1], AR
      redis.call('PUBLISH', ARGV[6], ARGV[7]) return 0";
 
 /// Sends a batch in one pipeline, in order: each fill's `SET … PX` and its
-/// tag sets; each release's shared answer, token-checked unlock and
-/// notification (see [`crate::lock::pipe_release`]). Per command, whether it
+/// tag sets; each release's failing mark, shared answer, token-checked
+/// unlock and notification (see [`crate::lock::pipe_release`]). Per command, whether it
 /// landed (a release that did not is retried by the caller), and whether
 /// every reply was a success.
 async fn apply_batch(

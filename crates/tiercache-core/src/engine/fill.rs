@@ -13,8 +13,8 @@ use crate::fleet::{FleetJoin, FleetLock};
 use crate::flight::{FlightError, FlightResult, Leader};
 use crate::stats::bump;
 use crate::{
-    Answer, CacheKey, Entry, Event, FetchError, Fetched, Freshness, Loaded, Origin, Panic, Policy,
-    Select, Served, Source, StaleReason, Unlocked,
+    Answer, CacheKey, Entry, Event, FetchError, Fetched, Loaded, Origin, Panic, Policy, Select,
+    Served, Source, StaleReason, Unlocked,
 };
 
 /// What the leader's fill produced.
@@ -281,14 +281,25 @@ impl TieredCache {
                 }
                 // Another instance's load failed: so does this one's wait,
                 // as a local follower's would (its stale copy stands in).
-                FleetJoin::Failed(mark) => {
-                    self.origin_failed_for(&keys.flight, mark);
+                FleetJoin::Failed => {
+                    self.origin_failed(&keys.flight, true);
                     leader.complete(FlightResult::Failed(FlightError::Origin));
                     return match stale.filter(|e| self.stale_usable(e)) {
                         Some(stale) => Ok(Filled::Stale(stale)),
                         None => Err(FetchError::Failed),
                     };
                 }
+                // The fleet's mark: nothing asked, so the requests waiting
+                // here without a stale copy load on their own (and this
+                // one, if its copy's window closed while it waited).
+                FleetJoin::Failing(mark) => match stale.clone().filter(|e| self.stale_usable(e)) {
+                    Some(stale) => {
+                        self.origin_failed_for(&keys.flight, mark);
+                        leader.complete(FlightResult::Stale(None));
+                        return Ok(Filled::Stale(stale));
+                    }
+                    None => FleetLock::local(),
+                },
                 FleetJoin::Lead(lock) => lock,
             }
         };
@@ -433,81 +444,5 @@ impl TieredCache {
         };
         self.count(&answer);
         Fetched::Entry(answer)
-    }
-
-    /// What a follower answers with, given its leader's result; `joined`
-    /// is the journal epoch it noted before it joined the flight.
-    pub(super) fn followed<O: Origin>(
-        &self,
-        result: FlightResult,
-        fallback: Option<Entry>,
-        origin: &O,
-        joined: u64,
-    ) -> Followed<O::Output, O::Error> {
-        let answer = |entry, source, served| {
-            let answer = Answer {
-                entry,
-                source,
-                served,
-                collapsed: true,
-            };
-            self.count(&answer);
-            Followed::Answer(Fetched::Entry(answer))
-        };
-        let stale = |fallback: Option<Entry>| {
-            fallback
-                .filter(|e| self.stale_usable(e))
-                .map(|e| answer(e, Source::L1, Served::Stale(StaleReason::OriginError)))
-        };
-        match result {
-            FlightResult::Shared(entry, source) if origin.accepts(&entry) => {
-                let served = match source {
-                    Source::Origin => Served::Miss { stored: true },
-                    // A copy read inside its stale-while-revalidate window:
-                    // stale for the followers too, while the refresh runs.
-                    _ if !matches!(entry.freshness(self.now()), Freshness::Fresh(_)) => {
-                        Served::Stale(StaleReason::Revalidating)
-                    }
-                    _ => Served::Hit,
-                };
-                answer(entry, source, served)
-            }
-            // Invalidated while it loaded: an answer for the requests that
-            // were already waiting (as the leader's own is), not for one
-            // that came after the write.
-            FlightResult::Overtaken(_, at) if joined > at => Followed::Again,
-            // The leader had no room to keep its answer: one follower loads.
-            FlightResult::Retry => Followed::Retry,
-            FlightResult::Overtaken(entry, _) if origin.accepts(&entry) => {
-                answer(entry, Source::Origin, Served::Miss { stored: false })
-            }
-            FlightResult::Transient(entry, failed) => match stale(fallback.filter(|_| failed)) {
-                Some(stand_in) => stand_in,
-                None if origin.accepts(&entry) => answer(entry, Source::Origin, Served::Shared),
-                None => Followed::Alone,
-            },
-            // The origin failed and the leader stood its stale entry in:
-            // this request stands in its own, the copy it found in L1 (the
-            // same one, unless its variant is another). One that found none
-            // came after an invalidation removed it (or never had one), and
-            // gets the failure, as it would alone.
-            FlightResult::Stale(failure) => match stale(fallback) {
-                Some(stand_in) => stand_in,
-                None => match failure.filter(|f| origin.accepts(f)) {
-                    Some(failure) => answer(failure, Source::Origin, Served::Shared),
-                    None => Followed::Alone,
-                },
-            },
-            FlightResult::Failed(FlightError::Panicked) => {
-                Followed::Error(FetchError::Panicked(Panic(None)))
-            }
-            FlightResult::Failed(_) => {
-                stale(fallback).unwrap_or(Followed::Error(FetchError::Failed))
-            }
-            // Not shareable, or another variant: this request loads alone.
-            FlightResult::Released | FlightResult::Shared(..) | FlightResult::Overtaken(..) => {
-                Followed::Alone
-            }
-        }
     }
 }

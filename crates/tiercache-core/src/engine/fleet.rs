@@ -57,7 +57,7 @@ impl TieredCache {
                 return self.took_lock(key, lock, epoch, &accept).await.into();
             }
             Ok(LockAttempt::Held { left, holder }) => (left, holder),
-            Ok(LockAttempt::Failing { left }) => return FleetJoin::Failed(failing(left)).into(),
+            Ok(LockAttempt::Failing { left }) => return FleetJoin::Failing(failing(left)).into(),
             Ok(_) => return FleetLock::local().into(),
             Err(_) => {
                 bump(&self.inner.counters.l2_errors);
@@ -137,7 +137,7 @@ impl TieredCache {
             match unlocked {
                 // The owner's answer may not be shared; load without a lock.
                 Unlocked::Passed => return (FleetJoin::Lead(FleetLock::local()), false),
-                Unlocked::Failed => return (FleetJoin::Failed(super::RETRY_FAILING_AFTER), false),
+                Unlocked::Failed => return (FleetJoin::Failed, false),
                 Unlocked::Shared(entry, failed) if entry.key() == key.full() => {
                     return (FleetJoin::Shared(entry, failed), false);
                 }
@@ -157,7 +157,7 @@ impl TieredCache {
                     return (self.took_lock(key, lock, epoch, accept).await, false);
                 }
                 Ok(LockAttempt::Failing { left }) => {
-                    return (FleetJoin::Failed(failing(left)), false);
+                    return (FleetJoin::Failing(failing(left)), false);
                 }
                 Ok(LockAttempt::Held { left, holder: next }) => {
                     let new_holder = next.is_some() && next != holder;

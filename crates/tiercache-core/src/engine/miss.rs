@@ -1,6 +1,7 @@
 //! The rest of a fetch after [`TieredCache::begin`](super::TieredCache::begin):
 //! a [`Miss`] run with the origin (the single flight, L2, the fleet lock,
-//! the origin, storage) and a [`Refresh`] spawned in the background.
+//! the origin, storage), what its followers answer with, and a
+//! [`Refresh`] spawned in the background.
 
 use std::time::Duration;
 
@@ -11,7 +12,10 @@ use super::fill::{Followed, Lead, Locked};
 
 use crate::flight::{FlightError, FlightResult, Join, Waited};
 use crate::stats::bump;
-use crate::{Answer, Event, FetchError, Fetched, Origin, Select, Served, Source, StaleReason};
+use crate::{
+    Answer, Entry, Event, FetchError, Fetched, Freshness, Origin, Panic, Select, Served, Source,
+    StaleReason,
+};
 
 impl Miss {
     /// Whether the key is marked uncacheable (hit-for-miss): the request
@@ -253,6 +257,84 @@ impl<O: Select> Drop for WaitSample<O> {
     fn drop(&mut self) {
         if let Some(origin) = &self.origin {
             origin.observe(Event::LockWait(self.waited + self.started.elapsed()));
+        }
+    }
+}
+
+impl super::TieredCache {
+    /// What a follower answers with, given its leader's result; `joined`
+    /// is the journal epoch it noted before it joined the flight.
+    pub(super) fn followed<O: Origin>(
+        &self,
+        result: FlightResult,
+        fallback: Option<Entry>,
+        origin: &O,
+        joined: u64,
+    ) -> Followed<O::Output, O::Error> {
+        let answer = |entry, source, served| {
+            let answer = Answer {
+                entry,
+                source,
+                served,
+                collapsed: true,
+            };
+            self.count(&answer);
+            Followed::Answer(Fetched::Entry(answer))
+        };
+        let stale = |fallback: Option<Entry>| {
+            fallback
+                .filter(|e| self.stale_usable(e))
+                .map(|e| answer(e, Source::L1, Served::Stale(StaleReason::OriginError)))
+        };
+        match result {
+            FlightResult::Shared(entry, source) if origin.accepts(&entry) => {
+                let served = match source {
+                    Source::Origin => Served::Miss { stored: true },
+                    // A copy read inside its stale-while-revalidate window:
+                    // stale for the followers too, while the refresh runs.
+                    _ if !matches!(entry.freshness(self.now()), Freshness::Fresh(_)) => {
+                        Served::Stale(StaleReason::Revalidating)
+                    }
+                    _ => Served::Hit,
+                };
+                answer(entry, source, served)
+            }
+            // Invalidated while it loaded: an answer for the requests that
+            // were already waiting (as the leader's own is), not for one
+            // that came after the write.
+            FlightResult::Overtaken(_, at) if joined > at => Followed::Again,
+            // The leader had no room to keep its answer: one follower loads.
+            FlightResult::Retry => Followed::Retry,
+            FlightResult::Overtaken(entry, _) if origin.accepts(&entry) => {
+                answer(entry, Source::Origin, Served::Miss { stored: false })
+            }
+            FlightResult::Transient(entry, failed) => match stale(fallback.filter(|_| failed)) {
+                Some(stand_in) => stand_in,
+                None if origin.accepts(&entry) => answer(entry, Source::Origin, Served::Shared),
+                None => Followed::Alone,
+            },
+            // The origin failed and the leader stood its stale entry in:
+            // this request stands in its own, the copy it found in L1 (the
+            // same one, unless its variant is another). One that found none
+            // came after an invalidation removed it (or never had one), and
+            // gets the failure, as it would alone.
+            FlightResult::Stale(failure) => match stale(fallback) {
+                Some(stand_in) => stand_in,
+                None => match failure.filter(|f| origin.accepts(f)) {
+                    Some(failure) => answer(failure, Source::Origin, Served::Shared),
+                    None => Followed::Alone,
+                },
+            },
+            FlightResult::Failed(FlightError::Panicked) => {
+                Followed::Error(FetchError::Panicked(Panic(None)))
+            }
+            FlightResult::Failed(_) => {
+                stale(fallback).unwrap_or(Followed::Error(FetchError::Failed))
+            }
+            // Not shareable, or another variant: this request loads alone.
+            FlightResult::Released | FlightResult::Shared(..) | FlightResult::Overtaken(..) => {
+                Followed::Alone
+            }
         }
     }
 }

@@ -163,7 +163,7 @@ pub(super) const HELP: &[(&str, Kind, &str)] = &[
     (
         "tiercache_fleet_failing_marks_total",
         Kind::Counter,
-        "Loads answered with a stale copy, not an origin call, because another instance's load met the origin failing a moment ago.",
+        "Loads and refreshes that did not call the origin because another instance's load met it failing a moment ago (a stale copy answered).",
     ),
     (
         "tiercache_l1_bytes",
