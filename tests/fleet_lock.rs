@@ -377,3 +377,55 @@ async fn a_refresh_failed_on_one_instance_spares_the_fleet_its_call() {
     .await;
     assert_eq!(calls.get(), 2, "B's refresh asked the failing origin");
 }
+
+/// Instance A's load outlives its fleet lock (its origin silent past the
+/// lock's wait); instance B takes the lock as it ends, loads and stores
+/// the newer answer. A's answer, when it comes, is its own caller's, but
+/// does not replace B's in Valkey (a third instance reads B's), nor stays
+/// in A's L1. It replaced it before: every instance reading Valkey then
+/// answered the older load's answer (a `500 max-age=30` over a `200`, in
+/// a black-box audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_that_outlived_its_lock_does_not_replace_the_newer_answer() {
+    let server = ValkeyServer::start();
+    let (calls, gate) = (Counter::new(), Gate::new());
+    let answer = {
+        let (calls, gate) = (calls.clone(), gate.clone());
+        move || {
+            let (calls, gate) = (calls.clone(), gate.clone());
+            async move {
+                if calls.bump() == 1 {
+                    gate.passed().await;
+                    return "old";
+                }
+                "new"
+            }
+        }
+    };
+    let (_, a) = instance_answering(&server.url(), "/k", answer.clone()).await;
+    let (_, b) = instance_answering(&server.url(), "/k", answer.clone()).await;
+    let (_, c) = instance_answering(&server.url(), "/k", answer).await;
+    let first = tokio::spawn({
+        let a = a.clone();
+        async move { send(&a, "GET", "/k").await }
+    });
+    bounded("A's origin call", calls.reached(1)).await;
+    // B waits on A's lock until it ends (`LOCK` after its take), then loads.
+    let (_, _, body) = bounded("B's answer", send(&b, "GET", "/k")).await;
+    assert_eq!(body, "new");
+    gate.open();
+    let (_, _, body) = bounded("A's answer", first).await.unwrap();
+    assert_eq!(body, "old", "A's caller gets its own load's answer");
+    // A's copy goes once Valkey refuses it (polled: the reply of a real
+    // server's script); then A reads B's answer there.
+    let gone = tokio::time::timeout(Duration::from_secs(10), async {
+        while send(&a, "GET", "/k").await.2 != "new" {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    gone.await
+        .expect("A still answers its older copy: Valkey took it over the newer");
+    let (_, _, body) = send(&c, "GET", "/k").await;
+    assert_eq!(body, "new", "Valkey holds the older load's answer");
+    assert_eq!(calls.get(), 2);
+}

@@ -186,23 +186,25 @@ impl FleetLock {
         }
     }
 
-    /// A lock taken just now, to live `hold` unless the load's progress
-    /// moves it on.
+    /// A lock taken by an attempt sent at `asked`, to live `hold` from
+    /// then (its `PX` counts from a moment later) unless the load's
+    /// progress moves it on.
     pub(crate) fn held(
         tier: Arc<dyn Tier>,
-        key: CacheKey,
-        token: LockToken,
+        (key, token): (CacheKey, LockToken),
         hold: Duration,
+        asked: Instant,
     ) -> Self {
         let extension = LockExtension {
             tier: tier.clone(),
             key: key.clone(),
             token: token.clone(),
-            start: Instant::now(),
+            start: asked,
             hold: nanos(hold),
             end: AtomicU64::new(nanos(hold)),
             limit: nanos(hold.saturating_mul(crate::flight::PROGRESS_WAITS_AT_MOST)),
             done: AtomicBool::new(false),
+            lapsed_once: AtomicBool::new(false),
         };
         Self {
             held: Some((tier, key, token)),
@@ -226,6 +228,14 @@ impl FleetLock {
         if let Some((tier, key, token)) = self.held.take() {
             unlock(&*tier, &key, &token, how, failing);
         }
+    }
+
+    /// Whether the lock has ended by its `PX` under its load (which made
+    /// no progress that moved it on for a whole wait), or is about to (an
+    /// eighth of a hold from it): another instance may have taken it and
+    /// loaded since. A local lock never lapses.
+    pub(crate) fn lapsed(&self) -> bool {
+        self.held.is_some() && self.extension.as_ref().is_some_and(|e| e.lapsed())
     }
 
     fn stop_extending(&self) {
@@ -285,9 +295,19 @@ pub(crate) struct LockExtension {
     limit: u64,
     /// Released: nothing left to move.
     done: AtomicBool,
+    /// Its end passed before a move (see [`lapsed`](Self::lapsed)).
+    lapsed_once: AtomicBool,
 }
 
 impl LockExtension {
+    /// Whether the lock's end, as last moved, has passed (now, or before
+    /// a move) or is an eighth of a hold away (see [`FleetLock::lapsed`]).
+    fn lapsed(&self) -> bool {
+        let now = nanos(Instant::now().saturating_duration_since(self.start));
+        self.lapsed_once.load(Relaxed)
+            || now.saturating_add(self.hold / 8) >= self.end.load(Relaxed)
+    }
+
     /// The load made progress now: moves the lock to end `hold` from now
     /// if that is a quarter hold past its end as last moved (within four
     /// holds of its take).
@@ -297,6 +317,11 @@ impl LockExtension {
         }
         let now = nanos(Instant::now().saturating_duration_since(self.start));
         let end = self.end.load(Relaxed);
+        // Past its end as reckoned here (a little early): it may have
+        // lapsed and been taken, whether or not it is moved on now.
+        if now >= end {
+            self.lapsed_once.store(true, Relaxed);
+        }
         let moved = now.saturating_add(self.hold).min(self.limit);
         // Past its limit (the lock has lapsed by then), or not a quarter
         // hold later than it ends now.

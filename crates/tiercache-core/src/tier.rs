@@ -49,6 +49,25 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
         self.put(key, entry, ttl, tags);
     }
 
+    /// Stores `entry` as [`put`](Self::put) does, unless the tier holds
+    /// under `key` a fill created after `since` (to the millisecond): the
+    /// answer of a load that began at `since` and outlived its fleet lock,
+    /// so another instance may have taken the lock and stored a later
+    /// load's answer meanwhile, which stays (and this instance drops its
+    /// own copy). The default stores it as `put` does, for a tier that
+    /// cannot tell.
+    fn put_unless_newer(
+        &self,
+        key: &CacheKey,
+        entry: &Entry,
+        ttl: Duration,
+        tags: &[Bytes],
+        since: std::time::SystemTime,
+    ) {
+        let _ = since;
+        self.put(key, entry, ttl, tags);
+    }
+
     /// Removes what `invalidation` names from the tier (for a tag, with the
     /// keys recorded under it, which it adds to the message) and tells the
     /// other instances, whose sinks drop the same from their L1.

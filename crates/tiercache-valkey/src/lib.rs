@@ -37,6 +37,7 @@ mod config;
 mod deaf;
 mod echo;
 mod failures;
+mod guard;
 mod invalidate;
 mod keys;
 mod lock;

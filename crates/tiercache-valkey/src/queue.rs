@@ -8,20 +8,21 @@ use bytes::Bytes;
 use tiercache_core::{CacheKey, Entry};
 
 use crate::codec;
+use crate::guard::Guard;
 use crate::tier::{Inner, ValkeyTier};
 use crate::writer::{Command, Write};
 
 impl ValkeyTier {
-    /// Queues a fill (see [`Tier::put`]); with `over`, stored only while
-    /// Valkey holds the fill created then (see
-    /// [`Tier::put_over`]).
+    /// Queues a fill (see [`Tier::put`]); with a `guard`, stored only
+    /// under its condition (see [`Tier::put_over`],
+    /// [`Tier::put_unless_newer`]).
     pub(crate) fn queue_fill(
         &self,
         key: &CacheKey,
         entry: &Entry,
         ttl: Duration,
         tags: &[Bytes],
-        over: Option<[u8; 8]>,
+        guard: Option<Guard>,
     ) {
         let px = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX).max(1);
         let value = codec::encode(entry);
@@ -38,7 +39,7 @@ impl ValkeyTier {
             hash: key.hash(),
             full: key.full().clone(),
             heard: self.inner.overtaken.mark(),
-            over,
+            guard,
         });
         if self.inner.writes.try_send(write).is_err() {
             self.inner.queued_bytes.fetch_sub(size, Relaxed);

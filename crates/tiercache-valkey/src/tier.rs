@@ -3,7 +3,7 @@
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use fred::prelude::{Builder, Client, ClientLike, EventInterface, KeysInterface, Value};
@@ -18,6 +18,7 @@ use crate::breaker::Breaker;
 use crate::bus::{self, Bus};
 use crate::codec;
 use crate::config::{ValkeyConfig, ValkeyError};
+use crate::guard::Guard;
 use crate::overtaken::Overtaken;
 use crate::writer::{Write, writer};
 
@@ -402,7 +403,24 @@ impl Tier for ValkeyTier {
     }
 
     fn put_over(&self, key: &CacheKey, entry: &Entry, ttl: Duration, tags: &[Bytes], read: &Entry) {
-        self.queue_fill(key, entry, ttl, tags, Some(codec::created_at(read)));
+        let guard = Guard::Over(codec::created_at(read));
+        self.queue_fill(key, entry, ttl, tags, Some(guard));
+    }
+
+    fn put_unless_newer(
+        &self,
+        key: &CacheKey,
+        entry: &Entry,
+        ttl: Duration,
+        tags: &[Bytes],
+        since: SystemTime,
+    ) {
+        let ms = since
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_millis();
+        let guard = Guard::UnlessNewer(u64::try_from(ms).unwrap_or(u64::MAX));
+        self.queue_fill(key, entry, ttl, tags, Some(guard));
     }
 
     fn invalidate<'a>(

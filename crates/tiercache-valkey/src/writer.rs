@@ -14,6 +14,7 @@ use tokio::sync::mpsc;
 use tiercache_core::KeyHash;
 
 use crate::codec;
+use crate::guard::{Guard, pipe_guarded};
 use crate::lock::Release;
 use crate::overtaken::{STAMP_HEAD, STAMP_TAIL, Stamp, Target, Undo};
 use crate::tier::Inner;
@@ -39,9 +40,9 @@ pub(crate) enum Command {
         full: Bytes,
         /// [`crate::overtaken::Overtaken::mark`] when it was queued.
         heard: u64,
-        /// A renewal: stored only while the key holds the fill created at
-        /// these envelope bytes (see [`crate::codec::CREATED_AT`]).
-        over: Option<[u8; 8]>,
+        /// Stored only under this condition, which a script checks (a
+        /// renewal, a late load's answer).
+        guard: Option<Guard>,
     },
     /// Delete these entries again, each only while it still holds the
     /// stamped fill: fills another instance's invalidation overtook (see
@@ -149,14 +150,14 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
                     hash,
                     full,
                     value,
-                    over,
+                    guard,
                     ..
                 } => {
                     if !landed {
                         failed_fills += 1;
-                        // A renewal that may have been refused without a
-                        // word: its copy here goes (a miss at worst).
-                        if over.is_some() {
+                        // A guarded fill that may have been refused without
+                        // a word: its copy here goes (a miss at worst).
+                        if guard.is_some() {
                             drop_renewal_here(&inner, hash, &value);
                         }
                     }
@@ -279,18 +280,6 @@ const DELETE_IF_STAMPED: &str = "if redis.call('GETRANGE', KEYS[1], 0, ARGV[3]) 
      if n == 1 then redis.call('PUBLISH', ARGV[5], ARGV[6]) end \
      return n else return 0 end";
 
-/// Sets `KEYS[1]` to `ARGV[4]` with `PX ARGV[5]` only while it holds an
-/// envelope whose bytes `ARGV[1]..=ARGV[2]` (its fill's creation) are
-/// `ARGV[3]`: a renewal never replaces a newer fill, nor brings back one
-/// taken out (expired, invalidated, deleted again). Refused, it publishes
-/// `ARGV[7]` on `ARGV[6]` (an `R` message): every instance holding the old
-/// fill drops its L1 copies of it, which L2 no longer backs (copies of a
-/// newer fill stay); the renewer drops its renewal's copy on the reply.
-const SET_OVER: &str = "local held = redis.call('GETRANGE', KEYS[1], ARGV[1], ARGV[2]) \
-     if held == ARGV[3] then \
-     redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5]) return 1 end \
-     redis.call('PUBLISH', ARGV[6], ARGV[7]) return 0";
-
 /// Sends a batch in one pipeline, in order: each fill's `SET … PX` and its
 /// tag sets; each release's failing mark, shared answer, token-checked
 /// unlock and notification (see [`crate::lock::pipe_release`]). Per command, whether it
@@ -367,13 +356,13 @@ async fn apply_batch(
         .filter(|reply| matches!(reply, Ok(Value::Integer(1))))
         .count();
     inner.fills_overtaken.fetch_add(removed as u64, Relaxed);
-    // Renewals that replaced their fill (the script answered 1): their tag
+    // Guarded fills that were stored (the script answered 1): their tag
     // sets now, in a second round trip (a refused one adds none).
     let renewals = inner.client().pipeline();
     let mut renewed = Vec::new();
     for (i, command) in batch.iter().enumerate() {
         let Command::Set {
-            over: Some(_),
+            guard: Some(_),
             tags,
             hash,
             px,
@@ -391,8 +380,9 @@ async fn apply_batch(
                 pipe_tags(&renewals, tags, hash, *px, now).await?;
                 renewed.push(i);
             }
-            // Refused: this instance's renewed copy is the only one (the
-            // script's message names the fill read, for every instance).
+            // Refused: this instance's copy is the only one of its fill (a
+            // renewal's script message names the fill read, for every
+            // instance; a late load's answer is older than the one kept).
             Ok(Value::Integer(0)) => drop_renewal_here(inner, *hash, value),
             _ => {}
         }
@@ -408,8 +398,8 @@ async fn apply_batch(
 }
 
 /// Queues a fill (a `Command::Set`): its `SET … PX`, then each tag's sorted
-/// set (see [`pipe_tags`]); a renewal's script alone (its tags wait for its
-/// answer). How many commands it queued.
+/// set (see [`pipe_tags`]); a guarded fill's script alone (its tags wait
+/// for its answer). How many commands it queued.
 async fn pipe_fill(
     inner: &Inner,
     pipe: &Pipeline<Client>,
@@ -422,32 +412,14 @@ async fn pipe_fill(
         px,
         tags,
         hash,
-        over,
+        guard,
         ..
     } = fill
     else {
         return Ok(0);
     };
-    if let Some(created) = over {
-        let eval = eval_on(key);
-        let at = &crate::codec::CREATED_AT;
-        // The fill read (the renewer drops its renewal's copy itself: no
-        // other instance has it, and its time may be a newer fill's).
-        let created_ms = [u64::from_le_bytes(*created)];
-        let message = crate::bus::encode_stale_fill(&inner.bus.instance, *hash, &created_ms);
-        let args = vec![
-            Value::from(SET_OVER),
-            Value::from(1),
-            Value::from(key.as_str()),
-            Value::from(at.start as i64),
-            Value::from((at.end - 1) as i64),
-            Value::from(Bytes::copy_from_slice(created)),
-            Value::from(value.clone()),
-            Value::from(*px),
-            Value::from(inner.bus.channel.as_str()),
-            Value::from(message),
-        ];
-        let _: () = pipe.custom(eval, args).await?;
+    if let Some(guard) = guard {
+        pipe_guarded(inner, pipe, key, (value, *px, *hash), *guard).await?;
         return Ok(1);
     }
     let _: () = pipe

@@ -9,6 +9,7 @@ use tokio::time::Instant;
 use super::TieredCache;
 use super::detach::FillTask;
 use super::fetch::Keys;
+use super::journal::Start;
 use crate::fleet::{FleetJoin, FleetLock};
 use crate::flight::{FlightError, FlightResult, Leader};
 use crate::stats::bump;
@@ -322,6 +323,13 @@ impl TieredCache {
                 if fill.origin_latency_unset() {
                     fill = fill.origin_latency(delta);
                 }
+                // Past its lock: another instance's later answer may be
+                // in L2 already, and stays.
+                let outlived_lock = lock.lapsed().then_some(began);
+                let start = Start {
+                    outlived_lock,
+                    ..start
+                };
                 let (entry, stored) = self.store_since(&keys.flight, fill, &policy, start);
                 // After the store was queued (or a later load's): the
                 // waiting instances read it.

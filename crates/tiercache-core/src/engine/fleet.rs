@@ -53,7 +53,7 @@ impl TieredCache {
         let began = Instant::now();
         let (held_for, holder) = match try_lock(&l2, key, hold, fallback).await {
             Ok(LockAttempt::Acquired(token)) => {
-                let lock = FleetLock::held(l2.clone(), key.clone(), token, hold);
+                let lock = FleetLock::held(l2.clone(), (key.clone(), token), hold, began);
                 return self.took_lock(key, lock, epoch, &accept).await.into();
             }
             Ok(LockAttempt::Held { left, holder }) => (left, holder),
@@ -153,7 +153,7 @@ impl TieredCache {
             let now = Instant::now();
             match attempt {
                 Ok(LockAttempt::Acquired(token)) => {
-                    let lock = FleetLock::held(l2.clone(), key.clone(), token, hold);
+                    let lock = FleetLock::held(l2.clone(), (key.clone(), token), hold, asked);
                     return (self.took_lock(key, lock, epoch, accept).await, false);
                 }
                 Ok(LockAttempt::Failing { left }) => {

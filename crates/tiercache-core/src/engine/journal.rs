@@ -82,11 +82,15 @@ struct State {
 /// Where a fill starts: the journal's epoch (an invalidation recorded
 /// from it on overtakes the fill) and the load's number (loads are
 /// numbered as they start: a fill gives way to an entry a later load
-/// stored meanwhile, see [`Entry::load`](crate::Entry)).
+/// stored meanwhile, see [`Entry::load`](crate::Entry)); and, for a load
+/// that outlived its fleet lock, when it began (in the shared tier, it
+/// gives way to a fill created since: see
+/// [`Tier::put_unless_newer`](crate::Tier::put_unless_newer)).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Start {
     pub(crate) epoch: u64,
     pub(crate) load: u64,
+    pub(crate) outlived_lock: Option<std::time::SystemTime>,
 }
 
 /// See the module docs.
@@ -119,6 +123,7 @@ impl Journal {
         Start {
             epoch: self.epoch(),
             load: self.next_load(),
+            outlived_lock: None,
         }
     }
 

@@ -237,10 +237,11 @@ impl TieredCache {
             .inner
             .journal
             .unless_overtaken(start.epoch, &footprint, || {
+                let late = start.outlived_lock;
                 for (k, e) in &extra {
-                    self.insert(k, e.clone(), l2_ttl, &fill.tags);
+                    self.insert(k, e.clone(), (l2_ttl, late), &fill.tags);
                 }
-                self.insert(key, main.clone(), l2_ttl, &fill.tags)
+                self.insert(key, main.clone(), (l2_ttl, late), &fill.tags)
             });
         self.inner.prune_tags_if_due();
         (main, stored)
@@ -318,16 +319,18 @@ impl TieredCache {
         (times, fresh + hard)
     }
 
-    /// Puts `entry` in L1 and (queued) in L2 under `key`, records it under
-    /// `tags`, and clears any hit-for-miss mark; unless L1 holds a fresh
-    /// answer of a later load there (see [`Entry::load`]), which stays, in
-    /// both tiers. Whether it went in. Callers hold the journal's lock (see
+    /// Puts `entry` in L1 and (queued) in L2 under `key` for `l2_ttl`,
+    /// records it under `tags`, and clears any hit-for-miss mark; unless L1
+    /// holds a fresh answer of a later load there (see [`Entry::load`]),
+    /// which stays, in both tiers. The answer of a load that outlived its
+    /// fleet lock (`late`: when it began) gives way in L2 to a fill created
+    /// since. Whether it went in. Callers hold the journal's lock (see
     /// [`store_since`](Self::store_since)).
     pub(crate) fn insert(
         &self,
         key: &CacheKey,
         entry: Entry,
-        l2_ttl: Duration,
+        (l2_ttl, late): (Duration, Option<SystemTime>),
         tags: &[Bytes],
     ) -> bool {
         let mut old = None;
@@ -346,8 +349,10 @@ impl TieredCache {
             return false;
         };
         self.inner.uncacheable.invalidate(&key.hash());
-        if let Some(l2) = &self.inner.l2 {
-            l2.put(key, &entry, l2_ttl, tags);
+        match (&self.inner.l2, late) {
+            (Some(l2), Some(began)) => l2.put_unless_newer(key, &entry, l2_ttl, tags, began),
+            (Some(l2), None) => l2.put(key, &entry, l2_ttl, tags),
+            (None, _) => {}
         }
         self.inner.retag(key.hash(), &holding, old.as_ref(), tags);
         true

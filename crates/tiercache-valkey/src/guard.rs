@@ -1,0 +1,94 @@
+//! Fills stored only under a condition, which a script checks on the
+//! server: a renewal only over the fill it renews ([`SET_OVER`]), and the
+//! answer of a load that outlived its fleet lock only over nothing newer
+//! ([`SET_UNLESS_NEWER`]).
+
+use bytes::Bytes;
+use fred::clients::{Client, Pipeline};
+use fred::prelude::{ClientLike, Value};
+use tiercache_core::KeyHash;
+
+use crate::tier::Inner;
+use crate::writer::eval_on;
+
+/// What a guarded fill's script checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Guard {
+    /// A renewal: stored only while the key holds the fill created at
+    /// these envelope bytes (see [`SET_OVER`]).
+    Over([u8; 8]),
+    /// The answer of a load that began at this time (milliseconds since
+    /// the epoch) and outlived its fleet lock: stored unless the key holds
+    /// a fill created after it (see [`SET_UNLESS_NEWER`]).
+    UnlessNewer(u64),
+}
+
+/// Sets `KEYS[1]` to `ARGV[4]` with `PX ARGV[5]` only while it holds an
+/// envelope whose bytes `ARGV[1]..=ARGV[2]` (its fill's creation) are
+/// `ARGV[3]`: a renewal never replaces a newer fill, nor brings back one
+/// taken out (expired, invalidated, deleted again). Refused, it publishes
+/// `ARGV[7]` on `ARGV[6]` (an `R` message): every instance holding the old
+/// fill drops its L1 copies of it, which L2 no longer backs (copies of a
+/// newer fill stay); the renewer drops its renewal's copy on the reply.
+const SET_OVER: &str = "local held = redis.call('GETRANGE', KEYS[1], ARGV[1], ARGV[2]) \
+     if held == ARGV[3] then \
+     redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5]) return 1 end \
+     redis.call('PUBLISH', ARGV[6], ARGV[7]) return 0";
+
+/// Sets `KEYS[1]` to `ARGV[4]` with `PX ARGV[5]` unless it holds an
+/// envelope whose creation (bytes `ARGV[1]..=ARGV[2]`, little-endian
+/// milliseconds) is later than `ARGV[3]`: a slow load's answer never
+/// replaces the one a later load (another instance's, which took the lock
+/// this one outlived) stored meanwhile. Refused, the loader drops its own
+/// copy on the reply; the other instances' copies are the newer fill's.
+const SET_UNLESS_NEWER: &str = "local held = redis.call('GETRANGE', KEYS[1], ARGV[1], ARGV[2]) \
+     if #held == 8 then local t = 0 \
+     for i = 8, 1, -1 do t = t * 256 + string.byte(held, i) end \
+     if t > tonumber(ARGV[3]) then return 0 end end \
+     redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5]) return 1";
+
+/// Queues a guarded fill's script (its tags wait for its answer: see
+/// `apply_batch`). Answers 1 when stored, 0 when refused.
+pub(crate) async fn pipe_guarded(
+    inner: &Inner,
+    pipe: &Pipeline<Client>,
+    key: &str,
+    (value, px, hash): (&Bytes, i64, KeyHash),
+    guard: Guard,
+) -> Result<(), fred::error::Error> {
+    let eval = eval_on(key);
+    let at = &crate::codec::CREATED_AT;
+    let mut args = vec![
+        Value::from(""),
+        Value::from(1),
+        Value::from(key),
+        Value::from(at.start as i64),
+        Value::from((at.end - 1) as i64),
+    ];
+    match guard {
+        Guard::Over(created) => {
+            // The fill read (the renewer drops its renewal's copy itself: no
+            // other instance has it, and its time may be a newer fill's).
+            let created_ms = [u64::from_le_bytes(created)];
+            let message = crate::bus::encode_stale_fill(&inner.bus.instance, hash, &created_ms);
+            args[0] = Value::from(SET_OVER);
+            args.extend([
+                Value::from(Bytes::copy_from_slice(&created)),
+                Value::from(value.clone()),
+                Value::from(px),
+                Value::from(inner.bus.channel.as_str()),
+                Value::from(message),
+            ]);
+        }
+        Guard::UnlessNewer(since) => {
+            args[0] = Value::from(SET_UNLESS_NEWER);
+            args.extend([
+                Value::from(i64::try_from(since).unwrap_or(i64::MAX)),
+                Value::from(value.clone()),
+                Value::from(px),
+            ]);
+        }
+    }
+    let _: () = pipe.custom(eval, args).await?;
+    Ok(())
+}
