@@ -1337,3 +1337,52 @@ async fn a_tier_on_a_client_still_connecting_waits_for_it() {
     }
     assert_eq!(tier.report().breaker_trips, 0);
 }
+
+/// A late load's fill (`Tier::put_unless_newer`, the answer of a load that
+/// outlived its fleet lock) is stored over nothing, over a fill created
+/// before its load began, and over a value of another type (as a `SET`
+/// replaces it); never over a fill created after its load began.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_fill_never_replaces_a_fill_created_after_its_load_began() {
+    use tiercache::core::{Entry, Tier, Times};
+    let server = ValkeyServer::start();
+    let l2 = tier(&server.url(), "late").await;
+    let now = std::time::SystemTime::now();
+    let secs = Duration::from_secs;
+    let fill = |key: &CacheKey, body: &str, created: std::time::SystemTime| {
+        let times = Times::fresh(created, created + secs(600));
+        let value = Value::from_body(body.to_owned());
+        Entry::new(
+            key.full().clone(),
+            Default::default(),
+            value,
+            times,
+            Duration::ZERO,
+        )
+    };
+    // The load began 10 s ago; what Valkey holds was created when?
+    let began = now - secs(10);
+    let cases = [
+        ("nothing", None, "late"),
+        ("older", Some(now - secs(20)), "late"),
+        ("newer", Some(now - secs(5)), "there"),
+        ("a list", None, "late"),
+    ];
+    for (what, there, expected) in cases {
+        let key = CacheKey::new(what);
+        if let Some(created) = there {
+            l2.put(&key, &fill(&key, "there", created), secs(600), &[]);
+        }
+        if what == "a list" {
+            server.cmd(&["RPUSH", &l2.entry_key(&key), "x"]);
+        }
+        l2.put_unless_newer(&key, &fill(&key, "late", now), secs(600), &[], began);
+        bounded("the writes", l2.flush()).await;
+        let held = l2
+            .get(&key)
+            .await
+            .unwrap()
+            .map(|hit| hit.entry.value().body.clone());
+        assert_eq!(held.as_deref(), Some(expected.as_bytes()), "over {what}");
+    }
+}

@@ -317,9 +317,9 @@ impl LockExtension {
         }
         let now = nanos(Instant::now().saturating_duration_since(self.start));
         let end = self.end.load(Relaxed);
-        // Past its end as reckoned here (a little early): it may have
-        // lapsed and been taken, whether or not it is moved on now.
-        if now >= end {
+        // Near or past its end as reckoned here (a little early): a move
+        // may land too late, and the lock be taken, moved on or not.
+        if now.saturating_add(self.hold / 8) >= end {
             self.lapsed_once.store(true, Relaxed);
         }
         let moved = now.saturating_add(self.hold).min(self.limit);

@@ -40,9 +40,10 @@ const SET_OVER: &str = "local held = redis.call('GETRANGE', KEYS[1], ARGV[1], AR
 /// milliseconds) is later than `ARGV[3]`: a slow load's answer never
 /// replaces the one a later load (another instance's, which took the lock
 /// this one outlived) stored meanwhile. Refused, the loader drops its own
-/// copy on the reply; the other instances' copies are the newer fill's.
-const SET_UNLESS_NEWER: &str = "local held = redis.call('GETRANGE', KEYS[1], ARGV[1], ARGV[2]) \
-     if #held == 8 then local t = 0 \
+/// copy on the reply; the other instances' copies are the newer fill's. A
+/// key of another type is replaced, as a `SET` replaces it.
+const SET_UNLESS_NEWER: &str = "local read, held = pcall(redis.call, 'GETRANGE', KEYS[1], ARGV[1], ARGV[2]) \
+     if read and #held == 8 then local t = 0 \
      for i = 8, 1, -1 do t = t * 256 + string.byte(held, i) end \
      if t > tonumber(ARGV[3]) then return 0 end end \
      redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5]) return 1";

@@ -120,8 +120,14 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
             inner.queued_bytes.fetch_sub(bytes, Relaxed);
             for command in batch {
                 match command {
-                    Command::Set { .. } => {
+                    Command::Set {
+                        guard, hash, value, ..
+                    } => {
                         inner.skipped.fetch_add(1, Relaxed);
+                        // Its copy here may be older than Valkey's.
+                        if guard.is_some() {
+                            drop_renewal_here(&inner, hash, &value);
+                        }
                     }
                     // Like a release: never skipped, retried until it lands.
                     Command::Delete(undo) => {
@@ -202,8 +208,9 @@ pub(crate) async fn writer(tier: std::sync::Weak<Inner>, mut rx: mpsc::Receiver<
     }
 }
 
-/// Drops this instance's L1 copy of a renewal (`envelope`) that Valkey
-/// refused, or may have: no other instance has it.
+/// Drops this instance's L1 copy of a guarded fill (`envelope`: a renewal,
+/// a late load's answer) that Valkey refused, or may have: no other
+/// instance has it.
 fn drop_renewal_here(inner: &Inner, hash: KeyHash, envelope: &[u8]) {
     if let (Some(sink), Some(created)) = (inner.bus.sink(), codec::created_at_of(envelope)) {
         sink.drop_fill(hash, &[created]);
