@@ -66,8 +66,17 @@ async fn tier_on(url: &str) -> ValkeyTier {
 /// An engine on its own connection to `url`, and a minute's policy under
 /// a flight's wait of [`LOCK`].
 async fn engine_on(url: &str) -> (TieredCache, Policy) {
+    engine_on_clock(url, tiercache::core::SystemClock).await
+}
+
+/// As [`engine_on`], on `clock`.
+async fn engine_on_clock(
+    url: &str,
+    clock: impl tiercache::core::Clock + 'static,
+) -> (TieredCache, Policy) {
     let engine = TieredCache::builder()
         .l2(tier_on(url).await)
+        .clock(clock)
         .sweep_interval(None)
         .build()
         .unwrap();
@@ -259,16 +268,7 @@ async fn two_on_one_clock(
 ) -> Vec<(TieredCache, Router)> {
     let mut fleet = Vec::new();
     for _ in 0..2 {
-        let engine = TieredCache::builder()
-            .l2(tier_on(url).await)
-            .clock(clock.clone())
-            .sweep_interval(None)
-            .build()
-            .unwrap();
-        let policy = Policy::ttl(Duration::from_secs(60))
-            .lock_timeout(LOCK)
-            .build()
-            .unwrap();
+        let (engine, policy) = engine_on_clock(url, clock.clone()).await;
         let route = ResponseCacheLayer::new(engine.clone())
             .route(policy)
             .unwrap();

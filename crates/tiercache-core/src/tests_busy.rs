@@ -46,7 +46,7 @@ fn policy() -> Policy {
 }
 
 /// Yields until `done` holds, or fails after many rounds.
-async fn until(what: &str, done: impl Fn() -> bool) {
+pub(crate) async fn until(what: &str, done: impl Fn() -> bool) {
     for _ in 0..100_000 {
         if done() {
             return;

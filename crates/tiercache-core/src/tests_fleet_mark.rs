@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
+use crate::tests_busy::until;
+use crate::tests_refresh::fresh_a_second_then_failing_over;
 use crate::*;
 
 /// A shared tier that stores nothing and whose fleet lock any load takes,
@@ -54,17 +56,6 @@ impl Tier for MarkedFailing {
     }
 }
 
-/// Yields until `done` holds, or fails after many rounds.
-async fn until(what: &str, done: impl Fn() -> bool) {
-    for _ in 0..100_000 {
-        if done() {
-            return;
-        }
-        tokio::task::yield_now().await;
-    }
-    panic!("never: {what}");
-}
-
 /// The leader has a stale-if-error copy and meets the mark; a request
 /// that joined its flight after an invalidation took the copy has none.
 /// The leader answers its copy; the other loads (nobody asked the origin
@@ -83,11 +74,7 @@ async fn a_request_without_a_stale_copy_loads_past_the_fleets_failing_mark() {
         .build()
         .unwrap();
     let key = CacheKey::new("k");
-    let policy = Policy::ttl(Duration::from_secs(1))
-        .jitter(0.0)
-        .stale_if_error(Duration::from_secs(60))
-        .build()
-        .unwrap();
+    let policy = fresh_a_second_then_failing_over().build().unwrap();
     cache.put(&key, Value::from_body("v1"), &policy);
     clock.advance(Duration::from_secs(2));
     let calls = Arc::new(AtomicUsize::new(0));

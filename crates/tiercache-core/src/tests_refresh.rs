@@ -8,6 +8,14 @@ use std::time::Duration;
 use crate::tests_freshness::{ANY, engine};
 use crate::*;
 
+/// Fresh for a second (no jitter), then standing in for a minute for an
+/// origin that fails.
+pub(crate) fn fresh_a_second_then_failing_over() -> PolicyBuilder {
+    Policy::ttl(Duration::from_secs(1))
+        .jitter(0.0)
+        .stale_if_error(Duration::from_secs(60))
+}
+
 /// Fresh for a second (no jitter, no early refresh), then served stale
 /// for a minute while a refresh runs.
 pub(crate) fn stale_for_a_minute() -> PolicyBuilder {
@@ -288,11 +296,7 @@ async fn a_failing_origin_is_asked_once_a_second_while_a_stale_copy_stands_in() 
     let clock = MockClock::new();
     let cache = engine(&clock, 1);
     let key = CacheKey::new("k");
-    let policy = Policy::ttl(Duration::from_secs(1))
-        .jitter(0.0)
-        .stale_if_error(Duration::from_secs(60))
-        .build()
-        .unwrap();
+    let policy = fresh_a_second_then_failing_over().build().unwrap();
     cache.put(&key, Value::from_body("v1"), &policy);
     clock.advance(Duration::from_secs(2));
     let calls = Arc::new(AtomicUsize::new(0));

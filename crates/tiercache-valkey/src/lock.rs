@@ -308,16 +308,7 @@ mod tests {
             read_unlock_message(&unlock_message(&Unlocked::Failed)),
             Unlocked::Failed
         ));
-        let mut release = Release {
-            lock: "l".into(),
-            channel: "c".into(),
-            shared: "s".into(),
-            token: Bytes::from_static(b"t"),
-            message: unlock_message(&Unlocked::Failed),
-            until: Instant::now(),
-            announce: true,
-            failing: None,
-        };
+        let mut release = failed_release(None);
         assert_eq!(release.answer_bytes(), 0);
         release.drop_answer();
         assert!(release.leaves_word());
@@ -328,7 +319,13 @@ mod tests {
     /// the fleet from asking it for another second.
     #[test]
     fn a_release_sent_again_marks_nothing() {
-        let release = Release {
+        let release = failed_release(Some(("f".into(), Duration::from_secs(1))));
+        assert!(release.retried().failing.is_none());
+    }
+
+    /// A failed load's release, marking the origin failing with `failing`.
+    fn failed_release(failing: Option<(String, Duration)>) -> Release {
+        Release {
             lock: "l".into(),
             channel: "c".into(),
             shared: "s".into(),
@@ -336,9 +333,8 @@ mod tests {
             message: unlock_message(&Unlocked::Failed),
             until: Instant::now(),
             announce: true,
-            failing: Some(("f".into(), Duration::from_secs(1))),
-        };
-        assert!(release.retried().failing.is_none());
+            failing,
+        }
     }
 
     /// A failure page too large to carry still tells the waiters the load
