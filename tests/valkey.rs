@@ -1339,17 +1339,19 @@ async fn a_tier_on_a_client_still_connecting_waits_for_it() {
 }
 
 /// A late load's fill (`Tier::put_unless_newer`, the answer of a load that
-/// outlived its fleet lock) is stored over nothing, over a fill created
-/// before its load began, and over a value of another type (as a `SET`
-/// replaces it); never over a fill created after its load began.
+/// outlived its fleet lock) is stored over nothing, over the fill of a load
+/// that began before it (created before, or after when that load took
+/// longer: a black-box audit had the older of two slow loads kept, and the
+/// fleet answer it), and over a value of another type (as a `SET` replaces
+/// it); never over the fill of a load that began after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_late_fill_never_replaces_a_fill_created_after_its_load_began() {
+async fn a_late_fill_never_replaces_the_fill_of_a_load_that_began_after_it() {
     use tiercache::core::{Entry, Tier, Times};
     let server = ValkeyServer::start();
     let l2 = tier(&server.url(), "late").await;
     let now = std::time::SystemTime::now();
     let secs = Duration::from_secs;
-    let fill = |key: &CacheKey, body: &str, created: std::time::SystemTime| {
+    let fill = |key: &CacheKey, body: &str, (created, took): (std::time::SystemTime, u64)| {
         let times = Times::fresh(created, created + secs(600));
         let value = Value::from_body(body.to_owned());
         Entry::new(
@@ -1357,15 +1359,17 @@ async fn a_late_fill_never_replaces_a_fill_created_after_its_load_began() {
             Default::default(),
             value,
             times,
-            Duration::ZERO,
+            secs(took),
         )
     };
-    // The load began 10 s ago; what Valkey holds was created when?
+    // The load began 10 s ago; what Valkey holds was created when, by a
+    // load that took how long?
     let began = now - secs(10);
     let cases = [
         ("nothing", None, "late"),
-        ("older", Some(now - secs(20)), "late"),
-        ("newer", Some(now - secs(5)), "there"),
+        ("older", Some((now - secs(20), 0)), "late"),
+        ("newer", Some((now - secs(5), 0)), "there"),
+        ("newer, of an older load", Some((now - secs(5), 8)), "late"),
         ("a list", None, "late"),
     ];
     for (what, there, expected) in cases {
@@ -1376,7 +1380,7 @@ async fn a_late_fill_never_replaces_a_fill_created_after_its_load_began() {
         if what == "a list" {
             server.cmd(&["RPUSH", &l2.entry_key(&key), "x"]);
         }
-        l2.put_unless_newer(&key, &fill(&key, "late", now), secs(600), &[], began);
+        l2.put_unless_newer(&key, &fill(&key, "late", (now, 10)), secs(600), &[], began);
         bounded("the writes", l2.flush()).await;
         let held = l2
             .get(&key)

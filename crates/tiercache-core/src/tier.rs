@@ -50,12 +50,13 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
     }
 
     /// Stores `entry` as [`put`](Self::put) does, unless the tier holds
-    /// under `key` a fill created after `since` (to the millisecond): the
-    /// answer of a load that began at `since` and outlived its fleet lock,
-    /// so another instance may have taken the lock and stored a later
-    /// load's answer meanwhile, which stays (and this instance drops its
-    /// own copy). The default stores it as `put` does, for a tier that
-    /// cannot tell.
+    /// under `key` the fill of a load that began after `since` (its
+    /// creation less its [`origin_latency`](Entry::origin_latency), to the
+    /// millisecond): the answer of a load that began at `since` and
+    /// outlived its fleet lock, so another instance may have taken the
+    /// lock and stored a later load's answer meanwhile, which stays (and
+    /// this instance drops its own copy). The default stores it as `put`
+    /// does, for a tier that cannot tell.
     fn put_unless_newer(
         &self,
         key: &CacheKey,

@@ -259,6 +259,10 @@ impl std::error::Error for DecodeError {}
 /// first field): what tells two fills of a key apart.
 pub(crate) const CREATED_AT: std::ops::Range<usize> = HEADER_LEN..HEADER_LEN + 8;
 
+/// Where an envelope holds its fill's origin latency (8 bytes, the
+/// microseconds its load took: the sixth field after [`CREATED_AT`]).
+pub(crate) const ORIGIN_LATENCY: std::ops::Range<usize> = HEADER_LEN + 40..HEADER_LEN + 48;
+
 /// `entry`'s `created_at` as its envelope holds it (see [`CREATED_AT`]).
 pub(crate) fn created_at(entry: &Entry) -> [u8; 8] {
     millis(entry.times().created_at).to_le_bytes()

@@ -19,7 +19,7 @@ pub(crate) enum Guard {
     Over([u8; 8]),
     /// The answer of a load that began at this time (milliseconds since
     /// the epoch) and outlived its fleet lock: stored unless the key holds
-    /// a fill created after it (see [`SET_UNLESS_NEWER`]).
+    /// the fill of a load that began after it (see [`SET_UNLESS_NEWER`]).
     UnlessNewer(u64),
 }
 
@@ -36,16 +36,19 @@ const SET_OVER: &str = "local held = redis.call('GETRANGE', KEYS[1], ARGV[1], AR
      redis.call('PUBLISH', ARGV[6], ARGV[7]) return 0";
 
 /// Sets `KEYS[1]` to `ARGV[4]` with `PX ARGV[5]` unless it holds an
-/// envelope whose creation (bytes `ARGV[1]..=ARGV[2]`, little-endian
-/// milliseconds) is later than `ARGV[3]`: a slow load's answer never
-/// replaces the one a later load (another instance's, which took the lock
-/// this one outlived) stored meanwhile. Refused, the loader drops its own
-/// copy on the reply; the other instances' copies are the newer fill's. A
-/// key of another type is replaced, as a `SET` replaces it.
+/// envelope whose load began after `ARGV[3]` (milliseconds): its creation
+/// less its origin latency, read from bytes `ARGV[1]..=ARGV[2]` (the
+/// creation's 8 bytes, little-endian milliseconds, through the latency's,
+/// microseconds). A slow load's answer never replaces the one of a later
+/// load (another instance's, which took the lock this one outlived)
+/// stored meanwhile; it replaces one of an earlier load, stored first
+/// because it ended first. Refused, the loader drops its own copy on the
+/// reply; the other instances' copies are the newer fill's. A key of
+/// another type is replaced, as a `SET` replaces it.
 const SET_UNLESS_NEWER: &str = "local read, held = pcall(redis.call, 'GETRANGE', KEYS[1], ARGV[1], ARGV[2]) \
-     if read and #held == 8 then local t = 0 \
-     for i = 8, 1, -1 do t = t * 256 + string.byte(held, i) end \
-     if t > tonumber(ARGV[3]) then return 0 end end \
+     if read and #held == 48 then \
+     local function le(at) local n = 0 for i = at + 7, at, -1 do n = n * 256 + string.byte(held, i) end return n end \
+     if le(1) - le(41) / 1000 > tonumber(ARGV[3]) then return 0 end end \
      redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5]) return 1";
 
 /// Queues a guarded fill's script (its tags wait for its answer: see
@@ -59,12 +62,17 @@ pub(crate) async fn pipe_guarded(
 ) -> Result<(), fred::error::Error> {
     let eval = eval_on(key);
     let at = &crate::codec::CREATED_AT;
+    // A renewal reads the creation; a late fill reads on to the latency.
+    let end = match guard {
+        Guard::Over(_) => at.end,
+        Guard::UnlessNewer(_) => crate::codec::ORIGIN_LATENCY.end,
+    };
     let mut args = vec![
         Value::from(""),
         Value::from(1),
         Value::from(key),
         Value::from(at.start as i64),
-        Value::from((at.end - 1) as i64),
+        Value::from((end - 1) as i64),
     ];
     match guard {
         Guard::Over(created) => {
