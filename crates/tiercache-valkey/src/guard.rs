@@ -23,6 +23,17 @@ pub(crate) enum Guard {
     UnlessNewer(u64),
 }
 
+impl Guard {
+    /// [`Guard::UnlessNewer`] for a load that began at `since`.
+    pub(crate) fn unless_newer_than(since: std::time::SystemTime) -> Self {
+        let ms = since
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_millis();
+        Self::UnlessNewer(u64::try_from(ms).unwrap_or(u64::MAX))
+    }
+}
+
 /// Sets `KEYS[1]` to `ARGV[4]` with `PX ARGV[5]` only while it holds an
 /// envelope whose bytes `ARGV[1]..=ARGV[2]` (its fill's creation) are
 /// `ARGV[3]`: a renewal never replaces a newer fill, nor brings back one

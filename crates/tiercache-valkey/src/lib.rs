@@ -45,6 +45,7 @@ mod message;
 mod overtaken;
 mod queue;
 mod reconnect;
+mod report;
 mod tier;
 mod tier_lock;
 mod writer;

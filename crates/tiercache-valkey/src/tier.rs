@@ -3,7 +3,7 @@
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use fred::prelude::{Builder, Client, ClientLike, EventInterface, KeysInterface, Value};
@@ -415,11 +415,7 @@ impl Tier for ValkeyTier {
         tags: &[Bytes],
         since: SystemTime,
     ) {
-        let ms = since
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_millis();
-        let guard = Guard::UnlessNewer(u64::try_from(ms).unwrap_or(u64::MAX));
+        let guard = Guard::unless_newer_than(since);
         self.queue_fill(key, entry, ttl, tags, Some(guard));
     }
 
@@ -495,26 +491,7 @@ impl Tier for ValkeyTier {
     }
 
     fn report(&self) -> TierReport {
-        let i = &self.inner;
-        let mut report = TierReport::default();
-        report.write_queue = (i.writes.max_capacity() - i.writes.capacity()) as u64;
-        report.write_queue_bytes = i.queued_bytes.load(Relaxed) as u64;
-        report.write_drops = i.write_drops.load(Relaxed);
-        report.write_errors = i.write_errors.load(Relaxed);
-        report.corrupt = i.corrupt.load(Relaxed);
-        report.skipped = i.skipped.load(Relaxed);
-        report.breaker_trips = i.breaker.trips.load(Relaxed);
-        report.breaker_open = i.breaker.is_open();
-        report.deaf = i.bus.is_deaf();
-        report.invalidations_received = i.bus.received.load(Relaxed);
-        report.resyncs = i.bus.resyncs.load(Relaxed);
-        report.locks_acquired = i.bus.locks_acquired.load(Relaxed);
-        report.failing_marks = i.bus.failing_marks.load(Relaxed);
-        report.release_retries = i.release_retries.load(Relaxed);
-        report.fills_overtaken = i.fills_overtaken.load(Relaxed);
-        report.reconnects_forced = i.reconnects_forced.load(Relaxed);
-        report.connection_errors = i.failures.count.load(Relaxed);
-        report
+        self.inner.report()
     }
 
     fn last_failure(&self) -> Option<tiercache_core::TierFailure> {
