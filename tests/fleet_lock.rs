@@ -245,7 +245,8 @@ async fn a_lock_about_to_end_at_a_waiters_deadline_is_waited_for() {
     // The waiter's deadline is `LOCK` from its start; the lock now ends
     // 100 ms after it (less than an eighth of `LOCK`: no progress).
     tokio::time::sleep(Duration::from_millis(100)).await;
-    holder.extend_lock(&key, &token, LOCK);
+    let lapse = tiercache::core::LockLapse::default();
+    holder.extend_lock(&key, &token, LOCK, lapse.clone());
     assert!(
         bounded("the waiter's answer", waiting)
             .await
@@ -257,6 +258,7 @@ async fn a_lock_about_to_end_at_a_waiters_deadline_is_waited_for() {
         0,
         "it loaded without the lock at its deadline"
     );
+    assert!(!lapse.reported(), "a move that landed was told lost");
 }
 
 /// Two instances on `url` sharing `clock`, each with its own engine in
@@ -416,6 +418,72 @@ async fn a_load_that_outlived_its_lock_does_not_replace_the_newer_answer() {
     gate.open();
     let (_, _, body) = bounded("A's answer", first).await.unwrap();
     assert_eq!(body, "old", "A's caller gets its own load's answer");
+    // A's copy goes once Valkey refuses it (polled: the reply of a real
+    // server's script); then A reads B's answer there.
+    let gone = tokio::time::timeout(Duration::from_secs(10), async {
+        while send(&a, "GET", "/k").await.2 != "new" {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    gone.await
+        .expect("A still answers its older copy: Valkey took it over the newer");
+    let (_, _, body) = send(&c, "GET", "/k").await;
+    assert_eq!(body, "new", "Valkey holds the older load's answer");
+    assert_eq!(calls.get(), 2);
+}
+
+/// Valkey loses instance A's lock under its load (evicted under
+/// `allkeys-lru`, a restart without persistence): A's body keeps coming,
+/// so A moves the lock on, and Valkey refuses the move. Instance B then
+/// takes the lock, loads and stores the newer answer before A's ends.
+/// A's answer is its own caller's, but does not replace B's in Valkey
+/// (a third instance reads B's), nor stays in A's L1. It replaced it
+/// before: A reckoned its lock moved on and stored as an owner does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_whose_lock_was_lost_does_not_replace_the_newer_answer() {
+    let server = ValkeyServer::start();
+    let calls = Counter::new();
+    let (feed, fed) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
+    let fed = std::sync::Arc::new(std::sync::Mutex::new(Some(fed)));
+    let answer = {
+        let calls = calls.clone();
+        move || {
+            calls.bump();
+            // The first call's body comes as the test feeds it.
+            let body = match fed.lock().unwrap().take() {
+                Some(fed) => Body::new(Fed(fed)),
+                None => Body::from("new"),
+            };
+            std::future::ready(body)
+        }
+    };
+    let (a_engine, a) = instance_answering(&server.url(), "/k", answer.clone()).await;
+    let (_, b) = instance_answering(&server.url(), "/k", answer.clone()).await;
+    let (_, c) = instance_answering(&server.url(), "/k", answer).await;
+    let first = tokio::spawn({
+        let a = a.clone();
+        async move { send(&a, "GET", "/k").await }
+    });
+    bounded("A's origin call", calls.reached(1)).await;
+    let locks = server.cmd(&["KEYS", "*:lock"]);
+    assert_eq!(locks.lines().count(), 1, "A's lock: {locks:?}");
+    server.cmd(&["DEL", locks.trim()]);
+    // A's body makes progress until a move of its lock is refused.
+    bounded("A's lock move refused", async {
+        while a_engine.stats().l2.locks_lost == 0 {
+            feed.send(Bytes::from("old ")).unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let (_, _, body) = bounded("B's answer", send(&b, "GET", "/k")).await;
+    assert_eq!(body, "new");
+    drop(feed);
+    let (_, _, body) = bounded("A's answer", first).await.unwrap();
+    assert!(
+        body.starts_with("old "),
+        "A's caller gets its own load's answer"
+    );
     // A's copy goes once Valkey refuses it (polled: the reply of a real
     // server's script); then A reads B's answer there.
     let gone = tokio::time::timeout(Duration::from_secs(10), async {

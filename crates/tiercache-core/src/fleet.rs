@@ -42,6 +42,36 @@ impl fmt::Debug for LockToken {
     }
 }
 
+/// Where a tier tells a lock's holder that a move of its lock did not
+/// land (see [`Tier::extend_lock`]): the lock may have ended under the
+/// load, and another instance taken it and stored meanwhile, so the
+/// load's fill is written as a late one (it gives way to a newer fill,
+/// see [`Tier::put_unless_newer`]).
+///
+/// ```
+/// use tiercache_core::LockLapse;
+///
+/// let lapse = LockLapse::default();
+/// assert!(!lapse.reported());
+/// lapse.clone().report(); // told by the tier, from its own task
+/// assert!(lapse.reported());
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct LockLapse(Arc<AtomicBool>);
+
+impl LockLapse {
+    /// The move was refused (the lock is not this holder's any more), or
+    /// was not sent or not answered in time: it may not have landed.
+    pub fn report(&self) {
+        self.0.store(true, Relaxed);
+    }
+
+    /// Whether a move was reported not landed.
+    pub fn reported(&self) -> bool {
+        self.0.load(Relaxed)
+    }
+}
+
 /// The answer to [`Tier::try_lock`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -204,7 +234,7 @@ impl FleetLock {
             end: AtomicU64::new(nanos(hold)),
             limit: nanos(hold.saturating_mul(crate::flight::PROGRESS_WAITS_AT_MOST)),
             done: AtomicBool::new(false),
-            lapsed_once: AtomicBool::new(false),
+            lapsed_once: LockLapse::default(),
         };
         Self {
             held: Some((tier, key, token)),
@@ -295,8 +325,9 @@ pub(crate) struct LockExtension {
     limit: u64,
     /// Released: nothing left to move.
     done: AtomicBool,
-    /// Its end passed before a move (see [`lapsed`](Self::lapsed)).
-    lapsed_once: AtomicBool,
+    /// Its end passed before a move, or a move did not land (see
+    /// [`lapsed`](Self::lapsed)).
+    lapsed_once: LockLapse,
 }
 
 impl LockExtension {
@@ -304,8 +335,7 @@ impl LockExtension {
     /// a move) or is an eighth of a hold away (see [`FleetLock::lapsed`]).
     fn lapsed(&self) -> bool {
         let now = nanos(Instant::now().saturating_duration_since(self.start));
-        self.lapsed_once.load(Relaxed)
-            || now.saturating_add(self.hold / 8) >= self.end.load(Relaxed)
+        self.lapsed_once.reported() || now.saturating_add(self.hold / 8) >= self.end.load(Relaxed)
     }
 
     /// The load made progress now: moves the lock to end `hold` from now
@@ -320,7 +350,7 @@ impl LockExtension {
         // Near or past its end as reckoned here (a little early): a move
         // may land too late, and the lock be taken, moved on or not.
         if now.saturating_add(self.hold / 8) >= end {
-            self.lapsed_once.store(true, Relaxed);
+            self.lapsed_once.report();
         }
         let moved = now.saturating_add(self.hold).min(self.limit);
         // Past its limit (the lock has lapsed by then), or not a quarter
@@ -335,7 +365,8 @@ impl LockExtension {
             .is_ok()
         {
             let ttl = Duration::from_nanos(moved - now);
-            self.tier.extend_lock(&self.key, &self.token, ttl);
+            let lapse = self.lapsed_once.clone();
+            self.tier.extend_lock(&self.key, &self.token, ttl, lapse);
         }
     }
 }

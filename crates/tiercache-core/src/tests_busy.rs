@@ -201,7 +201,7 @@ impl Tier for RecordingLocks {
         self.released.lock().unwrap().push(how);
     }
 
-    fn extend_lock(&self, _: &CacheKey, _: &LockToken, ttl: Duration) {
+    fn extend_lock(&self, _: &CacheKey, _: &LockToken, ttl: Duration, _: LockLapse) {
         self.moved.lock().unwrap().push(ttl);
     }
 }

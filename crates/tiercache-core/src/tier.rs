@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::{CacheKey, Entry, Invalidation, InvalidationSink, LockAttempt, LockToken, Unlocked};
+use crate::{
+    CacheKey, Entry, Invalidation, InvalidationSink, LockAttempt, LockLapse, LockToken, Unlocked,
+};
 
 /// A boxed, sendable future (the `Tier` trait is used as `dyn Tier`).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -126,9 +128,11 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
     /// from now: the load it guards is making progress, so the instances
     /// waiting on it keep waiting instead of taking it over at its first
     /// end. Sent on its own (it must not hold the load up); a lost one
-    /// leaves the lock to end as it would have.
-    fn extend_lock(&self, key: &CacheKey, token: &LockToken, ttl: Duration) {
-        let _ = (key, token, ttl);
+    /// leaves the lock to end as it would have. A move refused (the lock
+    /// is gone or another's), not sent or not answered is told to
+    /// `lapse`: the holder's fill is then written as a late one.
+    fn extend_lock(&self, key: &CacheKey, token: &LockToken, ttl: Duration, lapse: LockLapse) {
+        let _ = (key, token, ttl, lapse);
     }
 
     /// Waits at most `timeout` for another instance's lock on `key` to go
@@ -225,6 +229,11 @@ pub struct TierReport {
     /// instance's stale copies answered instead; see
     /// [`Tier::try_lock_unless_failing`]).
     pub failing_marks: u64,
+    /// Moves of a held fill lock that did not land: refused (the lock had
+    /// ended under its load, or the tier lost it, and it may be another
+    /// instance's now), unanswered, or not sent. Each such load's fill is
+    /// written as a late one (see [`LockLapse`]).
+    pub locks_lost: u64,
     /// Waits on another instance's fill lock, one per request and holder
     /// waited on (however often the wait looks at the lock again): counted
     /// by the engine and added to this (a tier's own count, normally 0).

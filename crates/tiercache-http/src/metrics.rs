@@ -28,7 +28,7 @@
 //! `tiercache_evicted_total`, `tiercache_sweeps_total`,
 //! `tiercache_invalidations_received_total`, `tiercache_resyncs_total`,
 //! `tiercache_fleet_locks_acquired_total`, `tiercache_fleet_lock_waits_total`,
-//! `tiercache_fleet_failing_marks_total`,
+//! `tiercache_fleet_failing_marks_total`, `tiercache_fleet_locks_lost_total`,
 //! `tiercache_l1_bytes`, `tiercache_l1_entries`, `tiercache_hit_ratio` (gauges);
 //! for the process (see `tiercache_core::body`): `tiercache_body_mappings`
 //! (gauge: large bodies' page mappings, spares included) and
@@ -326,6 +326,7 @@ const TOTALS: &[(&str, Read)] = &[
     ("tiercache_fleet_failing_marks_total", |s| {
         s.l2.failing_marks
     }),
+    ("tiercache_fleet_locks_lost_total", |s| s.l2.locks_lost),
 ];
 
 impl EngineMetrics {

@@ -45,6 +45,8 @@ pub(crate) struct Bus {
     pub(crate) locks_acquired: AtomicU64,
     /// Lock attempts the key's failing mark answered.
     pub(crate) failing_marks: AtomicU64,
+    /// Moves of a held lock that did not land.
+    pub(crate) locks_lost: AtomicU64,
     /// Whether the invalidation channel has been subscribed once.
     pub(crate) subscribed: watch::Sender<bool>,
     /// Whether the instance began serving before it could hear.
@@ -84,6 +86,7 @@ impl Bus {
             resyncs: AtomicU64::new(0),
             locks_acquired: AtomicU64::new(0),
             failing_marks: AtomicU64::new(0),
+            locks_lost: AtomicU64::new(0),
             subscribed: watch::channel(false).0,
             hearing: Hearing::default(),
             deaf: Mutex::default(),

@@ -26,6 +26,7 @@ impl Inner {
         report.resyncs = i.bus.resyncs.load(Relaxed);
         report.locks_acquired = i.bus.locks_acquired.load(Relaxed);
         report.failing_marks = i.bus.failing_marks.load(Relaxed);
+        report.locks_lost = i.bus.locks_lost.load(Relaxed);
         report.release_retries = i.release_retries.load(Relaxed);
         report.fills_overtaken = i.fills_overtaken.load(Relaxed);
         report.reconnects_forced = i.reconnects_forced.load(Relaxed);

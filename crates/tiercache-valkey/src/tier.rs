@@ -9,8 +9,8 @@ use bytes::Bytes;
 use fred::prelude::{Builder, Client, ClientLike, EventInterface, KeysInterface, Value};
 use rand::Rng;
 use tiercache_core::{
-    BoxFuture, CacheKey, Entry, Invalidation, InvalidationSink, LockAttempt, LockToken, Tier,
-    TierError, TierHit, TierReport, Unlocked,
+    BoxFuture, CacheKey, Entry, Invalidation, InvalidationSink, LockAttempt, LockLapse, LockToken,
+    Tier, TierError, TierHit, TierReport, Unlocked,
 };
 use tokio::sync::mpsc;
 
@@ -473,8 +473,8 @@ impl Tier for ValkeyTier {
         self.release_lock(key, token, how, Some(mark));
     }
 
-    fn extend_lock(&self, key: &CacheKey, token: &LockToken, ttl: Duration) {
-        self.move_lock_on(key, token, ttl);
+    fn extend_lock(&self, key: &CacheKey, token: &LockToken, ttl: Duration, lapse: LockLapse) {
+        self.move_lock_on(key, token, ttl, lapse);
     }
 
     fn wait_unlock<'a>(

@@ -10,14 +10,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use fred::prelude::{ClientLike, KeysInterface, LuaInterface, PubsubInterface, Value};
 use rand::Rng;
-use tiercache_core::{CacheKey, LockAttempt, LockToken, TierError, Unlocked};
+use tiercache_core::{CacheKey, LockAttempt, LockLapse, LockToken, TierError, Unlocked};
 
 use crate::bus;
 use crate::keys::slot_key;
 use crate::lock::{
     EXTEND_SCRIPT, LOCK_SCRIPT, Release, read_unlock_message, release_until_done, unlock_message,
 };
-use crate::tier::{ValkeyTier, fred_error};
+use crate::tier::{Inner, ValkeyTier, fred_error};
 use crate::writer::{Command, Write};
 
 /// How long a lock's re-checks must keep failing before its waiter gives
@@ -158,13 +158,21 @@ impl ValkeyTier {
     /// running the token-checked `PEXPIRE` within the command timeout; not
     /// sent while the breaker is open or the client reconnects (the lock
     /// then ends as it would have, and the waiting instances take it over).
-    pub(crate) fn move_lock_on(&self, key: &CacheKey, token: &LockToken, ttl: Duration) {
+    /// A move not sent, refused (the lock is gone or another's) or not
+    /// answered in time is told to `lapse`.
+    pub(crate) fn move_lock_on(
+        &self,
+        key: &CacheKey,
+        token: &LockToken,
+        ttl: Duration,
+        lapse: LockLapse,
+    ) {
         let inner = &self.inner;
         if inner.breaker.is_open() || !inner.client().is_connected() {
-            return;
+            return lost(inner, &lapse);
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
+            return lost(inner, &lapse);
         };
         let (lock, token) = (self.lock_key(key), token.0.clone());
         let px = ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
@@ -181,13 +189,19 @@ impl ValkeyTier {
         }
         let inner = Arc::downgrade(inner);
         runtime.spawn(async move {
+            // Gone with its tier: nothing is written any more.
             let Some(inner) = inner.upgrade() else {
                 return;
             };
             let args = vec![Value::from(token), px.into()];
             let client = inner.client();
             let moved = client.eval::<i64, _, _, _>(EXTEND_SCRIPT, vec![lock], args);
-            let _ = tokio::time::timeout(inner.command_timeout, moved).await;
+            if !matches!(
+                tokio::time::timeout(inner.command_timeout, moved).await,
+                Ok(Ok(1))
+            ) {
+                lost(&inner, &lapse);
+            }
         });
     }
 
@@ -417,4 +431,10 @@ impl Drop for Unanswered<'_> {
                 .release_possibly_held(self.key, self.token, self.ttl);
         }
     }
+}
+
+/// A move of a held lock that did not land: counted, and told its holder.
+fn lost(inner: &Inner, lapse: &LockLapse) {
+    inner.bus.locks_lost.fetch_add(1, Relaxed);
+    lapse.report();
 }

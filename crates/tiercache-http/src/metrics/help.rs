@@ -166,6 +166,11 @@ pub(super) const HELP: &[(&str, Kind, &str)] = &[
         "Loads and refreshes that did not call the origin because another instance's load met it failing a moment ago (a stale copy answered).",
     ),
     (
+        "tiercache_fleet_locks_lost_total",
+        Kind::Counter,
+        "Moves of a held fill lock that did not land (the lock ended under its load, or Valkey lost it): those loads' answers were written to Valkey only over nothing newer.",
+    ),
+    (
         "tiercache_l1_bytes",
         Kind::Gauge,
         "Bytes L1 holds, weighed against its budget.",
