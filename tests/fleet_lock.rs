@@ -45,12 +45,27 @@ where
     Fut: std::future::Future<Output = T> + Send + 'static,
     T: axum::response::IntoResponse + 'static,
 {
-    let (engine, policy) = engine_on(url).await;
+    let (engine, app, _) = instance_with_tier(url, path, answer).await;
+    (engine, app)
+}
+
+/// As [`instance_answering`], with its tier (to flush its writes).
+async fn instance_with_tier<F, Fut, T>(
+    url: &str,
+    path: &str,
+    answer: F,
+) -> (TieredCache, Router, ValkeyTier)
+where
+    F: Fn() -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = T> + Send + 'static,
+    T: axum::response::IntoResponse + 'static,
+{
+    let (engine, policy, tier) = engine_with_tier(url, tiercache::core::SystemClock).await;
     let route = ResponseCacheLayer::new(engine.clone())
         .route(policy)
         .unwrap();
     let app = Router::new().route(path, get(answer).layer(route));
-    (engine, app)
+    (engine, app, tier)
 }
 
 /// A connection to `url`. Not a slow command on a loaded machine: what
@@ -74,8 +89,18 @@ async fn engine_on_clock(
     url: &str,
     clock: impl tiercache::core::Clock + 'static,
 ) -> (TieredCache, Policy) {
+    let (engine, policy, _) = engine_with_tier(url, clock).await;
+    (engine, policy)
+}
+
+/// As [`engine_on_clock`], with its tier.
+async fn engine_with_tier(
+    url: &str,
+    clock: impl tiercache::core::Clock + 'static,
+) -> (TieredCache, Policy, ValkeyTier) {
+    let tier = tier_on(url).await;
     let engine = TieredCache::builder()
-        .l2(tier_on(url).await)
+        .l2(tier.clone())
         .clock(clock)
         .sweep_interval(None)
         .build()
@@ -84,7 +109,7 @@ async fn engine_on_clock(
         .lock_timeout(LOCK)
         .build()
         .unwrap();
-    (engine, policy)
+    (engine, policy, tier)
 }
 
 /// A fleet's instance: its engine, and its app whose `/slow` route answers
@@ -458,7 +483,7 @@ async fn a_load_whose_lock_was_lost_does_not_replace_the_newer_answer() {
         }
     };
     let (a_engine, a) = instance_answering(&server.url(), "/k", answer.clone()).await;
-    let (_, b) = instance_answering(&server.url(), "/k", answer.clone()).await;
+    let (_, b, b_tier) = instance_with_tier(&server.url(), "/k", answer.clone()).await;
     let (_, c) = instance_answering(&server.url(), "/k", answer).await;
     let first = tokio::spawn({
         let a = a.clone();
@@ -478,6 +503,8 @@ async fn a_load_whose_lock_was_lost_does_not_replace_the_newer_answer() {
     .await;
     let (_, _, body) = bounded("B's answer", send(&b, "GET", "/k")).await;
     assert_eq!(body, "new");
+    // B's fill in Valkey before A's: A's is the late one.
+    bounded("B's writes", b_tier.flush()).await;
     drop(feed);
     let (_, _, body) = bounded("A's answer", first).await.unwrap();
     assert!(
@@ -495,5 +522,72 @@ async fn a_load_whose_lock_was_lost_does_not_replace_the_newer_answer() {
         .expect("A still answers its older copy: Valkey took it over the newer");
     let (_, _, body) = send(&c, "GET", "/k").await;
     assert_eq!(body, "new", "Valkey holds the older load's answer");
+    assert_eq!(calls.get(), 2);
+}
+
+/// Instance A's load outlives its lock (its origin silent past the
+/// lock's wait); instance B takes the lock as it ends and loads. A's
+/// answer comes first and is stored (nothing newer in Valkey yet), and
+/// instance C reads it there; then B's newer answer replaces it in
+/// Valkey, and A's and C's copies of the older one go from their L1. They
+/// stayed before: A and C answered the older load's answer for its whole
+/// lifetime while Valkey and the rest of the fleet answered B's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_earlier_answer_of_two_overlapping_loads_leaves_every_l1() {
+    let server = ValkeyServer::start();
+    let (calls, old_gate, new_gate) = (Counter::new(), Gate::new(), Gate::new());
+    let answer = {
+        let (calls, old_gate, new_gate) = (calls.clone(), old_gate.clone(), new_gate.clone());
+        move || {
+            let (calls, old_gate, new_gate) = (calls.clone(), old_gate.clone(), new_gate.clone());
+            async move {
+                if calls.bump() == 1 {
+                    old_gate.passed().await;
+                    return "old";
+                }
+                new_gate.passed().await;
+                "new"
+            }
+        }
+    };
+    let (_, a) = instance_answering(&server.url(), "/k", answer.clone()).await;
+    let (_, b) = instance_answering(&server.url(), "/k", answer.clone()).await;
+    let (_, c) = instance_answering(&server.url(), "/k", answer).await;
+    let first = tokio::spawn({
+        let a = a.clone();
+        async move { send(&a, "GET", "/k").await }
+    });
+    bounded("A's origin call", calls.reached(1)).await;
+    // B waits on A's lock until it ends (`LOCK` after its take), then loads.
+    let second = tokio::spawn({
+        let b = b.clone();
+        async move { send(&b, "GET", "/k").await }
+    });
+    bounded("B's origin call", calls.reached(2)).await;
+    old_gate.open();
+    let (_, _, body) = bounded("A's answer", first).await.unwrap();
+    assert_eq!(body, "old");
+    // A's answer is in Valkey (nothing newer was there): C reads it.
+    let read = tokio::time::timeout(Duration::from_secs(10), async {
+        while send(&c, "GET", "/k").await.2 != "old" {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    read.await.expect("A's answer never reached Valkey");
+    new_gate.open();
+    let (_, _, body) = bounded("B's answer", second).await.unwrap();
+    assert_eq!(body, "new");
+    // B's answer replaces A's in Valkey, and the copies of A's go (polled:
+    // a message from a real server's script).
+    for (name, app) in [("A", &a), ("C", &c)] {
+        let gone = tokio::time::timeout(Duration::from_secs(10), async {
+            while send(app, "GET", "/k").await.2 != "new" {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+        gone.await.unwrap_or_else(|_| {
+            panic!("{name} still answers the older load's answer Valkey no longer holds")
+        });
+    }
     assert_eq!(calls.get(), 2);
 }

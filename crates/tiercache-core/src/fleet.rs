@@ -196,6 +196,9 @@ pub(crate) struct FleetLock {
     held: Option<(Arc<dyn Tier>, CacheKey, LockToken)>,
     /// How the load's progress moves the lock on (see [`LockExtension`]).
     extension: Option<Arc<LockExtension>>,
+    /// Taken after another holder's lock ended, or loaded beside one this
+    /// instance gave up waiting on: that holder's load may still store.
+    contested: bool,
 }
 
 impl fmt::Debug for FleetLock {
@@ -213,7 +216,18 @@ impl FleetLock {
         Self {
             held: None,
             extension: None,
+            contested: false,
         }
+    }
+
+    /// This lock, taken after another holder's lock ended (by its `PX`,
+    /// or let go without a fill), or a local one for a load beside a lock
+    /// this instance gave up waiting on: that holder's load may still be
+    /// under way, and store its older answer before this one's (see
+    /// [`late`](Self::late)).
+    pub(crate) fn contested(mut self) -> Self {
+        self.contested = true;
+        self
     }
 
     /// A lock taken by an attempt sent at `asked`, to live `hold` from
@@ -239,6 +253,7 @@ impl FleetLock {
         Self {
             held: Some((tier, key, token)),
             extension: Some(Arc::new(extension)),
+            contested: false,
         }
     }
 
@@ -260,12 +275,17 @@ impl FleetLock {
         }
     }
 
-    /// Whether the lock has ended by its `PX` under its load (which made
-    /// no progress that moved it on for a whole wait), or is about to (an
-    /// eighth of a hold from it): another instance may have taken it and
-    /// loaded since. A local lock never lapses.
-    pub(crate) fn lapsed(&self) -> bool {
-        self.held.is_some() && self.extension.as_ref().is_some_and(|e| e.lapsed())
+    /// Whether the load's fill is written as a late one (see
+    /// [`Tier::put_unless_newer`](crate::Tier::put_unless_newer)): the lock
+    /// has ended by its `PX` under its load (which made no progress that
+    /// moved it on for a whole wait), or is about to (an eighth of a hold
+    /// from it), or a move of it did not land, so another instance may
+    /// have taken it and loaded since; or the lock is
+    /// [`contested`](Self::contested), so an earlier load's answer may be
+    /// stored (or land) first, and this one replaces it for the fleet.
+    pub(crate) fn late(&self) -> bool {
+        self.contested
+            || (self.held.is_some() && self.extension.as_ref().is_some_and(|e| e.lapsed()))
     }
 
     fn stop_extending(&self) {

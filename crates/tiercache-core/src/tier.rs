@@ -57,7 +57,10 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
     /// millisecond): the answer of a load that began at `since` and
     /// outlived its fleet lock, so another instance may have taken the
     /// lock and stored a later load's answer meanwhile, which stays (and
-    /// this instance drops its own copy). The default stores it as `put`
+    /// this instance drops its own copy); or of a load under a lock taken
+    /// after another holder's, whose older answer may be stored first.
+    /// A fill it replaces is dropped from every instance's L1 (see
+    /// [`InvalidationSink::drop_fill`]). The default stores it as `put`
     /// does, for a tier that cannot tell.
     fn put_unless_newer(
         &self,

@@ -53,14 +53,20 @@ const SET_OVER: &str = "local held = redis.call('GETRANGE', KEYS[1], ARGV[1], AR
 /// microseconds). A slow load's answer never replaces the one of a later
 /// load (another instance's, which took the lock this one outlived)
 /// stored meanwhile; it replaces one of an earlier load, stored first
-/// because it ended first. Refused, the loader drops its own copy on the
-/// reply; the other instances' copies are the newer fill's. A key of
-/// another type is replaced, as a `SET` replaces it.
+/// because it ended first, and then publishes `ARGV[7]` followed by the
+/// replaced fill's creation on `ARGV[6]` (an `R` message): every instance
+/// drops its L1 copies of that fill (the earlier loader's own, and those
+/// read from L2 meanwhile), as a renewal's refusal has them do. Refused,
+/// the loader drops its own copy on the reply; the other instances'
+/// copies are the newer fill's. A key of another type is replaced, as a
+/// `SET` replaces it.
 const SET_UNLESS_NEWER: &str = "local read, held = pcall(redis.call, 'GETRANGE', KEYS[1], ARGV[1], ARGV[2]) \
-     if read and #held == 48 then \
+     local replaced = read and #held == 48 \
      local function le(at) local n = 0 for i = at + 7, at, -1 do n = n * 256 + string.byte(held, i) end return n end \
-     if le(1) - le(41) / 1000 > tonumber(ARGV[3]) then return 0 end end \
-     redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5]) return 1";
+     if replaced and le(1) - le(41) / 1000 > tonumber(ARGV[3]) then return 0 end \
+     redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5]) \
+     if replaced then redis.call('PUBLISH', ARGV[6], ARGV[7] .. ' ' .. string.format('%.0f', le(1))) end \
+     return 1";
 
 /// Queues a guarded fill's script (its tags wait for its answer: see
 /// `apply_batch`). Answers 1 when stored, 0 when refused.
@@ -101,11 +107,16 @@ pub(crate) async fn pipe_guarded(
             ]);
         }
         Guard::UnlessNewer(since) => {
+            // The message names the fill replaced, whose creation the
+            // script adds.
+            let message = crate::bus::encode_stale_fill(&inner.bus.instance, hash, &[]);
             args[0] = Value::from(SET_UNLESS_NEWER);
             args.extend([
                 Value::from(i64::try_from(since).unwrap_or(i64::MAX)),
                 Value::from(value.clone()),
                 Value::from(px),
+                Value::from(inner.bus.channel.as_str()),
+                Value::from(message),
             ]);
         }
     }

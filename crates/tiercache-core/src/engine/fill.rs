@@ -324,10 +324,10 @@ impl TieredCache {
                     fill = fill.origin_latency(delta);
                 }
                 // Past its lock: another instance's later answer may be
-                // in L2 already, and stays.
-                let outlived_lock = lock.lapsed().then_some(began);
+                // in L2 already, and stays; after another holder's: an
+                // earlier answer there gives way, for the fleet.
                 let start = Start {
-                    outlived_lock,
+                    late: lock.late().then_some(began),
                     ..start
                 };
                 let (entry, stored) = self.store_since(&keys.flight, fill, &policy, start);

@@ -83,14 +83,15 @@ struct State {
 /// from it on overtakes the fill) and the load's number (loads are
 /// numbered as they start: a fill gives way to an entry a later load
 /// stored meanwhile, see [`Entry::load`](crate::Entry)); and, for a load
-/// that outlived its fleet lock, when it began (in the shared tier, it
-/// gives way to a fill created since: see
-/// [`Tier::put_unless_newer`](crate::Tier::put_unless_newer)).
+/// whose fill is a late one (its fleet lock lapsed or contested, see
+/// `FleetLock::late`), when it began (in the shared tier, it gives way to
+/// the fill of a load begun since, and replaces an earlier one for the
+/// fleet: see [`Tier::put_unless_newer`](crate::Tier::put_unless_newer)).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Start {
     pub(crate) epoch: u64,
     pub(crate) load: u64,
-    pub(crate) outlived_lock: Option<std::time::SystemTime>,
+    pub(crate) late: Option<std::time::SystemTime>,
 }
 
 /// See the module docs.
@@ -123,7 +124,7 @@ impl Journal {
         Start {
             epoch: self.epoch(),
             load: self.next_load(),
-            outlived_lock: None,
+            late: None,
         }
     }
 

@@ -237,7 +237,7 @@ impl TieredCache {
             .inner
             .journal
             .unless_overtaken(start.epoch, &footprint, || {
-                let late = start.outlived_lock;
+                let late = start.late;
                 for (k, e) in &extra {
                     self.insert(k, e.clone(), (l2_ttl, late), &fill.tags);
                 }
