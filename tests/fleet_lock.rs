@@ -466,23 +466,43 @@ async fn a_load_that_outlived_its_lock_does_not_replace_the_newer_answer() {
 /// before: A reckoned its lock moved on and stored as an owner does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_load_whose_lock_was_lost_does_not_replace_the_newer_answer() {
+    a_lock_lost_under_a_load(true).await;
+}
+
+/// As above, with B still loading when A's answer comes: A's does not
+/// land before B's (B holds the lock) to stay in A's L1 once B's plain
+/// fill replaces it in Valkey (it stayed before; CI had A's land first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_whose_lock_was_lost_gives_way_to_the_load_under_way() {
+    a_lock_lost_under_a_load(false).await;
+}
+
+/// A's lock lost under its load, then B's load of the newer answer,
+/// stored before A's load ends (`b_stored_first`) or still under way.
+async fn a_lock_lost_under_a_load(b_stored_first: bool) {
     let server = ValkeyServer::start();
-    let calls = Counter::new();
+    let (calls, b_gate) = (Counter::new(), Gate::new());
     let (feed, fed) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
     let fed = std::sync::Arc::new(std::sync::Mutex::new(Some(fed)));
     let answer = {
-        let calls = calls.clone();
+        let (calls, b_gate) = (calls.clone(), b_gate.clone());
         move || {
             calls.bump();
             // The first call's body comes as the test feeds it.
-            let body = match fed.lock().unwrap().take() {
-                Some(fed) => Body::new(Fed(fed)),
-                None => Body::from("new"),
-            };
-            std::future::ready(body)
+            let first = fed.lock().unwrap().take();
+            let b_gate = b_gate.clone();
+            async move {
+                match first {
+                    Some(fed) => Body::new(Fed(fed)),
+                    None => {
+                        b_gate.passed().await;
+                        Body::from("new")
+                    }
+                }
+            }
         }
     };
-    let (a_engine, a) = instance_answering(&server.url(), "/k", answer.clone()).await;
+    let (a_engine, a, a_tier) = instance_with_tier(&server.url(), "/k", answer.clone()).await;
     let (_, b, b_tier) = instance_with_tier(&server.url(), "/k", answer.clone()).await;
     let (_, c) = instance_answering(&server.url(), "/k", answer).await;
     let first = tokio::spawn({
@@ -501,16 +521,32 @@ async fn a_load_whose_lock_was_lost_does_not_replace_the_newer_answer() {
         }
     })
     .await;
-    let (_, _, body) = bounded("B's answer", send(&b, "GET", "/k")).await;
-    assert_eq!(body, "new");
-    // B's fill in Valkey before A's: A's is the late one.
-    bounded("B's writes", b_tier.flush()).await;
+    let second = tokio::spawn({
+        let b = b.clone();
+        async move { send(&b, "GET", "/k").await }
+    });
+    bounded("B's origin call", calls.reached(2)).await;
+    let mut second = Some(second);
+    if b_stored_first {
+        b_gate.open();
+        let (_, _, body) = bounded("B's answer", second.take().unwrap()).await.unwrap();
+        assert_eq!(body, "new");
+        // B's fill in Valkey before A's: A's is the late one.
+        bounded("B's writes", b_tier.flush()).await;
+    }
     drop(feed);
     let (_, _, body) = bounded("A's answer", first).await.unwrap();
     assert!(
         body.starts_with("old "),
         "A's caller gets its own load's answer"
     );
+    if let Some(second) = second {
+        // A's fill reached Valkey while B's load was under way.
+        bounded("A's writes", a_tier.flush()).await;
+        b_gate.open();
+        let (_, _, body) = bounded("B's answer", second).await.unwrap();
+        assert_eq!(body, "new");
+    }
     // A's copy goes once Valkey refuses it (polled: the reply of a real
     // server's script); then A reads B's answer there.
     let gone = tokio::time::timeout(Duration::from_secs(10), async {
@@ -526,12 +562,13 @@ async fn a_load_whose_lock_was_lost_does_not_replace_the_newer_answer() {
 }
 
 /// Instance A's load outlives its lock (its origin silent past the
-/// lock's wait); instance B takes the lock as it ends and loads. A's
-/// answer comes first and is stored (nothing newer in Valkey yet), and
-/// instance C reads it there; then B's newer answer replaces it in
-/// Valkey, and A's and C's copies of the older one go from their L1. They
-/// stayed before: A and C answered the older load's answer for its whole
-/// lifetime while Valkey and the rest of the fleet answered B's.
+/// lock's wait); instance B takes the lock as it ends and loads, and
+/// outlives its lock too. A's answer comes first and is stored (nothing
+/// newer in Valkey, nobody's lock), and instance C reads it there; then
+/// B's newer answer replaces it in Valkey, and A's and C's copies of the
+/// older one go from their L1. They stayed before: A and C answered the
+/// older load's answer for its whole lifetime while Valkey and the rest
+/// of the fleet answered B's (a black-box audit's two slow proxies).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_earlier_answer_of_two_overlapping_loads_leaves_every_l1() {
     let server = ValkeyServer::start();
@@ -564,6 +601,13 @@ async fn the_earlier_answer_of_two_overlapping_loads_leaves_every_l1() {
         async move { send(&b, "GET", "/k").await }
     });
     bounded("B's origin call", calls.reached(2)).await;
+    // B's lock ends under its load too (no progress moves it on).
+    bounded("B's lock's end", async {
+        while !server.cmd(&["KEYS", "*:lock"]).trim().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
     old_gate.open();
     let (_, _, body) = bounded("A's answer", first).await.unwrap();
     assert_eq!(body, "old");

@@ -1343,10 +1343,12 @@ async fn a_tier_on_a_client_still_connecting_waits_for_it() {
 /// that began before it (created before, or after when that load took
 /// longer: a black-box audit had the older of two slow loads kept, and the
 /// fleet answer it), and over a value of another type (as a `SET` replaces
-/// it); never over the fill of a load that began after it.
+/// it); never over the fill of a load that began after it, nor while
+/// another instance holds the key's lock (its load began after this one's
+/// and is on its way).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_fill_never_replaces_the_fill_of_a_load_that_began_after_it() {
-    use tiercache::core::{Entry, Tier, Times};
+    use tiercache::core::{Entry, LockToken, Tier, Times};
     let server = ValkeyServer::start();
     let l2 = tier(&server.url(), "late").await;
     let now = std::time::SystemTime::now();
@@ -1365,14 +1367,29 @@ async fn a_late_fill_never_replaces_the_fill_of_a_load_that_began_after_it() {
     // The load began 10 s ago; what Valkey holds was created when, by a
     // load that took how long?
     let began = now - secs(10);
+    // And whose token holds the key's fleet lock? The load held "mine".
     let cases = [
-        ("nothing", None, "late"),
-        ("older", Some((now - secs(20), 0)), "late"),
-        ("newer", Some((now - secs(5), 0)), "there"),
-        ("newer, of an older load", Some((now - secs(5), 8)), "late"),
-        ("a list", None, "late"),
+        ("nothing", None, None, Some("late")),
+        ("older", Some((now - secs(20), 0)), None, Some("late")),
+        ("newer", Some((now - secs(5), 0)), None, Some("there")),
+        (
+            "newer, of an older load",
+            Some((now - secs(5), 8)),
+            None,
+            Some("late"),
+        ),
+        ("a list", None, None, Some("late")),
+        ("nothing, its own lock", None, Some("mine"), Some("late")),
+        ("nothing, another's lock", None, Some("theirs"), None),
+        (
+            "older, another's lock",
+            Some((now - secs(20), 0)),
+            Some("theirs"),
+            Some("there"),
+        ),
     ];
-    for (what, there, expected) in cases {
+    let late = tiercache::core::LateFill::new(began, Some(LockToken("mine".into())));
+    for (what, there, lock, expected) in cases {
         let key = CacheKey::new(what);
         if let Some(created) = there {
             l2.put(&key, &fill(&key, "there", created), secs(600), &[]);
@@ -1380,13 +1397,16 @@ async fn a_late_fill_never_replaces_the_fill_of_a_load_that_began_after_it() {
         if what == "a list" {
             server.cmd(&["RPUSH", &l2.entry_key(&key), "x"]);
         }
-        l2.put_unless_newer(&key, &fill(&key, "late", (now, 10)), secs(600), &[], began);
+        if let Some(token) = lock {
+            server.cmd(&["SET", &l2.lock_key(&key), token, "PX", "60000"]);
+        }
+        l2.put_unless_newer(&key, &fill(&key, "late", (now, 10)), secs(600), &[], &late);
         bounded("the writes", l2.flush()).await;
         let held = l2
             .get(&key)
             .await
             .unwrap()
             .map(|hit| hit.entry.value().body.clone());
-        assert_eq!(held.as_deref(), Some(expected.as_bytes()), "over {what}");
+        assert_eq!(held.as_deref(), expected.map(str::as_bytes), "over {what}");
     }
 }

@@ -72,6 +72,36 @@ impl LockLapse {
     }
 }
 
+/// A late fill's terms (see [`Tier::put_unless_newer`]): when its load
+/// began, and the fleet lock the load held on the fill's key, if any.
+///
+/// ```
+/// use std::time::SystemTime;
+/// use tiercache_core::{LateFill, LockToken};
+///
+/// let late = LateFill::new(SystemTime::now(), Some(LockToken("t1".into())));
+/// assert!(late.holder.is_some());
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct LateFill {
+    /// When the load began (this instance's clock).
+    pub since: std::time::SystemTime,
+    /// The token of the fleet lock the load took on the key: while the
+    /// tier finds another token there, another instance took the lock
+    /// after this one's ended, so its load began after this one's and
+    /// its answer is on its way; this fill gives way to it. `None` for a
+    /// load without a lock of its own (beside one given up on).
+    pub holder: Option<LockToken>,
+}
+
+impl LateFill {
+    /// The terms of a fill whose load began at `since`, holding `holder`.
+    pub fn new(since: std::time::SystemTime, holder: Option<LockToken>) -> Self {
+        Self { since, holder }
+    }
+}
+
 /// The answer to [`Tier::try_lock`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -178,7 +208,8 @@ pub trait InvalidationSink: Send + Sync + 'static {
 
     /// Copies of `hash` created at one of `created` (to the millisecond)
     /// are no longer backed by the shared tier, which holds a newer fill (a
-    /// renewal of an old one was refused there): drops them from L1, and
+    /// renewal of an old one was refused there, or a later load's late
+    /// fill replaced it: see [`Tier::put_unless_newer`]): drops them from L1, and
     /// nothing else (the newer fill's copies stay). By default, as
     /// [`drop_copies`](Self::drop_copies).
     fn drop_fill(&self, hash: KeyHash, created: &[std::time::SystemTime]) {
@@ -196,9 +227,6 @@ pub(crate) struct FleetLock {
     held: Option<(Arc<dyn Tier>, CacheKey, LockToken)>,
     /// How the load's progress moves the lock on (see [`LockExtension`]).
     extension: Option<Arc<LockExtension>>,
-    /// Taken after another holder's lock ended, or loaded beside one this
-    /// instance gave up waiting on: that holder's load may still store.
-    contested: bool,
 }
 
 impl fmt::Debug for FleetLock {
@@ -216,18 +244,7 @@ impl FleetLock {
         Self {
             held: None,
             extension: None,
-            contested: false,
         }
-    }
-
-    /// This lock, taken after another holder's lock ended (by its `PX`,
-    /// or let go without a fill), or a local one for a load beside a lock
-    /// this instance gave up waiting on: that holder's load may still be
-    /// under way, and store its older answer before this one's (see
-    /// [`late`](Self::late)).
-    pub(crate) fn contested(mut self) -> Self {
-        self.contested = true;
-        self
     }
 
     /// A lock taken by an attempt sent at `asked`, to live `hold` from
@@ -253,7 +270,6 @@ impl FleetLock {
         Self {
             held: Some((tier, key, token)),
             extension: Some(Arc::new(extension)),
-            contested: false,
         }
     }
 
@@ -275,17 +291,19 @@ impl FleetLock {
         }
     }
 
+    /// The lock's token, when it is held in the shared tier.
+    pub(crate) fn token(&self) -> Option<LockToken> {
+        self.held.as_ref().map(|(_, _, token)| token.clone())
+    }
+
     /// Whether the load's fill is written as a late one (see
     /// [`Tier::put_unless_newer`](crate::Tier::put_unless_newer)): the lock
     /// has ended by its `PX` under its load (which made no progress that
     /// moved it on for a whole wait), or is about to (an eighth of a hold
     /// from it), or a move of it did not land, so another instance may
-    /// have taken it and loaded since; or the lock is
-    /// [`contested`](Self::contested), so an earlier load's answer may be
-    /// stored (or land) first, and this one replaces it for the fleet.
+    /// have taken it and loaded since. A local lock is never late.
     pub(crate) fn late(&self) -> bool {
-        self.contested
-            || (self.held.is_some() && self.extension.as_ref().is_some_and(|e| e.lapsed()))
+        self.held.is_some() && self.extension.as_ref().is_some_and(|e| e.lapsed())
     }
 
     fn stop_extending(&self) {
@@ -352,7 +370,8 @@ pub(crate) struct LockExtension {
 
 impl LockExtension {
     /// Whether the lock's end, as last moved, has passed (now, or before
-    /// a move) or is an eighth of a hold away (see [`FleetLock::lapsed`]).
+    /// a move) or is an eighth of a hold away, or a move did not land (see
+    /// [`FleetLock::late`]).
     fn lapsed(&self) -> bool {
         let now = nanos(Instant::now().saturating_duration_since(self.start));
         self.lapsed_once.reported() || now.saturating_add(self.hold / 8) >= self.end.load(Relaxed)

@@ -57,7 +57,9 @@ pub use engine::{
     TieredCacheBuilder, outliving_the_caller,
 };
 pub use entry::{Entry, Freshness, Source, Times, Value};
-pub use fleet::{Invalidation, InvalidationSink, LockAttempt, LockLapse, LockToken, Unlocked};
+pub use fleet::{
+    Invalidation, InvalidationSink, LateFill, LockAttempt, LockLapse, LockToken, Unlocked,
+};
 pub use flight::Progress;
 pub use key::{CacheKey, KeyBuilder, KeyHash, KeyPattern};
 pub use origin::{

@@ -8,7 +8,8 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::{
-    CacheKey, Entry, Invalidation, InvalidationSink, LockAttempt, LockLapse, LockToken, Unlocked,
+    CacheKey, Entry, Invalidation, InvalidationSink, LateFill, LockAttempt, LockLapse, LockToken,
+    Unlocked,
 };
 
 /// A boxed, sendable future (the `Tier` trait is used as `dyn Tier`).
@@ -52,14 +53,15 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
     }
 
     /// Stores `entry` as [`put`](Self::put) does, unless the tier holds
-    /// under `key` the fill of a load that began after `since` (its
+    /// under `key` the fill of a load that began after `late.since` (its
     /// creation less its [`origin_latency`](Entry::origin_latency), to the
-    /// millisecond): the answer of a load that began at `since` and
-    /// outlived its fleet lock, so another instance may have taken the
-    /// lock and stored a later load's answer meanwhile, which stays (and
-    /// this instance drops its own copy); or of a load under a lock taken
-    /// after another holder's, whose older answer may be stored first.
-    /// A fill it replaces is dropped from every instance's L1 (see
+    /// millisecond), or `key`'s fleet lock under another token than
+    /// `late.holder` (a load begun since is on its way): the answer of a
+    /// load that outlived its fleet lock (it lapsed, or the tier lost it),
+    /// so another instance may have taken the lock and stored a later
+    /// load's answer meanwhile, or be loading it, which stays (and this
+    /// instance drops its own copy). A fill it replaces (an earlier load's
+    /// late fill, stored first) is dropped from every instance's L1 (see
     /// [`InvalidationSink::drop_fill`]). The default stores it as `put`
     /// does, for a tier that cannot tell.
     fn put_unless_newer(
@@ -68,9 +70,9 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
         entry: &Entry,
         ttl: Duration,
         tags: &[Bytes],
-        since: std::time::SystemTime,
+        late: &LateFill,
     ) {
-        let _ = since;
+        let _ = late;
         self.put(key, entry, ttl, tags);
     }
 

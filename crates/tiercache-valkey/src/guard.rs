@@ -1,36 +1,48 @@
 //! Fills stored only under a condition, which a script checks on the
-//! server: a renewal only over the fill it renews ([`SET_OVER`]), and the
-//! answer of a load that outlived its fleet lock only over nothing newer
-//! ([`SET_UNLESS_NEWER`]).
+//! server: a renewal only over the fill it renews ([`SET_OVER`]), and a
+//! late fill (the answer of a load that outlived its fleet lock, or whose
+//! lock Valkey lost) only over nothing newer, and while no other instance
+//! holds the key's lock ([`SET_UNLESS_NEWER`]).
 
 use bytes::Bytes;
 use fred::clients::{Client, Pipeline};
 use fred::prelude::{ClientLike, Value};
-use tiercache_core::KeyHash;
+use tiercache_core::{KeyHash, LateFill};
 
+use crate::keys::slot_key;
 use crate::tier::Inner;
 use crate::writer::eval_on;
 
 /// What a guarded fill's script checks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Guard {
     /// A renewal: stored only while the key holds the fill created at
     /// these envelope bytes (see [`SET_OVER`]).
     Over([u8; 8]),
-    /// The answer of a load that began at this time (milliseconds since
-    /// the epoch) and outlived its fleet lock: stored unless the key holds
-    /// the fill of a load that began after it (see [`SET_UNLESS_NEWER`]).
-    UnlessNewer(u64),
+    /// A late fill (see [`LateFill`]): stored unless the key holds the
+    /// fill of a load that began after `since` (milliseconds since the
+    /// epoch), or its lock holds another token than `holder`'s (see
+    /// [`SET_UNLESS_NEWER`]).
+    UnlessNewer {
+        /// When the load began.
+        since: u64,
+        /// The token of the lock the load held on the key.
+        holder: Option<Bytes>,
+    },
 }
 
 impl Guard {
-    /// [`Guard::UnlessNewer`] for a load that began at `since`.
-    pub(crate) fn unless_newer_than(since: std::time::SystemTime) -> Self {
-        let ms = since
+    /// [`Guard::UnlessNewer`] for `late`.
+    pub(crate) fn unless_newer_than(late: &LateFill) -> Self {
+        let ms = late
+            .since
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default()
             .as_millis();
-        Self::UnlessNewer(u64::try_from(ms).unwrap_or(u64::MAX))
+        Self::UnlessNewer {
+            since: u64::try_from(ms).unwrap_or(u64::MAX),
+            holder: late.holder.as_ref().map(|token| token.0.clone()),
+        }
     }
 }
 
@@ -46,8 +58,11 @@ const SET_OVER: &str = "local held = redis.call('GETRANGE', KEYS[1], ARGV[1], AR
      redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5]) return 1 end \
      redis.call('PUBLISH', ARGV[6], ARGV[7]) return 0";
 
-/// Sets `KEYS[1]` to `ARGV[4]` with `PX ARGV[5]` unless it holds an
-/// envelope whose load began after `ARGV[3]` (milliseconds): its creation
+/// Sets `KEYS[1]` to `ARGV[4]` with `PX ARGV[5]` unless `KEYS[2]` (when
+/// given: the key's fleet lock) holds another token than `ARGV[8]` (the
+/// loader's: another instance took the lock after this load's ended, so
+/// its load began after this one's and its answer is on its way), or it
+/// holds an envelope whose load began after `ARGV[3]` (milliseconds): its creation
 /// less its origin latency, read from bytes `ARGV[1]..=ARGV[2]` (the
 /// creation's 8 bytes, little-endian milliseconds, through the latency's,
 /// microseconds). A slow load's answer never replaces the one of a later
@@ -60,7 +75,9 @@ const SET_OVER: &str = "local held = redis.call('GETRANGE', KEYS[1], ARGV[1], AR
 /// the loader drops its own copy on the reply; the other instances'
 /// copies are the newer fill's. A key of another type is replaced, as a
 /// `SET` replaces it.
-const SET_UNLESS_NEWER: &str = "local read, held = pcall(redis.call, 'GETRANGE', KEYS[1], ARGV[1], ARGV[2]) \
+const SET_UNLESS_NEWER: &str = "if KEYS[2] then local owner = redis.call('GET', KEYS[2]) \
+     if owner and owner ~= ARGV[8] then return 0 end end \
+     local read, held = pcall(redis.call, 'GETRANGE', KEYS[1], ARGV[1], ARGV[2]) \
      local replaced = read and #held == 48 \
      local function le(at) local n = 0 for i = at + 7, at, -1 do n = n * 256 + string.byte(held, i) end return n end \
      if replaced and le(1) - le(41) / 1000 > tonumber(ARGV[3]) then return 0 end \
@@ -82,7 +99,7 @@ pub(crate) async fn pipe_guarded(
     // A renewal reads the creation; a late fill reads on to the latency.
     let end = match guard {
         Guard::Over(_) => at.end,
-        Guard::UnlessNewer(_) => crate::codec::ORIGIN_LATENCY.end,
+        Guard::UnlessNewer { .. } => crate::codec::ORIGIN_LATENCY.end,
     };
     let mut args = vec![
         Value::from(""),
@@ -106,7 +123,7 @@ pub(crate) async fn pipe_guarded(
                 Value::from(message),
             ]);
         }
-        Guard::UnlessNewer(since) => {
+        Guard::UnlessNewer { since, holder } => {
             // The message names the fill replaced, whose creation the
             // script adds.
             let message = crate::bus::encode_stale_fill(&inner.bus.instance, hash, &[]);
@@ -118,6 +135,12 @@ pub(crate) async fn pipe_guarded(
                 Value::from(inner.bus.channel.as_str()),
                 Value::from(message),
             ]);
+            // The lock, in the entry's slot, read with the entry.
+            if let Some(token) = holder {
+                args[1] = Value::from(2);
+                args.insert(3, Value::from(slot_key(&inner.prefix, &hash, "lock")));
+                args.push(Value::from(token));
+            }
         }
     }
     let _: () = pipe.custom(eval, args).await?;

@@ -59,7 +59,9 @@ pub(crate) fn decode_drop(text: &str) -> Option<Vec<KeyHash>> {
 /// `FROM R HASH MILLIS…`: drop L1's copies of this key created at one of
 /// the MILLIS, and nothing else (see
 /// [`InvalidationSink::drop_fill`](tiercache_core::InvalidationSink::drop_fill));
-/// sent by the script that refused a renewal (the fill it read).
+/// sent by the script that refused a renewal (the fill it read), and by
+/// the one that stored a late fill over an earlier load's (the fill it
+/// replaced).
 /// Instances that predate it ignore it.
 pub(crate) fn encode_stale_fill(from: &str, hash: KeyHash, created_ms: &[u64]) -> String {
     let mut text = format!("{from} R {hash}");

@@ -3,14 +3,14 @@
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use bytes::Bytes;
 use fred::prelude::{Builder, Client, ClientLike, EventInterface, KeysInterface, Value};
 use rand::Rng;
 use tiercache_core::{
-    BoxFuture, CacheKey, Entry, Invalidation, InvalidationSink, LockAttempt, LockLapse, LockToken,
-    Tier, TierError, TierHit, TierReport, Unlocked,
+    BoxFuture, CacheKey, Entry, Invalidation, InvalidationSink, LateFill, LockAttempt, LockLapse,
+    LockToken, Tier, TierError, TierHit, TierReport, Unlocked,
 };
 use tokio::sync::mpsc;
 
@@ -413,9 +413,9 @@ impl Tier for ValkeyTier {
         entry: &Entry,
         ttl: Duration,
         tags: &[Bytes],
-        since: SystemTime,
+        late: &LateFill,
     ) {
-        let guard = Guard::unless_newer_than(since);
+        let guard = Guard::unless_newer_than(late);
         self.queue_fill(key, entry, ttl, tags, Some(guard));
     }
 

@@ -193,13 +193,20 @@ impl ValkeyTier {
             let Some(inner) = inner.upgrade() else {
                 return;
             };
-            let args = vec![Value::from(token), px.into()];
+            let args = vec![Value::from(token.clone()), px.into()];
             let client = inner.client();
             let moved = client.eval::<i64, _, _, _>(EXTEND_SCRIPT, vec![lock], args);
-            if !matches!(
+            let landed = matches!(
                 tokio::time::timeout(inner.command_timeout, moved).await,
                 Ok(Ok(1))
-            ) {
+            );
+            // A lock released meanwhile (its release landed first) lost
+            // nothing.
+            let held = || {
+                let held = inner.held.lock().unwrap_or_else(|e| e.into_inner());
+                held.contains_key(&token)
+            };
+            if !landed && held() {
                 lost(&inner, &lapse);
             }
         });

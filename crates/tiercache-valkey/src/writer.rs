@@ -426,7 +426,7 @@ async fn pipe_fill(
         return Ok(0);
     };
     if let Some(guard) = guard {
-        pipe_guarded(inner, pipe, key, (value, *px, *hash), *guard).await?;
+        pipe_guarded(inner, pipe, key, (value, *px, *hash), guard.clone()).await?;
         return Ok(1);
     }
     let _: () = pipe

@@ -14,8 +14,8 @@ use crate::fleet::{FleetJoin, FleetLock};
 use crate::flight::{FlightError, FlightResult, Leader};
 use crate::stats::bump;
 use crate::{
-    Answer, CacheKey, Entry, Event, FetchError, Fetched, Loaded, Origin, Panic, Policy, Select,
-    Served, Source, StaleReason, Unlocked,
+    Answer, CacheKey, Entry, Event, FetchError, Fetched, LateFill, Loaded, Origin, Panic, Policy,
+    Select, Served, Source, StaleReason, Unlocked,
 };
 
 /// What the leader's fill produced.
@@ -324,10 +324,9 @@ impl TieredCache {
                     fill = fill.origin_latency(delta);
                 }
                 // Past its lock: another instance's later answer may be
-                // in L2 already, and stays; after another holder's: an
-                // earlier answer there gives way, for the fleet.
+                // in L2 already, or on its way, and stays.
                 let start = Start {
-                    late: lock.late().then_some(began),
+                    late: lock.late().then(|| LateFill::new(began, lock.token())),
                     ..start
                 };
                 let (entry, stored) = self.store_since(&keys.flight, fill, &policy, start);

@@ -152,10 +152,8 @@ impl TieredCache {
             let attempt = try_lock(l2, key, hold, fallback).await;
             let now = Instant::now();
             match attempt {
-                // After another holder's: its load may still store.
                 Ok(LockAttempt::Acquired(token)) => {
                     let lock = FleetLock::held(l2.clone(), (key.clone(), token), hold, asked);
-                    let lock = lock.contested();
                     return (self.took_lock(key, lock, epoch, accept).await, false);
                 }
                 Ok(LockAttempt::Failing { left }) => {
@@ -190,11 +188,11 @@ impl TieredCache {
                         (deadline, to_its_end) = (end, true);
                     }
                     if deadline <= now {
-                        return (FleetJoin::Lead(FleetLock::local().contested()), true);
+                        return (FleetJoin::Lead(FleetLock::local()), true);
                     }
                     (held_for, holder, ends) = (left, next, asked + left);
                 }
-                _ => return (FleetJoin::Lead(FleetLock::local().contested()), true),
+                _ => return (FleetJoin::Lead(FleetLock::local()), true),
             }
         }
     }

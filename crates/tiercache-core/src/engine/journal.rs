@@ -83,15 +83,16 @@ struct State {
 /// from it on overtakes the fill) and the load's number (loads are
 /// numbered as they start: a fill gives way to an entry a later load
 /// stored meanwhile, see [`Entry::load`](crate::Entry)); and, for a load
-/// whose fill is a late one (its fleet lock lapsed or contested, see
-/// `FleetLock::late`), when it began (in the shared tier, it gives way to
-/// the fill of a load begun since, and replaces an earlier one for the
-/// fleet: see [`Tier::put_unless_newer`](crate::Tier::put_unless_newer)).
-#[derive(Debug, Clone, Copy)]
+/// whose fill is a late one (its fleet lock lapsed, see `FleetLock::late`),
+/// when it began and the lock's token (in the shared tier, it gives way to
+/// the fill of a load begun since, or on its way, and replaces an earlier
+/// one for the fleet: see
+/// [`Tier::put_unless_newer`](crate::Tier::put_unless_newer)).
+#[derive(Debug, Clone)]
 pub(crate) struct Start {
     pub(crate) epoch: u64,
     pub(crate) load: u64,
-    pub(crate) late: Option<std::time::SystemTime>,
+    pub(crate) late: Option<crate::LateFill>,
 }
 
 /// See the module docs.

@@ -237,7 +237,7 @@ impl TieredCache {
             .inner
             .journal
             .unless_overtaken(start.epoch, &footprint, || {
-                let late = start.late;
+                let late = start.late.as_ref();
                 for (k, e) in &extra {
                     self.insert(k, e.clone(), (l2_ttl, late), &fill.tags);
                 }
@@ -323,14 +323,16 @@ impl TieredCache {
     /// records it under `tags`, and clears any hit-for-miss mark; unless L1
     /// holds a fresh answer of a later load there (see [`Entry::load`]),
     /// which stays, in both tiers. The answer of a load that outlived its
-    /// fleet lock (`late`: when it began) gives way in L2 to a fill created
-    /// since. Whether it went in. Callers hold the journal's lock (see
+    /// fleet lock (`late`: when it began, and the lock's token) gives way in
+    /// L2 to the fill of a load begun since, or under way (see
+    /// [`Tier::put_unless_newer`](crate::Tier::put_unless_newer)). Whether
+    /// it went in. Callers hold the journal's lock (see
     /// [`store_since`](Self::store_since)).
     pub(crate) fn insert(
         &self,
         key: &CacheKey,
         entry: Entry,
-        (l2_ttl, late): (Duration, Option<SystemTime>),
+        (l2_ttl, late): (Duration, Option<&crate::LateFill>),
         tags: &[Bytes],
     ) -> bool {
         let mut old = None;
@@ -350,7 +352,7 @@ impl TieredCache {
         };
         self.inner.uncacheable.invalidate(&key.hash());
         match (&self.inner.l2, late) {
-            (Some(l2), Some(began)) => l2.put_unless_newer(key, &entry, l2_ttl, tags, began),
+            (Some(l2), Some(late)) => l2.put_unless_newer(key, &entry, l2_ttl, tags, late),
             (Some(l2), None) => l2.put(key, &entry, l2_ttl, tags),
             (None, _) => {}
         }
