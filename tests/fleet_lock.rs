@@ -286,6 +286,53 @@ async fn a_lock_about_to_end_at_a_waiters_deadline_is_waited_for() {
     assert!(!lapse.reported(), "a move that landed was told lost");
 }
 
+/// Polls `app` (20 ms apart, 10 s at most) until it answers `/k` with
+/// `body`; else fails with `what`.
+async fn until_answers(app: &Router, body: &str, what: &str) {
+    let answered = tokio::time::timeout(Duration::from_secs(10), async {
+        while send(app, "GET", "/k").await.2 != body {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    answered.await.unwrap_or_else(|_| panic!("{what}"));
+}
+
+/// Instances A, B and C on `url`, answering `/k` with `answer`, and A's
+/// request, spawned, once its origin call (the first of `calls`) began.
+async fn three_with_a_loading<F, Fut>(
+    url: &str,
+    answer: F,
+    calls: &Counter,
+) -> (
+    [Router; 3],
+    tokio::task::JoinHandle<(StatusCode, axum::http::HeaderMap, String)>,
+)
+where
+    F: Fn() -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = &'static str> + Send + 'static,
+{
+    let (_, a) = instance_answering(url, "/k", answer.clone()).await;
+    let (_, b) = instance_answering(url, "/k", answer.clone()).await;
+    let (_, c) = instance_answering(url, "/k", answer).await;
+    let first = tokio::spawn({
+        let a = a.clone();
+        async move { send(&a, "GET", "/k").await }
+    });
+    bounded("A's origin call", calls.reached(1)).await;
+    ([a, b, c], first)
+}
+
+/// After two loads of `/k`, A's older and B's newer: A's copy goes once
+/// Valkey refuses it (polled: the reply of a real server's script), then
+/// A reads B's answer there, and so does C; two origin calls in all.
+async fn the_newer_answer_everywhere(a: &Router, c: &Router, calls: &Counter) {
+    let older = "A still answers its older copy: Valkey took it over the newer";
+    until_answers(a, "new", older).await;
+    let (_, _, body) = send(c, "GET", "/k").await;
+    assert_eq!(body, "new", "Valkey holds the older load's answer");
+    assert_eq!(calls.get(), 2);
+}
+
 /// Two instances on `url` sharing `clock`, each with its own engine in
 /// front of `origin` under a minute's policy.
 async fn two_on_one_clock(
@@ -429,32 +476,14 @@ async fn a_load_that_outlived_its_lock_does_not_replace_the_newer_answer() {
             }
         }
     };
-    let (_, a) = instance_answering(&server.url(), "/k", answer.clone()).await;
-    let (_, b) = instance_answering(&server.url(), "/k", answer.clone()).await;
-    let (_, c) = instance_answering(&server.url(), "/k", answer).await;
-    let first = tokio::spawn({
-        let a = a.clone();
-        async move { send(&a, "GET", "/k").await }
-    });
-    bounded("A's origin call", calls.reached(1)).await;
+    let ([a, b, c], first) = three_with_a_loading(&server.url(), answer, &calls).await;
     // B waits on A's lock until it ends (`LOCK` after its take), then loads.
     let (_, _, body) = bounded("B's answer", send(&b, "GET", "/k")).await;
     assert_eq!(body, "new");
     gate.open();
     let (_, _, body) = bounded("A's answer", first).await.unwrap();
     assert_eq!(body, "old", "A's caller gets its own load's answer");
-    // A's copy goes once Valkey refuses it (polled: the reply of a real
-    // server's script); then A reads B's answer there.
-    let gone = tokio::time::timeout(Duration::from_secs(10), async {
-        while send(&a, "GET", "/k").await.2 != "new" {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    });
-    gone.await
-        .expect("A still answers its older copy: Valkey took it over the newer");
-    let (_, _, body) = send(&c, "GET", "/k").await;
-    assert_eq!(body, "new", "Valkey holds the older load's answer");
-    assert_eq!(calls.get(), 2);
+    the_newer_answer_everywhere(&a, &c, &calls).await;
 }
 
 /// Valkey loses instance A's lock under its load (evicted under
@@ -547,18 +576,7 @@ async fn a_lock_lost_under_a_load(b_stored_first: bool) {
         let (_, _, body) = bounded("B's answer", second).await.unwrap();
         assert_eq!(body, "new");
     }
-    // A's copy goes once Valkey refuses it (polled: the reply of a real
-    // server's script); then A reads B's answer there.
-    let gone = tokio::time::timeout(Duration::from_secs(10), async {
-        while send(&a, "GET", "/k").await.2 != "new" {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    });
-    gone.await
-        .expect("A still answers its older copy: Valkey took it over the newer");
-    let (_, _, body) = send(&c, "GET", "/k").await;
-    assert_eq!(body, "new", "Valkey holds the older load's answer");
-    assert_eq!(calls.get(), 2);
+    the_newer_answer_everywhere(&a, &c, &calls).await;
 }
 
 /// Instance A's load outlives its lock (its origin silent past the
@@ -587,14 +605,7 @@ async fn the_earlier_answer_of_two_overlapping_loads_leaves_every_l1() {
             }
         }
     };
-    let (_, a) = instance_answering(&server.url(), "/k", answer.clone()).await;
-    let (_, b) = instance_answering(&server.url(), "/k", answer.clone()).await;
-    let (_, c) = instance_answering(&server.url(), "/k", answer).await;
-    let first = tokio::spawn({
-        let a = a.clone();
-        async move { send(&a, "GET", "/k").await }
-    });
-    bounded("A's origin call", calls.reached(1)).await;
+    let ([a, b, c], first) = three_with_a_loading(&server.url(), answer, &calls).await;
     // B waits on A's lock until it ends (`LOCK` after its take), then loads.
     let second = tokio::spawn({
         let b = b.clone();
@@ -612,26 +623,15 @@ async fn the_earlier_answer_of_two_overlapping_loads_leaves_every_l1() {
     let (_, _, body) = bounded("A's answer", first).await.unwrap();
     assert_eq!(body, "old");
     // A's answer is in Valkey (nothing newer was there): C reads it.
-    let read = tokio::time::timeout(Duration::from_secs(10), async {
-        while send(&c, "GET", "/k").await.2 != "old" {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    });
-    read.await.expect("A's answer never reached Valkey");
+    until_answers(&c, "old", "A's answer never reached Valkey").await;
     new_gate.open();
     let (_, _, body) = bounded("B's answer", second).await.unwrap();
     assert_eq!(body, "new");
     // B's answer replaces A's in Valkey, and the copies of A's go (polled:
     // a message from a real server's script).
     for (name, app) in [("A", &a), ("C", &c)] {
-        let gone = tokio::time::timeout(Duration::from_secs(10), async {
-            while send(app, "GET", "/k").await.2 != "new" {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        });
-        gone.await.unwrap_or_else(|_| {
-            panic!("{name} still answers the older load's answer Valkey no longer holds")
-        });
+        let stale = format!("{name} still answers the older load's answer Valkey no longer holds");
+        until_answers(app, "new", &stale).await;
     }
     assert_eq!(calls.get(), 2);
 }
