@@ -9,7 +9,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -42,11 +42,13 @@ impl fmt::Debug for LockToken {
     }
 }
 
-/// Where a tier tells a lock's holder that a move of its lock did not
-/// land (see [`Tier::extend_lock`]): the lock may have ended under the
-/// load, and another instance taken it and stored meanwhile, so the
-/// load's fill is written as a late one (it gives way to a newer fill,
-/// see [`Tier::put_unless_newer`]).
+/// Where a tier tells a lock's holder how a move of its lock went (see
+/// [`Tier::extend_lock`]): [`landed`](Self::landed), or
+/// [`report`](Self::report)ed not landed. Until it is told, and once a move
+/// did not land, the lock may have ended under the load, and another
+/// instance taken it and stored meanwhile, so the load's fill is written
+/// as a late one (it gives way to a newer fill, see
+/// [`Tier::put_unless_newer`]).
 ///
 /// ```
 /// use tiercache_core::LockLapse;
@@ -57,18 +59,41 @@ impl fmt::Debug for LockToken {
 /// assert!(lapse.reported());
 /// ```
 #[derive(Debug, Clone, Default)]
-pub struct LockLapse(Arc<AtomicBool>);
+pub struct LockLapse(Arc<LapseState>);
+
+#[derive(Debug, Default)]
+struct LapseState {
+    lapsed: AtomicBool,
+    /// Moves sent and not yet told of.
+    unanswered: AtomicIsize,
+}
 
 impl LockLapse {
     /// The move was refused (the lock is not this holder's any more), or
     /// was not sent or not answered in time: it may not have landed.
     pub fn report(&self) {
-        self.0.store(true, Relaxed);
+        self.0.lapsed.store(true, Relaxed);
+        self.0.unanswered.fetch_sub(1, Relaxed);
     }
 
-    /// Whether a move was reported not landed.
+    /// The move landed: the lock is the holder's until its new end.
+    pub fn landed(&self) {
+        self.0.unanswered.fetch_sub(1, Relaxed);
+    }
+
+    /// Whether a move was reported not landed, or one is not answered yet.
     pub fn reported(&self) -> bool {
-        self.0.load(Relaxed)
+        self.0.lapsed.load(Relaxed) || self.0.unanswered.load(Relaxed) > 0
+    }
+
+    /// A move is about to be sent.
+    fn sending(&self) {
+        self.0.unanswered.fetch_add(1, Relaxed);
+    }
+
+    /// The lock's end, as reckoned here, passed or is near.
+    fn lapse(&self) {
+        self.0.lapsed.store(true, Relaxed);
     }
 }
 
@@ -363,8 +388,8 @@ pub(crate) struct LockExtension {
     limit: u64,
     /// Released: nothing left to move.
     done: AtomicBool,
-    /// Its end passed before a move, or a move did not land (see
-    /// [`lapsed`](Self::lapsed)).
+    /// Its end passed before a move, or a move did not land or is not
+    /// answered yet (see [`lapsed`](Self::lapsed)).
     lapsed_once: LockLapse,
 }
 
@@ -389,7 +414,7 @@ impl LockExtension {
         // Near or past its end as reckoned here (a little early): a move
         // may land too late, and the lock be taken, moved on or not.
         if now.saturating_add(self.hold / 8) >= end {
-            self.lapsed_once.report();
+            self.lapsed_once.lapse();
         }
         let moved = now.saturating_add(self.hold).min(self.limit);
         // Past its limit (the lock has lapsed by then), or not a quarter
@@ -404,7 +429,9 @@ impl LockExtension {
             .is_ok()
         {
             let ttl = Duration::from_nanos(moved - now);
+            // Until it is answered, the fill is a late one.
             let lapse = self.lapsed_once.clone();
+            lapse.sending();
             self.tier.extend_lock(&self.key, &self.token, ttl, lapse);
         }
     }

@@ -201,8 +201,9 @@ impl Tier for RecordingLocks {
         self.released.lock().unwrap().push(how);
     }
 
-    fn extend_lock(&self, _: &CacheKey, _: &LockToken, ttl: Duration, _: LockLapse) {
+    fn extend_lock(&self, _: &CacheKey, _: &LockToken, ttl: Duration, lapse: LockLapse) {
         self.moved.lock().unwrap().push(ttl);
+        lapse.landed();
     }
 }
 
@@ -225,4 +226,104 @@ async fn a_busy_load_lets_the_fleet_lock_go_as_gone_not_passed() {
         "released as {:?}",
         tier.released.lock().unwrap()
     );
+}
+
+/// A tier that takes every lock and tells each move of it landed, or
+/// (`answer` false) never answers it; it counts the moves and how each
+/// fill was written.
+#[derive(Debug, Default)]
+struct MovesAnswered {
+    answer: bool,
+    moves: AtomicUsize,
+    plain: AtomicUsize,
+    late: AtomicUsize,
+}
+
+impl Tier for MovesAnswered {
+    fn get<'a>(&'a self, _: &'a CacheKey) -> BoxFuture<'a, Result<Option<TierHit>, TierError>> {
+        Box::pin(async { Ok(None) })
+    }
+
+    fn put(&self, _: &CacheKey, _: &Entry, _: Duration, _: &[bytes::Bytes]) {
+        self.plain.fetch_add(1, SeqCst);
+    }
+
+    fn put_unless_newer(
+        &self,
+        _: &CacheKey,
+        _: &Entry,
+        _: Duration,
+        _: &[bytes::Bytes],
+        _: &LateFill,
+    ) {
+        self.late.fetch_add(1, SeqCst);
+    }
+
+    fn invalidate<'a>(&'a self, _: Invalidation) -> BoxFuture<'a, Result<(), TierError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn try_lock<'a>(
+        &'a self,
+        _: &'a CacheKey,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<LockAttempt, TierError>> {
+        let token = LockToken(bytes::Bytes::from_static(b"this instance"));
+        Box::pin(async { Ok(LockAttempt::Acquired(token)) })
+    }
+
+    fn extend_lock(&self, _: &CacheKey, _: &LockToken, _: Duration, lapse: LockLapse) {
+        self.moves.fetch_add(1, SeqCst);
+        if self.answer {
+            lapse.landed();
+        }
+    }
+}
+
+/// An origin whose body comes over three seconds, a frame a second.
+struct Streaming;
+
+impl Select for Streaming {}
+
+impl Origin for Streaming {
+    type Output = ();
+    type Error = ();
+
+    async fn load(self, stale: Option<Entry>) -> Result<Loaded<()>, ()> {
+        self.load_with(stale, Progress::none()).await
+    }
+
+    async fn load_with(self, _: Option<Entry>, progress: Progress) -> Result<Loaded<()>, ()> {
+        for _ in 0..3 {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            progress.made();
+        }
+        Ok(Loaded::Store(Fill::new(Value::from_body("streamed"))))
+    }
+}
+
+/// A load whose progress moved its fleet lock on ends before the move is
+/// answered: the lock may have ended under it (the move may be refused),
+/// so its fill is written as a late one; with the move answered, as an
+/// owner's. It was an owner's either way (a review found it: a refusal
+/// answered after the fill was missed).
+#[tokio::test(start_paused = true)]
+async fn a_fill_whose_lock_move_is_not_answered_yet_is_a_late_one() {
+    for answer in [true, false] {
+        let tier = Arc::new(MovesAnswered {
+            answer,
+            ..Default::default()
+        });
+        let cache = TieredCache::builder()
+            .sweep_interval(None)
+            .l2_shared(tier.clone())
+            .build()
+            .unwrap();
+        let fetched = cache.fetch(&CacheKey::new("k"), &policy(), Streaming).await;
+        assert!(fetched.is_ok());
+        assert!(tier.moves.load(SeqCst) >= 1, "no move was sent");
+        let written = (tier.plain.load(SeqCst), tier.late.load(SeqCst));
+        let expected = if answer { (1, 0) } else { (0, 1) };
+        assert_eq!(written, expected, "(plain, late), moves answered: {answer}");
+    }
 }

@@ -133,11 +133,15 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
     /// from now: the load it guards is making progress, so the instances
     /// waiting on it keep waiting instead of taking it over at its first
     /// end. Sent on its own (it must not hold the load up); a lost one
-    /// leaves the lock to end as it would have. A move refused (the lock
-    /// is gone or another's), not sent or not answered is told to
-    /// `lapse`: the holder's fill is then written as a late one.
+    /// leaves the lock to end as it would have. How it went is told to
+    /// `lapse`: [`LockLapse::landed`], or [`LockLapse::report`] for a move
+    /// refused (the lock is gone or another's), not sent or not answered;
+    /// until then, and after a report, the holder's fill is written as a
+    /// late one.
     fn extend_lock(&self, key: &CacheKey, token: &LockToken, ttl: Duration, lapse: LockLapse) {
-        let _ = (key, token, ttl, lapse);
+        let _ = (key, token, ttl);
+        // Nothing moved: the lock ends as it would have.
+        lapse.report();
     }
 
     /// Waits at most `timeout` for another instance's lock on `key` to go

@@ -159,7 +159,8 @@ impl ValkeyTier {
     /// sent while the breaker is open or the client reconnects (the lock
     /// then ends as it would have, and the waiting instances take it over).
     /// A move not sent, refused (the lock is gone or another's) or not
-    /// answered in time is told to `lapse`.
+    /// answered in time is reported to `lapse`; one that landed (or whose
+    /// lock was released meanwhile) is told landed.
     pub(crate) fn move_lock_on(
         &self,
         key: &CacheKey,
@@ -191,7 +192,7 @@ impl ValkeyTier {
         runtime.spawn(async move {
             // Gone with its tier: nothing is written any more.
             let Some(inner) = inner.upgrade() else {
-                return;
+                return lapse.landed();
             };
             let args = vec![Value::from(token.clone()), px.into()];
             let client = inner.client();
@@ -208,6 +209,8 @@ impl ValkeyTier {
             };
             if !landed && held() {
                 lost(&inner, &lapse);
+            } else {
+                lapse.landed();
             }
         });
     }
