@@ -64,19 +64,22 @@ pub struct LockLapse(Arc<LapseState>);
 #[derive(Debug, Default)]
 struct LapseState {
     lapsed: AtomicBool,
-    /// Moves sent and not yet told of.
+    /// Moves sent and not told landed (a move reported stays counted:
+    /// the lapse is for good, and the count is then never read alone
+    /// between two changes).
     unanswered: AtomicIsize,
 }
 
 impl LockLapse {
     /// The move was refused (the lock is not this holder's any more), or
-    /// was not sent or not answered in time: it may not have landed.
+    /// was not sent or not answered in time: it may not have landed. Told
+    /// once a move, as [`landed`](Self::landed) is.
     pub fn report(&self) {
         self.0.lapsed.store(true, Relaxed);
-        self.0.unanswered.fetch_sub(1, Relaxed);
     }
 
-    /// The move landed: the lock is the holder's until its new end.
+    /// The move landed: the lock is the holder's until its new end. Told
+    /// once a move, and never for a move reported.
     pub fn landed(&self) {
         self.0.unanswered.fetch_sub(1, Relaxed);
     }
@@ -422,6 +425,10 @@ impl LockExtension {
         if moved <= now || moved < end.saturating_add(self.hold / 4) {
             return;
         }
+        // Until it is answered, the fill is a late one: counted before
+        // the end moves here, so no fill sees the one without the other.
+        let lapse = self.lapsed_once.clone();
+        lapse.sending();
         // One caller moves it; a frame at the same moment has nothing to add.
         if self
             .end
@@ -429,10 +436,9 @@ impl LockExtension {
             .is_ok()
         {
             let ttl = Duration::from_nanos(moved - now);
-            // Until it is answered, the fill is a late one.
-            let lapse = self.lapsed_once.clone();
-            lapse.sending();
             self.tier.extend_lock(&self.key, &self.token, ttl, lapse);
+        } else {
+            lapse.landed();
         }
     }
 }

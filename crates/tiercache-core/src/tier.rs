@@ -134,7 +134,7 @@ pub trait Tier: Send + Sync + fmt::Debug + 'static {
     /// waiting on it keep waiting instead of taking it over at its first
     /// end. Sent on its own (it must not hold the load up); a lost one
     /// leaves the lock to end as it would have. How it went is told to
-    /// `lapse`: [`LockLapse::landed`], or [`LockLapse::report`] for a move
+    /// `lapse`, once: [`LockLapse::landed`], or [`LockLapse::report`] for a move
     /// refused (the lock is gone or another's), not sent or not answered;
     /// until then, and after a report, the holder's fill is written as a
     /// late one.
