@@ -170,76 +170,19 @@ async fn a_busy_refresh_leaves_the_entry_it_refreshes() {
 }
 
 /// A shared tier whose fleet lock every key takes, and which records each
-/// release and each move of a lock's end; it stores nothing.
+/// release and each move of a lock's end, and counts how each fill was
+/// written (as an owner's, or as a late one); it stores nothing. It tells
+/// each move landed, or (`silent`) never answers it.
 #[derive(Debug, Default)]
 pub(crate) struct RecordingLocks {
     pub(crate) released: std::sync::Mutex<Vec<Unlocked>>,
     pub(crate) moved: std::sync::Mutex<Vec<Duration>>,
-}
-
-impl Tier for RecordingLocks {
-    fn get<'a>(&'a self, _: &'a CacheKey) -> BoxFuture<'a, Result<Option<TierHit>, TierError>> {
-        Box::pin(async { Ok(None) })
-    }
-
-    fn put(&self, _: &CacheKey, _: &Entry, _: Duration, _: &[bytes::Bytes]) {}
-
-    fn invalidate<'a>(&'a self, _: Invalidation) -> BoxFuture<'a, Result<(), TierError>> {
-        Box::pin(async { Ok(()) })
-    }
-
-    fn try_lock<'a>(
-        &'a self,
-        _: &'a CacheKey,
-        _: Duration,
-    ) -> BoxFuture<'a, Result<LockAttempt, TierError>> {
-        let token = LockToken(bytes::Bytes::from_static(b"this instance"));
-        Box::pin(async { Ok(LockAttempt::Acquired(token)) })
-    }
-
-    fn unlock(&self, _: &CacheKey, _: &LockToken, how: Unlocked) {
-        self.released.lock().unwrap().push(how);
-    }
-
-    fn extend_lock(&self, _: &CacheKey, _: &LockToken, ttl: Duration, lapse: LockLapse) {
-        self.moved.lock().unwrap().push(ttl);
-        lapse.landed();
-    }
-}
-
-#[tokio::test]
-async fn a_busy_load_lets_the_fleet_lock_go_as_gone_not_passed() {
-    let tier = Arc::new(RecordingLocks::default());
-    let cache = TieredCache::builder()
-        .sweep_interval(None)
-        .l2_shared(tier.clone())
-        .build()
-        .unwrap();
-    let (calls, gate) = (Arc::new(AtomicUsize::new(0)), Arc::new(Semaphore::new(100)));
-    let origin = first_busy_then_stored(&calls, &gate);
-    let fetched = cache.fetch(&CacheKey::new("k"), &policy(), origin).await;
-    assert_eq!(body_of(fetched.unwrap()), "streamed");
-    // Gone: the other instances read L2, then take the lock in turn;
-    // passed would send each of them to the origin.
-    assert!(
-        matches!(tier.released.lock().unwrap()[..], [Unlocked::Gone]),
-        "released as {:?}",
-        tier.released.lock().unwrap()
-    );
-}
-
-/// A tier that takes every lock and tells each move of it landed, or
-/// (`answer` false) never answers it; it counts the moves and how each
-/// fill was written.
-#[derive(Debug, Default)]
-struct MovesAnswered {
-    answer: bool,
-    moves: AtomicUsize,
+    silent: bool,
     plain: AtomicUsize,
     late: AtomicUsize,
 }
 
-impl Tier for MovesAnswered {
+impl Tier for RecordingLocks {
     fn get<'a>(&'a self, _: &'a CacheKey) -> BoxFuture<'a, Result<Option<TierHit>, TierError>> {
         Box::pin(async { Ok(None) })
     }
@@ -272,34 +215,37 @@ impl Tier for MovesAnswered {
         Box::pin(async { Ok(LockAttempt::Acquired(token)) })
     }
 
-    fn extend_lock(&self, _: &CacheKey, _: &LockToken, _: Duration, lapse: LockLapse) {
-        self.moves.fetch_add(1, SeqCst);
-        if self.answer {
+    fn unlock(&self, _: &CacheKey, _: &LockToken, how: Unlocked) {
+        self.released.lock().unwrap().push(how);
+    }
+
+    fn extend_lock(&self, _: &CacheKey, _: &LockToken, ttl: Duration, lapse: LockLapse) {
+        self.moved.lock().unwrap().push(ttl);
+        if !self.silent {
             lapse.landed();
         }
     }
 }
 
-/// An origin whose body comes over three seconds, a frame a second.
-struct Streaming;
-
-impl Select for Streaming {}
-
-impl Origin for Streaming {
-    type Output = ();
-    type Error = ();
-
-    async fn load(self, stale: Option<Entry>) -> Result<Loaded<()>, ()> {
-        self.load_with(stale, Progress::none()).await
-    }
-
-    async fn load_with(self, _: Option<Entry>, progress: Progress) -> Result<Loaded<()>, ()> {
-        for _ in 0..3 {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            progress.made();
-        }
-        Ok(Loaded::Store(Fill::new(Value::from_body("streamed"))))
-    }
+#[tokio::test]
+async fn a_busy_load_lets_the_fleet_lock_go_as_gone_not_passed() {
+    let tier = Arc::new(RecordingLocks::default());
+    let cache = TieredCache::builder()
+        .sweep_interval(None)
+        .l2_shared(tier.clone())
+        .build()
+        .unwrap();
+    let (calls, gate) = (Arc::new(AtomicUsize::new(0)), Arc::new(Semaphore::new(100)));
+    let origin = first_busy_then_stored(&calls, &gate);
+    let fetched = cache.fetch(&CacheKey::new("k"), &policy(), origin).await;
+    assert_eq!(body_of(fetched.unwrap()), "streamed");
+    // Gone: the other instances read L2, then take the lock in turn;
+    // passed would send each of them to the origin.
+    assert!(
+        matches!(tier.released.lock().unwrap()[..], [Unlocked::Gone]),
+        "released as {:?}",
+        tier.released.lock().unwrap()
+    );
 }
 
 /// A load whose progress moved its fleet lock on ends before the move is
@@ -310,8 +256,8 @@ impl Origin for Streaming {
 #[tokio::test(start_paused = true)]
 async fn a_fill_whose_lock_move_is_not_answered_yet_is_a_late_one() {
     for answer in [true, false] {
-        let tier = Arc::new(MovesAnswered {
-            answer,
+        let tier = Arc::new(RecordingLocks {
+            silent: !answer,
             ..Default::default()
         });
         let cache = TieredCache::builder()
@@ -319,9 +265,15 @@ async fn a_fill_whose_lock_move_is_not_answered_yet_is_a_late_one() {
             .l2_shared(tier.clone())
             .build()
             .unwrap();
-        let fetched = cache.fetch(&CacheKey::new("k"), &policy(), Streaming).await;
+        // A body that comes over three seconds, a frame a second.
+        let streaming = crate::tests_takeover::Ticking {
+            ticks: 3,
+            alive: true,
+            calls: Default::default(),
+        };
+        let fetched = cache.fetch(&CacheKey::new("k"), &policy(), streaming).await;
         assert!(fetched.is_ok());
-        assert!(tier.moves.load(SeqCst) >= 1, "no move was sent");
+        assert!(!tier.moved.lock().unwrap().is_empty(), "no move was sent");
         let written = (tier.plain.load(SeqCst), tier.late.load(SeqCst));
         let expected = if answer { (1, 0) } else { (0, 1) };
         assert_eq!(written, expected, "(plain, late), moves answered: {answer}");

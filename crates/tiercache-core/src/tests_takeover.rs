@@ -227,10 +227,10 @@ async fn each_request_that_waited_is_counted_once() {
 /// An origin that answers after `ticks` seconds, telling the engine of
 /// its progress each second while `alive` (a body that keeps coming),
 /// and counts its calls.
-struct Ticking {
-    ticks: u32,
-    alive: bool,
-    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+pub(crate) struct Ticking {
+    pub(crate) ticks: u32,
+    pub(crate) alive: bool,
+    pub(crate) calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Select for Ticking {}
