@@ -1,6 +1,9 @@
 //! Loads outside any flight: a key marked uncacheable (hit-for-miss), or a
 //! follower whose leader's answer could not be shared.
 
+use std::future::Future;
+use std::pin::Pin;
+
 use tokio::time::Instant;
 
 use super::TieredCache;
@@ -10,11 +13,29 @@ use crate::{
     Answer, Entry, FetchError, Fetched, Loaded, Origin, Policy, Served, Source, StaleReason,
 };
 
+/// What a fetch with origin `O` ends in.
+type FetchResult<O> = Result<Fetched<<O as Origin>::Output>, FetchError<<O as Origin>::Error>>;
+
 impl TieredCache {
     /// One origin call outside any flight (hit-for-miss, or a follower whose
     /// leader's answer could not be shared); what may be stored still is,
     /// and a usable stale `fallback` answers for a failing origin.
-    pub(super) async fn load_alone<O: Origin>(
+    ///
+    /// Boxed: the origin's load is most of its future, which inline would
+    /// take that room in every request's future, the followers' too.
+    pub(super) fn load_alone<'a, O: Origin>(
+        &'a self,
+        keys: &'a Keys,
+        policy: &'a Policy,
+        origin: O,
+        fallback: Option<Entry>,
+        collapsed: bool,
+        hit_for_miss: bool,
+    ) -> Pin<Box<impl Future<Output = FetchResult<O>> + 'a>> {
+        Box::pin(self.alone(keys, policy, origin, fallback, collapsed, hit_for_miss))
+    }
+
+    async fn alone<O: Origin>(
         &self,
         keys: &Keys,
         policy: &Policy,

@@ -125,7 +125,8 @@ impl TieredCache {
         let usable = lead.stale.clone().filter(|e| self.stale_usable(e));
         let soft = lead.policy.soft_timeout();
         let flight = lead.leader.watch();
-        let mut task = FillTask::spawn(self, flight, self.clone().fill(lead, origin));
+        let engine = self.clone();
+        let mut task = FillTask::spawn(self, flight, move || engine.fill(lead, origin));
         let joined = match (usable, soft) {
             (Some(stale), Some(soft)) => match tokio::time::timeout(soft, &mut task.handle).await {
                 Ok(joined) => joined,
