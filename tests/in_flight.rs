@@ -3,9 +3,13 @@
 //! follower), counted by this binary's allocator (issue 17: thousands of
 //! requests to a slow origin grew the proxy by ~75 KiB each).
 //!
-//! The requests are the test's own (no connection, no hyper buffers): what
-//! is counted is the layer's and the engine's state, and each task's.
+//! Through the layer the requests are the test's own (no connection, no
+//! hyper buffers): what is counted is the layer's and the engine's state,
+//! and each task's. Through `tiercache-proxy` (in this process) they come
+//! on connections of their own: hyper's buffers count too.
 
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use axum::Router;
@@ -13,8 +17,9 @@ use axum::extract::{Path, State};
 use axum::routing::get;
 use cap::Cap;
 use tiercache::{Policy, ResponseCacheLayer, TieredCache};
+use tiercache_proxy::{Proxy, ProxyConfig};
 use tiercache_testkit::http::send;
-use tiercache_testkit::{Counter, Gate, bounded, eventually};
+use tiercache_testkit::{Counter, Gate, Server, bounded, eventually};
 
 #[global_allocator]
 static ALLOCATOR: Cap<std::alloc::System> = Cap::new(std::alloc::System, usize::MAX);
@@ -88,17 +93,96 @@ async fn held_per_request(one_key: bool) -> usize {
     held
 }
 
+/// Heap bytes held per client connection of a `tiercache-proxy` while
+/// `REQUESTS` connections each have a request in flight on one key (one
+/// leads, the rest wait on it).
+async fn held_per_proxy_connection() -> usize {
+    let origin = Origin::default();
+    let upstream = Server::start(
+        Router::new()
+            .route(
+                "/k/{id}",
+                get(
+                    |State(o): State<Origin>, Path(id): Path<String>| async move {
+                        if id != "warm" {
+                            o.calls.bump();
+                            o.gate.passed().await;
+                        }
+                        ([("cache-control", "max-age=60")], format!("value of {id}"))
+                    },
+                ),
+            )
+            .with_state(origin.clone()),
+    )
+    .await;
+    let config = ProxyConfig::new(upstream.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let proxy = Proxy::start(config).await.unwrap();
+    let addr = proxy.addr();
+    // A connection answered whole first: the first sockets' allocations
+    // (and the upstream's connection, kept in the pool) out of the figure.
+    let warm = tokio::task::spawn_blocking(move || {
+        let mut client = connect(addr, "/k/warm");
+        answer(&mut client)
+    });
+    assert!(warm.await.unwrap().starts_with("HTTP/1.1 200"));
+    let before = ALLOCATOR.allocated();
+    let clients = tokio::task::spawn_blocking(move || {
+        (0..REQUESTS)
+            .map(|_| connect(addr, "/k/one"))
+            .collect::<Vec<_>>()
+    });
+    let mut clients = clients.await.unwrap();
+    origin.calls.reached(1).await;
+    let followers = REQUESTS as u64 - 1;
+    eventually("every other request waits on the load", || {
+        proxy.engine().stats().coalesced == followers
+    })
+    .await;
+    let held = ALLOCATOR.allocated().saturating_sub(before) / REQUESTS;
+    origin.gate.open();
+    let answers =
+        tokio::task::spawn_blocking(move || clients.iter_mut().map(answer).collect::<Vec<_>>());
+    for answer in bounded("the answers", answers).await.unwrap() {
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+    assert_eq!(origin.calls.get(), 1);
+    held
+}
+
+/// A connection to `addr` that sent a GET of `path` in one write.
+fn connect(addr: SocketAddr, path: &str) -> TcpStream {
+    let mut client = TcpStream::connect(addr).unwrap();
+    let head = format!("GET {path} HTTP/1.1\r\nhost: example.com\r\n\r\n");
+    client.write_all(head.as_bytes()).unwrap();
+    client
+}
+
+/// The start of the answer `client` reads.
+fn answer(client: &mut TcpStream) -> String {
+    client
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut buf = [0; 64];
+    let n = client.read(&mut buf).unwrap();
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
 // One test: the allocator's count is the whole binary's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_in_flight_holds_a_bounded_share_of_the_heap() {
     let leading = held_per_request(false).await;
     let waiting = held_per_request(true).await;
+    let proxied = held_per_proxy_connection().await;
     eprintln!(
-        "held per request in flight: leading its load {leading} B, waiting on one {waiting} B"
+        "held per request in flight: leading its load {leading} B, waiting on one {waiting} B, \
+         waiting on a connection to the proxy {proxied} B"
     );
-    // Debug build: 14.1 and 5.6 KiB; before the loads' futures were kept
-    // apart (each took room in the futures around it as well), 24.5 and
-    // 10.2 KiB.
+    // Debug build: 14.1, 5.6 and 22.6 KiB. Before the loads' futures were
+    // kept apart (each took room in the futures around it as well): 24.5
+    // and 10.2 KiB. Before a connection's first read held the whole head,
+    // and a request kept its own copy of it: 31.5 KiB (hyper's read buffer
+    // 16 KiB, or a second 8 KiB one beside the one the head pinned).
     assert!(
         leading <= 16 * 1024,
         "a request leading its load holds {leading} B"
@@ -106,5 +190,9 @@ async fn a_request_in_flight_holds_a_bounded_share_of_the_heap() {
     assert!(
         waiting <= 7 * 1024,
         "a request waiting on a load holds {waiting} B"
+    );
+    assert!(
+        proxied <= 26 * 1024,
+        "a connection to the proxy waiting on a load holds {proxied} B"
     );
 }

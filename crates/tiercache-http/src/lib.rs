@@ -49,6 +49,7 @@ pub mod key;
 mod layer;
 pub mod metrics;
 mod origin;
+mod own_head;
 pub mod paths;
 pub mod range;
 mod reading;

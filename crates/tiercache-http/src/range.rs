@@ -116,7 +116,10 @@ impl RangeAsk {
             return Err(());
         };
         let if_range = headers.get(IF_RANGE).map(|v| v.as_bytes().to_vec());
-        let sent = (value.clone(), headers.get(IF_RANGE).cloned());
+        // Copies: kept with a request in flight, a value as hyper parsed
+        // it would pin the connection's read buffer (see `own_head`).
+        let owned = |v: &HeaderValue| HeaderValue::from_bytes(v.as_bytes()).unwrap_or(v.clone());
+        let sent = (owned(value), headers.get(IF_RANGE).map(owned));
         headers.remove(RANGE);
         headers.remove(IF_RANGE);
         Ok(Some(Self {

@@ -216,6 +216,9 @@ where
             }
             Begin::Miss(miss) => miss,
         };
+        // Kept while the load runs, or while another's does: copied out
+        // of the connection's read buffer, which it would pin.
+        crate::own_head::own_head(&mut parts);
         if prepared.only_if_cached {
             // From storage alone: L2 (L1 has just missed), or a 504.
             let select = OwnedView {
@@ -331,7 +334,7 @@ impl<S> Layer<S> for ResponseCacheLayer {
 /// The URI the inner service routed the request by, when the cache keys
 /// on another (see [`key_on_original_uri`]).
 #[derive(Debug, Clone)]
-struct InnerUri(http::Uri);
+pub(crate) struct InnerUri(pub(crate) http::Uri);
 
 /// Puts the URI the client sent in `parts` when an outer axum router
 /// changed it: inside a nested router (`Router::nest("/v1", ..)`) a request

@@ -49,6 +49,7 @@ mod own_answers;
 mod prometheus;
 pub mod read_ahead;
 mod reload;
+mod replayed;
 pub mod routes;
 mod serve;
 mod silences;

@@ -3,7 +3,6 @@
 //! sends its head slowly, or nothing at all, is cut off instead of holding a
 //! connection for ever (`axum::serve` sets no timer, so hyper has none).
 
-use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::{Pin, pin};
@@ -17,12 +16,13 @@ use axum::extract::ConnectInfo;
 use bytes::Bytes;
 use http::{Request, Response};
 use hyper::body::Incoming;
+use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto::Builder;
 use hyper_util::service::TowerToHyperService;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
+
+use crate::replayed::{H2_PREFACE, Replayed, read_version};
 use tower::ServiceExt;
 
 /// Where a server is in stopping (see [`serve`]).
@@ -37,9 +37,6 @@ pub(crate) enum Stop {
 
 /// The largest HTTP/1 request head read (a larger one is answered 431).
 const MAX_HEAD: usize = 64 * 1024;
-
-/// What an HTTP/2 client sends first (RFC 9113 §3.4).
-const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 /// Serves `app` on `listener` until the task is dropped. `timeout` bounds
 /// how long a client may take to send a request's head, how long a
@@ -75,16 +72,23 @@ pub(crate) async fn serve<S, B>(
     B: hyper::body::Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let mut builder = Builder::new(TokioExecutor::new());
+    // hyper's own builders, not hyper-util's `auto` one: the version is
+    // known here already, and `auto` read the first bytes again itself and
+    // replayed them alone, so hyper's first read held only those and the
+    // head's rest doubled its read buffer (16 KiB a connection, not 8).
+    let mut http1 = http1::Builder::new();
     // A request head of 64 KiB at most (nginx takes 32 KiB; it bounds the
     // write buffer too, which only a pipelining client fills): hyper's
     // ~400 KiB read buffer let each unfinished head hold that much for the
     // whole client timeout, 170 MiB for 500 slow connections.
-    builder
-        .http1()
+    // The buffer's bound alone is loose: a read may fill the buffer's
+    // room past it, and a head complete in it passes. The head's own
+    // bound is exact.
+    http1
         .timer(TokioTimer::new())
         .header_read_timeout(timeout)
-        .max_buf_size(MAX_HEAD);
+        .max_buf_size(MAX_HEAD)
+        .max_header_size(MAX_HEAD);
     // HTTP/2: a ping every `timeout`, and a client that does not answer
     // one within 20 s is dropped (a dead peer, or one that ignores the
     // shutdown below).
@@ -93,8 +97,8 @@ pub(crate) async fn serve<S, B>(
     // client's side. Each stream buffers 64 KiB of a streamed answer before
     // it stops pulling more (hyper's 400 KiB); a stored answer is one chunk,
     // held whole until the client reads it (see the README).
-    builder
-        .http2()
+    let mut http2 = http2::Builder::new(TokioExecutor::new());
+    http2
         .timer(TokioTimer::new())
         .keep_alive_interval(timeout)
         .keep_alive_timeout(Duration::from_secs(20))
@@ -141,7 +145,7 @@ pub(crate) async fn serve<S, B>(
             }
         };
         let app = app.clone();
-        let builder = builder.clone();
+        let (http1, http2) = (http1.clone(), http2.clone());
         let (open, mut stop) = (open.clone(), stop.clone());
         tokio::spawn(async move {
             let _open = (open, place);
@@ -166,17 +170,10 @@ pub(crate) async fn serve<S, B>(
                 req
             };
             let written = Arc::new(AtomicU64::new(0));
-            let io = TokioIo::new(Replayed {
-                first,
-                at: 0,
-                stream,
-                send_timeout: timeout,
-                stalled: None,
-                written: written.clone(),
-            });
+            let io = TokioIo::new(Replayed::new(first, stream, timeout, written.clone()));
             if !h2 {
                 let service = TowerToHyperService::new(app.map_request(with_address));
-                let mut conn = pin!(builder.serve_connection_with_upgrades(io, service));
+                let mut conn = pin!(http1.serve_connection(io, service).with_upgrades());
                 // A connection's error (a reset, a timeout) is that client's.
                 tokio::select! {
                     _ = conn.as_mut() => return,
@@ -209,7 +206,7 @@ pub(crate) async fn serve<S, B>(
                     res.map(|body| Watched::new(body, watched.clone()))
                 });
             let service = TowerToHyperService::new(service);
-            let mut conn = pin!(builder.serve_connection_with_upgrades(io, service));
+            let mut conn = pin!(http2.serve_connection(io, service));
             // hyper has no idle timeout for HTTP/2 (HTTP/1's is its header
             // timer): a connection that starts no request for `timeout` is
             // shut down gracefully, streams in flight finishing first. And
@@ -353,127 +350,5 @@ impl<B> Drop for Watched<B> {
         if self.on_source {
             self.sending.on_source.fetch_sub(1, Relaxed);
         }
-    }
-}
-
-/// Reads until the bytes seen are the whole HTTP/2 preface, or cannot be
-/// (the first byte of an HTTP/1 request is enough, mostly).
-async fn read_version(stream: &mut TcpStream) -> io::Result<Vec<u8>> {
-    let mut seen = Vec::with_capacity(H2_PREFACE.len());
-    let mut buf = [0u8; H2_PREFACE.len()];
-    loop {
-        let n = stream
-            .read(&mut buf[..H2_PREFACE.len() - seen.len()])
-            .await?;
-        if n == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-        seen.extend_from_slice(&buf[..n]);
-        if seen.len() == H2_PREFACE.len() || !H2_PREFACE.starts_with(&seen) {
-            return Ok(seen);
-        }
-    }
-}
-
-/// A connection whose first bytes were already read: they are read again
-/// first, then the stream. A write the client leaves pending (it reads
-/// nothing) for `send_timeout` fails, which ends the connection.
-struct Replayed {
-    first: Vec<u8>,
-    at: usize,
-    stream: TcpStream,
-    send_timeout: Duration,
-    /// Since when a write has been pending.
-    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
-    /// Bytes written, for HTTP/2's watchdog.
-    written: Arc<AtomicU64>,
-}
-
-impl Replayed {
-    fn count(&self, polled: &Poll<io::Result<usize>>) {
-        if let Poll::Ready(Ok(n)) = polled {
-            self.written.fetch_add(*n as u64, Relaxed);
-        }
-    }
-
-    /// Runs a write step: a pending one starts (or goes on) the send
-    /// timer, which fails it once it runs out; one that is ready stops it.
-    fn timed<T>(
-        &mut self,
-        cx: &mut Context<'_>,
-        step: impl FnOnce(Pin<&mut TcpStream>, &mut Context<'_>) -> Poll<io::Result<T>>,
-    ) -> Poll<io::Result<T>> {
-        match step(Pin::new(&mut self.stream), cx) {
-            Poll::Pending => {
-                let timeout = self.send_timeout;
-                let timer = self
-                    .stalled
-                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
-                if timer.as_mut().poll(cx).is_ready() {
-                    return Poll::Ready(Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        "the client read nothing for the client timeout",
-                    )));
-                }
-                Poll::Pending
-            }
-            ready => {
-                self.stalled = None;
-                ready
-            }
-        }
-    }
-}
-
-impl AsyncRead for Replayed {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        if this.at < this.first.len() {
-            let n = buf.remaining().min(this.first.len() - this.at);
-            buf.put_slice(&this.first[this.at..this.at + n]);
-            this.at += n;
-            return Poll::Ready(Ok(()));
-        }
-        Pin::new(&mut this.stream).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Replayed {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let polled = this.timed(cx, |s, cx| s.poll_write(cx, buf));
-        this.count(&polled);
-        polled
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let polled = this.timed(cx, |s, cx| s.poll_write_vectored(cx, bufs));
-        this.count(&polled);
-        polled
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        self.get_mut().timed(cx, |s, cx| s.poll_flush(cx))
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
     }
 }

@@ -722,7 +722,7 @@ async fn a_request_head_past_64_kib_is_refused() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (server, state) = upstream().await;
     let proxy = proxy_for(&server).await;
-    for (size, status) in [(30_000, "200"), (100_000, "431")] {
+    for (size, status) in [(30_000, "200"), (70_000, "431"), (100_000, "431")] {
         let mut conn = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
         let head = format!(
             "GET /echo HTTP/1.1

@@ -1,0 +1,88 @@
+//! A request's head copied out of its connection's read buffer, for a
+//! request kept while a load runs.
+//!
+//! hyper parses a head into slices of the buffer it read it in: the URI,
+//! every field value (and axum's `OriginalUri`, a clone of the URI). A
+//! request kept while its load runs, or while it waits on another's, pins
+//! that buffer, and hyper, reading on to see whether the client went,
+//! reads into a new one: 8 KiB more for each request in flight. Copied
+//! once (one allocation for the field values), the head lets hyper reuse
+//! its buffer. A hit answers before hyper reads again: it copies nothing.
+
+use axum::extract::OriginalUri;
+use bytes::BytesMut;
+use http::request::Parts;
+use http::{HeaderValue, Uri};
+
+use crate::service::InnerUri;
+
+/// Copies `parts`' URI (and the URIs kept beside it) and field values
+/// into storage of their own.
+pub(crate) fn own_head(parts: &mut Parts) {
+    parts.uri = owned_uri(&parts.uri);
+    if let Some(OriginalUri(uri)) = parts.extensions.get_mut::<OriginalUri>() {
+        *uri = owned_uri(uri);
+    }
+    if let Some(InnerUri(uri)) = parts.extensions.get_mut::<InnerUri>() {
+        *uri = owned_uri(uri);
+    }
+    let size = parts.headers.values().map(HeaderValue::len).sum();
+    let mut all = BytesMut::with_capacity(size);
+    for value in parts.headers.values() {
+        all.extend_from_slice(value.as_bytes());
+    }
+    let mut all = all.freeze();
+    for value in parts.headers.values_mut() {
+        let bytes = all.split_to(value.len());
+        // The same bytes, valid as they were.
+        if let Ok(mut owned) = HeaderValue::from_maybe_shared(bytes) {
+            owned.set_sensitive(value.is_sensitive());
+            *value = owned;
+        }
+    }
+}
+
+/// `uri` in storage of its own (as it is, should it not parse again).
+fn owned_uri(uri: &Uri) -> Uri {
+    Uri::try_from(uri.to_string()).unwrap_or_else(|_| uri.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_head_is_the_same_in_storage_of_its_own() {
+        let read = bytes::Bytes::from_static(b"/a/b?c=d secret text/html");
+        let uri = Uri::from_maybe_shared(read.slice(0..8)).unwrap();
+        let mut req = http::Request::get(uri.clone()).body(()).unwrap();
+        let mut token = HeaderValue::from_maybe_shared(read.slice(9..15)).unwrap();
+        token.set_sensitive(true);
+        req.headers_mut().insert("authorization", token);
+        req.headers_mut().append(
+            "accept",
+            HeaderValue::from_maybe_shared(read.slice(16..)).unwrap(),
+        );
+        req.headers_mut()
+            .append("accept", HeaderValue::from_static("*/*"));
+        req.extensions_mut().insert(OriginalUri(uri));
+        let (mut parts, ()) = req.into_parts();
+        let before = (parts.uri.clone(), parts.headers.clone());
+        own_head(&mut parts);
+        assert_eq!((parts.uri.clone(), parts.headers.clone()), before);
+        assert!(parts.headers["authorization"].is_sensitive());
+        let OriginalUri(original) = parts.extensions.get::<OriginalUri>().unwrap();
+        assert_eq!(original, &before.0);
+        // Nothing points into the bytes read any more.
+        let range = read.as_ptr_range();
+        let within = |p: *const u8| range.contains(&p);
+        assert!(!within(parts.uri.path().as_ptr()));
+        assert!(!within(original.path().as_ptr()));
+        assert!(
+            parts
+                .headers
+                .values()
+                .all(|v| !within(v.as_bytes().as_ptr()))
+        );
+    }
+}
