@@ -19,7 +19,7 @@ use cap::Cap;
 use tiercache::{Policy, ResponseCacheLayer, TieredCache};
 use tiercache_proxy::{Proxy, ProxyConfig};
 use tiercache_testkit::http::send;
-use tiercache_testkit::{Counter, Gate, Server, bounded, eventually};
+use tiercache_testkit::{Counter, Gate, Server, bounded};
 
 #[global_allocator]
 static ALLOCATOR: Cap<std::alloc::System> = Cap::new(std::alloc::System, usize::MAX);
@@ -46,8 +46,27 @@ fn app(origin: &Origin, engine: &TieredCache) -> Router {
                 },
             ),
         )
-        .layer(layer.route(Policy::ttl(Duration::from_secs(60))).unwrap())
+        .layer(layer.route(policy()).unwrap())
         .with_state(origin.clone())
+}
+
+/// A lock timeout no wait here reaches: a follower that took over the
+/// held load would make a second call.
+fn policy() -> tiercache::PolicyBuilder {
+    Policy::ttl(Duration::from_secs(60)).lock_timeout(Duration::from_secs(120))
+}
+
+/// Until `cond` holds (within 30 s), without spinning on a core the
+/// requests set up on.
+async fn until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
 }
 
 /// Heap bytes held per request while `REQUESTS` requests are in flight:
@@ -76,7 +95,7 @@ async fn held_per_request(one_key: bool) -> usize {
     if one_key {
         origin.calls.reached(1).await;
         let followers = REQUESTS as u64 - 1;
-        eventually("every other request waits on the load", || {
+        until("every other request waits on the load", || {
             engine.stats().coalesced == followers
         })
         .await;
@@ -115,8 +134,9 @@ async fn held_per_proxy_connection() -> usize {
             .with_state(origin.clone()),
     )
     .await;
-    let config = ProxyConfig::new(upstream.url().parse().unwrap())
+    let mut config = ProxyConfig::new(upstream.url().parse().unwrap())
         .listen(SocketAddr::from(([127, 0, 0, 1], 0)));
+    config.lock_timeout = Duration::from_secs(120);
     let proxy = Proxy::start(config).await.unwrap();
     let addr = proxy.addr();
     // A connection answered whole first: the first sockets' allocations
@@ -135,7 +155,7 @@ async fn held_per_proxy_connection() -> usize {
     let mut clients = clients.await.unwrap();
     origin.calls.reached(1).await;
     let followers = REQUESTS as u64 - 1;
-    eventually("every other request waits on the load", || {
+    until("every other request waits on the load", || {
         proxy.engine().stats().coalesced == followers
     })
     .await;

@@ -7,7 +7,8 @@
 //! that buffer, and hyper, reading on to see whether the client went,
 //! reads into a new one: 8 KiB more for each request in flight. Copied
 //! once (one allocation for the field values), the head lets hyper reuse
-//! its buffer. A hit answers before hyper reads again: it copies nothing.
+//! its buffer. A hit answers before hyper reads again: it copies nothing,
+//! unless it starts a refresh, which keeps the request.
 
 use axum::extract::OriginalUri;
 use bytes::BytesMut;
@@ -19,9 +20,15 @@ use crate::service::InnerUri;
 /// Copies `parts`' URI (and the URIs kept beside it) and field values
 /// into storage of their own.
 pub(crate) fn own_head(parts: &mut Parts) {
-    parts.uri = owned_uri(&parts.uri);
+    let owned = owned_uri(&parts.uri);
+    let read = std::mem::replace(&mut parts.uri, owned);
     if let Some(OriginalUri(uri)) = parts.extensions.get_mut::<OriginalUri>() {
-        *uri = owned_uri(uri);
+        // Most often a clone of the URI itself (axum's): cloned again.
+        *uri = if *uri == read {
+            parts.uri.clone()
+        } else {
+            owned_uri(uri)
+        };
     }
     if let Some(InnerUri(uri)) = parts.extensions.get_mut::<InnerUri>() {
         *uri = owned_uri(uri);
@@ -42,9 +49,12 @@ pub(crate) fn own_head(parts: &mut Parts) {
     }
 }
 
-/// `uri` in storage of its own (as it is, should it not parse again).
+/// `uri` in storage of its own, exactly its size (as it is, should it not
+/// parse again).
 fn owned_uri(uri: &Uri) -> Uri {
-    Uri::try_from(uri.to_string()).unwrap_or_else(|_| uri.clone())
+    let text = uri.to_string();
+    Uri::from_maybe_shared(bytes::Bytes::copy_from_slice(text.as_bytes()))
+        .unwrap_or_else(|_| uri.clone())
 }
 
 #[cfg(test)]

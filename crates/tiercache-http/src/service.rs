@@ -202,6 +202,8 @@ where
                     if prepared.only_if_cached {
                         drop_only_if_cached(&mut parts.headers);
                     }
+                    // Kept while the refresh runs (see below).
+                    crate::own_head::own_head(&mut parts);
                     let origin = HttpOrigin {
                         route: route.clone(),
                         inner: self.take_ready(),

@@ -121,7 +121,8 @@ impl AsyncRead for Replayed {
                 // head in two reads doubled its buffer (8 KiB more a
                 // connection). Nothing more now is no failure: the bytes
                 // replayed answer this read, and what comes wakes the
-                // next. An error, met again by the next read, is left to it.
+                // next. An error is dropped: the connection is over either
+                // way (the next read sees its end, or the error again).
                 if buf.remaining() > 0 {
                     let _ = Pin::new(&mut this.stream).poll_read(cx, buf);
                 }

@@ -74,8 +74,9 @@ pub(crate) async fn serve<S, B>(
 {
     // hyper's own builders, not hyper-util's `auto` one: the version is
     // known here already, and `auto` read the first bytes again itself and
-    // replayed them alone, so hyper's first read held only those and the
-    // head's rest doubled its read buffer (16 KiB a connection, not 8).
+    // replayed them alone (as `Replayed` did), so hyper's first read held
+    // only those and the head's rest doubled its read buffer (16 KiB a
+    // connection, not 8).
     let mut http1 = http1::Builder::new();
     // A request head of 64 KiB at most (nginx takes 32 KiB; it bounds the
     // write buffer too, which only a pipelining client fills): hyper's
@@ -83,7 +84,8 @@ pub(crate) async fn serve<S, B>(
     // whole client timeout, 170 MiB for 500 slow connections.
     // The buffer's bound alone is loose: a read may fill the buffer's
     // room past it, and a head complete in it passes. The head's own
-    // bound is exact.
+    // bound is exact (it bounds chunked trailers too: 64 KiB, not
+    // hyper's 16).
     http1
         .timer(TokioTimer::new())
         .header_read_timeout(timeout)
