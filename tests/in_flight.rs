@@ -27,12 +27,14 @@ static ALLOCATOR: Cap<std::alloc::System> = Cap::new(std::alloc::System, usize::
 /// Requests in flight at once in each measure.
 const REQUESTS: usize = 400;
 
+/// The origin's side: its calls, and the gate its answers wait behind.
 #[derive(Clone, Default)]
 struct Origin {
     calls: Counter,
     gate: Gate,
 }
 
+/// `origin` behind the layer on `engine`.
 fn app(origin: &Origin, engine: &TieredCache) -> Router {
     let layer = ResponseCacheLayer::new(engine.clone());
     Router::new()

@@ -35,14 +35,12 @@ pub(crate) fn own_head(parts: &mut Parts) {
     }
     let size = parts.headers.values().map(HeaderValue::len).sum();
     let mut all = BytesMut::with_capacity(size);
-    for value in parts.headers.values() {
-        all.extend_from_slice(value.as_bytes());
-    }
-    let mut all = all.freeze();
+    // One pass: each value's copy is split off the room as it is made (no
+    // order of the map's two iterators relied on).
     for value in parts.headers.values_mut() {
-        let bytes = all.split_to(value.len());
+        all.extend_from_slice(value.as_bytes());
         // The same bytes, valid as they were.
-        if let Ok(mut owned) = HeaderValue::from_maybe_shared(bytes) {
+        if let Ok(mut owned) = HeaderValue::from_maybe_shared(all.split().freeze()) {
             owned.set_sensitive(value.is_sensitive());
             *value = owned;
         }

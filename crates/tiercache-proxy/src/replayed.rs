@@ -67,6 +67,7 @@ impl Replayed {
         }
     }
 
+    /// Counts the bytes a ready write took.
     fn count(&self, polled: &Poll<io::Result<usize>>) {
         if let Poll::Ready(Ok(n)) = polled {
             self.written.fetch_add(*n as u64, Relaxed);

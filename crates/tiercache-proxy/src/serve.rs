@@ -21,9 +21,9 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
+use tower::ServiceExt;
 
 use crate::replayed::{H2_PREFACE, Replayed, read_version};
-use tower::ServiceExt;
 
 /// Where a server is in stopping (see [`serve`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -35,6 +35,7 @@ impl TieredCache {
         Box::pin(self.alone(keys, policy, origin, fallback, collapsed, hit_for_miss))
     }
 
+    /// [`load_alone`](Self::load_alone)'s work, unboxed.
     async fn alone<O: Origin>(
         &self,
         keys: &Keys,

@@ -4,20 +4,21 @@
 use std::fmt::Write as _;
 use std::time::SystemTime;
 
-use bytes::Bytes;
 use http::header::{
     ACCEPT_ENCODING, AGE, CACHE_CONTROL, CONNECTION, CONTENT_LOCATION, DATE, ETAG, EXPIRES,
     LAST_MODIFIED, VARY,
 };
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
-use tiercache_core::{Entry, Freshness, Source, Value};
+use tiercache_core::{Entry, Freshness, Source};
 
 use crate::body::CacheBody;
 use crate::cacheable::Reason;
 use crate::values;
 
 mod labelled;
+mod stored;
 mod view;
+pub use stored::{NEVER_STORED, to_value};
 pub(crate) use view::{HeadView, coding_refused, view};
 
 /// `x-cache`: `HIT`, `MISS`, `STALE`, `BYPASS`.
@@ -312,40 +313,6 @@ pub fn strip_hop_by_hop_but_trailer(headers: &mut HeaderMap) {
     strip_hop_by_hop(headers);
     for value in declared {
         headers.append(http::header::TRAILER, value);
-    }
-}
-
-/// Fields a cache must not store (RFC 9111 §3.1), besides the hop-by-hop
-/// ones: they belong to one proxy's exchange with one client.
-pub const NEVER_STORED: [&str; 3] = [
-    "proxy-authenticate",
-    "proxy-authentication-info",
-    "proxy-authorization",
-];
-
-/// The stored form of a response's head and body: hop-by-hop fields, the
-/// proxy-specific fields of RFC 9111 §3.1 and `Age` (recomputed on every
-/// hit) left out, every other field byte-exact.
-pub fn to_value(status: StatusCode, headers: &HeaderMap, body: Bytes) -> Value {
-    let mut kept = headers.clone();
-    strip_hop_by_hop(&mut kept);
-    kept.remove(AGE);
-    for name in NEVER_STORED {
-        kept.remove(name);
-    }
-    let headers = kept
-        .iter()
-        .map(|(n, v)| {
-            (
-                Bytes::copy_from_slice(n.as_str().as_bytes()),
-                Bytes::copy_from_slice(v.as_bytes()),
-            )
-        })
-        .collect();
-    Value {
-        status: status.as_u16(),
-        headers,
-        body,
     }
 }
 

@@ -1,4 +1,5 @@
 use super::*;
+use bytes::Bytes;
 
 /// A map whose last fields are not the cache's own (in whatever order
 /// the `http` crate iterates) gets them set by name, and no other field
