@@ -48,6 +48,7 @@ pub mod invalidate;
 pub mod key;
 mod layer;
 pub mod metrics;
+mod one_copy;
 mod origin;
 mod own_head;
 pub mod paths;

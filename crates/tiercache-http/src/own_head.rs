@@ -11,10 +11,10 @@
 //! unless it starts a refresh, which keeps the request.
 
 use axum::extract::OriginalUri;
-use bytes::BytesMut;
 use http::request::Parts;
 use http::{HeaderValue, Uri};
 
+use crate::one_copy::OneCopy;
 use crate::service::InnerUri;
 
 /// Copies `parts`' URI (and the URIs kept beside it) and field values
@@ -34,13 +34,12 @@ pub(crate) fn own_head(parts: &mut Parts) {
         *uri = owned_uri(uri);
     }
     let size = parts.headers.values().map(HeaderValue::len).sum();
-    let mut all = BytesMut::with_capacity(size);
-    // One pass: each value's copy is split off the room as it is made (no
-    // order of the map's two iterators relied on).
+    let mut room = OneCopy::with_capacity(size);
+    // One pass: each value copied as it is replaced (no order of the
+    // map's two iterators relied on).
     for value in parts.headers.values_mut() {
-        all.extend_from_slice(value.as_bytes());
         // The same bytes, valid as they were.
-        if let Ok(mut owned) = HeaderValue::from_maybe_shared(all.split().freeze()) {
+        if let Ok(mut owned) = HeaderValue::from_maybe_shared(room.copy(value.as_bytes())) {
             owned.set_sensitive(value.is_sensitive());
             *value = owned;
         }

@@ -1,12 +1,13 @@
 //! The stored form of a response's head: what of it is kept, in one
 //! allocation.
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::header::AGE;
 use http::{HeaderMap, StatusCode};
 use tiercache_core::Value;
 
 use super::strip_hop_by_hop;
+use crate::one_copy::OneCopy;
 
 /// Fields a cache must not store (RFC 9111 §3.1), besides the hop-by-hop
 /// ones: they belong to one proxy's exchange with one client.
@@ -34,14 +35,15 @@ pub fn to_value(status: StatusCode, headers: &HeaderMap, body: Bytes) -> Value {
         kept.remove(name);
     }
     let size = kept.iter().map(|(n, v)| n.as_str().len() + v.len()).sum();
-    let mut room = BytesMut::with_capacity(size);
-    let mut copy = |bytes: &[u8]| {
-        room.extend_from_slice(bytes);
-        room.split().freeze()
-    };
+    let mut room = OneCopy::with_capacity(size);
     let headers = kept
         .iter()
-        .map(|(name, value)| (copy(name.as_str().as_bytes()), copy(value.as_bytes())))
+        .map(|(name, value)| {
+            (
+                room.copy(name.as_str().as_bytes()),
+                room.copy(value.as_bytes()),
+            )
+        })
         .collect();
     Value {
         status: status.as_u16(),

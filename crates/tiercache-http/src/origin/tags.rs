@@ -7,6 +7,7 @@ use http::header::HeaderName;
 use tiercache_core::CacheKey;
 
 use crate::key::family_tag;
+use crate::one_copy::OneCopy;
 use crate::route::Route;
 
 /// The tags a response is recorded under: the route's, those its
@@ -41,12 +42,8 @@ pub(super) fn header_tags(headers: &HeaderMap, room: usize) -> Vec<Bytes> {
             }
         }
     }
-    let mut copy = bytes::BytesMut::with_capacity(named.iter().map(|t| t.len()).sum());
-    for tag in &named {
-        copy.extend_from_slice(tag);
-    }
-    let mut copy = copy.freeze();
-    named.iter().map(|tag| copy.split_to(tag.len())).collect()
+    let mut room = OneCopy::with_capacity(named.iter().map(|t| t.len()).sum());
+    named.iter().map(|tag| room.copy(tag)).collect()
 }
 
 /// The response header naming an entry's tags (surrogate keys).
