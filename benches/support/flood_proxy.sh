@@ -11,7 +11,9 @@
 # weighs each size alike);
 # PROXY_BIN=path runs another build of the proxy; CONNECTIONS=4 sets wrk's
 # connections (default 16); VARY=1 has nginx answer `Vary: Accept-Encoding`
-# (each URL then has its own tag in the proxy's tag index); SETTLE=5 reads
+# (each URL then has its own tag in the proxy's tag index); TAGS=20 has
+# every response name that many tags of its own in `Surrogate-Key` (~40
+# bytes each, made from its URL); SETTLE=5 reads
 # RSS again after 5 more seconds idle (the allocator's purge, spares).
 # Needs nginx and wrk (apt-get install nginx wrk) and
 # `cargo build --release -p tiercache-proxy` first. Ports 18181-18183.
@@ -27,8 +29,14 @@ trap 'kill $PROXY $NGINX 2>/dev/null; wait 2>/dev/null; rm -rf "$DIR"' EXIT
 chmod 755 "$DIR"; mkdir "$DIR/www"  # nginx workers read it as another user
 head -c "${BODY_BYTES:-1024}" /dev/zero | tr '\0' x > "$DIR/www/body"
 SIZED=""
+TAGGED=""
+if [ -n "${TAGS:-}" ]; then
+  TAGGED="add_header Surrogate-Key \""
+  for ((t = 1; t <= TAGS; t++)); do TAGGED+=$(printf 'tag-%02d-of-the-response-named-%s ' "$t" '$uri'); done
+  TAGGED="${TAGGED% }\";"
+fi
 if [ -n "${BODY_SIZES:-}" ]; then
-  SIZED="location ~ ^/u/.*(\\d)\$ { root $DIR/www; default_type text/plain; try_files /body\$1 =404; ${VARY:+add_header Vary Accept-Encoding;} }"
+  SIZED="location ~ ^/u/.*(\\d)\$ { root $DIR/www; default_type text/plain; try_files /body\$1 =404; ${VARY:+add_header Vary Accept-Encoding;} $TAGGED }"
   read -ra SIZES <<< "$BODY_SIZES"
   [ ${#SIZES[@]} -gt 0 ] || { echo "BODY_SIZES lists no size" >&2; exit 2; }
   for d in 0 1 2 3 4 5 6 7 8 9; do
@@ -51,7 +59,7 @@ http {
   keepalive_requests 1000000;
   server {
     listen 127.0.0.1:18181;
-    location / { root $DIR/www; default_type text/plain; try_files /body =404; ${VARY:+add_header Vary Accept-Encoding;} }
+    location / { root $DIR/www; default_type text/plain; try_files /body =404; ${VARY:+add_header Vary Accept-Encoding;} $TAGGED }
     $SIZED
   }
 }

@@ -43,6 +43,7 @@ mod config_check;
 pub mod config_file;
 mod connector;
 pub mod forward;
+pub mod give_back;
 mod host;
 mod l2_log;
 mod own_answers;

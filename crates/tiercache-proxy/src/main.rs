@@ -278,8 +278,32 @@ fn settings(args: &Args, matches: &ArgMatches) -> Result<ProxyConfig, String> {
 /// loopback one and no token is set.
 const LOOPBACK_ONLY: &str = "tiercache-proxy: POST /invalidate on the admin address answers loopback clients only; set TIERCACHE_ADMIN_TOKEN to let others invalidate with it";
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    runtime.enable_all();
+    // mimalloc keeps what a burst freed until each thread allocates again:
+    // see `give_back`.
+    #[cfg(feature = "mimalloc")]
+    runtime.on_thread_park(tiercache_proxy::give_back::on_thread_park);
+    match runtime.build() {
+        // On a worker, not this thread: what the accept loop allocates (each
+        // connection's task) is then on a thread that collects when quiet.
+        Ok(runtime) => runtime.block_on(async {
+            tokio::spawn(run()).await.unwrap_or_else(|e| {
+                eprintln!("tiercache-proxy: {e}");
+                ExitCode::FAILURE
+            })
+        }),
+        Err(e) => {
+            eprintln!("tiercache-proxy: cannot start the runtime: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> ExitCode {
+    #[cfg(feature = "mimalloc")]
+    tokio::spawn(tiercache_proxy::give_back::watch());
     let matches = Args::command().get_matches();
     let args = match Args::from_arg_matches(&matches) {
         Ok(args) => args,
