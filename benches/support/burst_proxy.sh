@@ -9,7 +9,8 @@
 # load; `unique`: a key each, each loading over an upstream connection of
 # its own) to an origin that answers after SLOW seconds (default 6).
 # PROXY_BIN=path runs another build. Needs python3, and N + 100 open files
-# (`ulimit -n`). Ports 18191-18193.
+# (`ulimit -n`; 2N + 100 with `unique`: the proxy's upstream connections
+# too). Ports 18191-18193.
 set -euo pipefail
 N=$1; MODE=$2; AFTER=${3:-30}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)

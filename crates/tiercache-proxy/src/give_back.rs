@@ -1,21 +1,22 @@
 //! Giving memory back to the system once a burst is over.
 //!
-//! mimalloc (the proxy's allocator) returns freed memory lazily: a page
-//! freed from another thread, or left empty, goes back to the system only
-//! when the thread that owns it collects its heap, which it does on its own
-//! later allocations (every 10,000 calls of its slow path), and the
-//! system gets the pages once a purge runs after that. A proxy that went
-//! quiet after 9,000 requests in flight kept ~175 MiB a minute later with
-//! 4 KB in L1; traffic afterwards brought it back to ~12 MiB.
+//! mimalloc (the proxy's allocator) gives freed memory back lazily: a page
+//! of a thread's heap whose blocks were freed goes back once that thread
+//! collects its heap, which it does in the course of its own later
+//! allocations (every 10,000 that take its slow path), and the system gets
+//! the page once a purge runs, a second later, when some page is freed.
+//! An idle worker allocates nothing: a proxy that went quiet after 9,000
+//! requests in flight kept 174 MiB with 4 KB in L1 for as long as it
+//! stayed quiet; traffic afterwards brought it back to ~12 MiB.
 //!
 //! The workspace forbids `unsafe`, so the proxy cannot call `mi_collect`.
-//! Instead, when the process has grown past the least it needed and its
-//! workers are quiet ([`Quiet`]), each worker thread, as it parks, makes the
-//! allocations that lead mimalloc to collect its heap: blocks of 1 MiB,
-//! each freed at once (mimalloc serves that size on its slow path only).
-//! That takes ~12 ms a worker, once a burst, on a thread with nothing else
-//! to do. A block a second besides lets purges that came due on an idle
-//! process run.
+//! Instead, when the process has grown past what it needs and its workers
+//! are quiet ([`Quiet`]), [`watch`] asks each worker thread, as it parks,
+//! to make the allocations that lead mimalloc to collect its heap: 20,000
+//! blocks of 2 KiB, each freed at once (anything over 1 KiB takes the slow
+//! path). About a millisecond a worker, on a thread with nothing else to
+//! do. A 1 MiB block a second besides (a page of its own, freed) lets the
+//! purges that came due run on an idle process.
 //!
 //! ```no_run
 //! let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -30,12 +31,17 @@
 //! ```
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::time::Duration;
 
 /// Bumped each time [`watch`] asks for a collection: a worker that has not
-/// collected since, collects as it parks.
+/// collected since, collects as it parks, while [`WANTED`].
 static EPOCH: AtomicU64 = AtomicU64::new(0);
+/// Set while [`watch`] waits for the workers to collect: a worker that
+/// parks only once traffic is back does not collect then.
+static WANTED: AtomicBool = AtomicBool::new(false);
+/// Workers that collected in this epoch.
+static DONE: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
     static COLLECTED: Cell<u64> = const { Cell::new(0) };
@@ -44,55 +50,85 @@ thread_local! {
 /// How often [`watch`] looks at the runtime.
 const TICK: Duration = Duration::from_secs(1);
 
-/// mimalloc collects a thread's heap every 10,000 calls of its slow path
-/// (`MIMALLOC_GENERIC_COLLECT`), and frees the pages it keeps for reuse
-/// (retired) after 16 looks every 1,000 calls: this many guarantee both.
+/// mimalloc collects a thread's heap every 10,000 allocations on its slow
+/// path (`MIMALLOC_GENERIC_COLLECT`), and frees the empty pages it keeps
+/// for reuse after 16 looks, one every 1,000: this many guarantee both.
 const SLOW_ALLOCATIONS: usize = 20_000;
 
-/// Above mimalloc's largest size class (512 KiB), so always its slow path.
-const BLOCK: usize = 1 << 20;
+/// Over mimalloc's fast path (1 KiB and less), reused at once.
+const SLOW_BLOCK: usize = 2 << 10;
 
-/// The runtime's `on_thread_park` hook: a worker parking for the first
-/// time since [`watch`] asked for a collection collects its heap.
+/// Over mimalloc's largest size class (512 KiB): a page of its own, whose
+/// freeing runs the purges that are due.
+const PAGE_BLOCK: usize = 1 << 20;
+
+/// Ticks [`watch`] keeps asking (and waking workers) for one collection.
+const ASKING: u32 = 3;
+
+/// The runtime's `on_thread_park` hook: a worker parking while [`watch`]
+/// asks for a collection, and not collected since it asked, collects its
+/// heap.
 pub fn on_thread_park() {
+    if !WANTED.load(Relaxed) {
+        return;
+    }
     let epoch = EPOCH.load(Relaxed);
     if COLLECTED.with(|seen| seen.replace(epoch)) != epoch {
-        allocate_and_free(SLOW_ALLOCATIONS);
+        allocate_and_free(SLOW_ALLOCATIONS, SLOW_BLOCK);
+        DONE.fetch_add(1, Relaxed);
     }
 }
 
 /// Watches the current runtime's workers and the process's resident set,
-/// and lets [`on_thread_park`] collect when the process has grown and the
-/// workers are quiet. Runs until the runtime stops.
+/// and asks the workers to collect (see [`on_thread_park`]) when the
+/// process has grown and they are quiet. Runs until the runtime stops;
+/// returns at once but on Linux (it reads `/proc/self/status`).
 pub async fn watch() {
+    if !cfg!(target_os = "linux") {
+        return;
+    }
     let runtime = tokio::runtime::Handle::current().metrics();
     let busy = || {
         (0..runtime.num_workers())
             .map(|w| runtime.worker_total_busy_duration(w))
             .sum::<Duration>()
     };
+    // Parked workers sleep until there is work: a task each wakes them
+    // (tokio wakes one when a second waits), and each parks again.
+    let wake = || {
+        for _ in 0..runtime.num_workers() {
+            tokio::spawn(async {});
+        }
+    };
     let mut quiet = Quiet::default();
     let mut last = busy();
+    let mut asking = 0;
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let now = busy();
-        let Some(resident) = resident_bytes() else {
-            return; // not Linux: nothing to go by
-        };
-        if quiet.after(now.saturating_sub(last), resident) {
-            EPOCH.fetch_add(1, Relaxed);
-            // Parked workers sleep until there is work: a task each wakes
-            // them, and each parks again, collecting.
-            for _ in 0..runtime.num_workers() {
-                tokio::spawn(async {});
+        if asking > 0 {
+            asking -= 1;
+            if asking == 0 || DONE.load(Relaxed) >= runtime.num_workers() {
+                asking = 0;
+                WANTED.store(false, Relaxed);
+            } else {
+                wake();
             }
         }
+        let now = busy();
+        // A failed read (out of open files, say) skips a tick.
+        if let Some(resident) = resident_bytes()
+            && quiet.after(now.saturating_sub(last), resident)
+        {
+            DONE.store(0, Relaxed);
+            EPOCH.fetch_add(1, Relaxed);
+            WANTED.store(true, Relaxed);
+            asking = ASKING;
+            wake();
+        }
         last = now;
-        // A purge comes due a few milliseconds after pages are freed and
-        // runs on the next page freed: on an idle process, this one.
-        allocate_and_free(1);
+        allocate_and_free(1, PAGE_BLOCK);
     }
 }
 
@@ -100,72 +136,78 @@ pub async fn watch() {
 fn resident_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?;
-    Some(
-        kib.trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse::<u64>()
-            .ok()?
-            * 1024,
-    )
+    let kib = kib.trim().trim_end_matches("kB").trim();
+    Some(kib.parse::<u64>().ok()? * 1024)
 }
 
-fn allocate_and_free(times: usize) {
+fn allocate_and_free(times: usize, bytes: usize) {
     for _ in 0..times {
         // `black_box`: the compiler may otherwise drop an allocation
         // nothing reads.
-        drop(std::hint::black_box(Vec::<u8>::with_capacity(BLOCK)));
+        drop(std::hint::black_box(Vec::<u8>::with_capacity(bytes)));
     }
 }
 
-/// Tells, one tick (a second) at a time, when collecting is worth it: the
-/// process is 4 MiB past the least it has needed, and the workers are
-/// quiet (busy, their own allocations collect, and a collection would hold
-/// up requests). A collection that left the process where it was (what
-/// stays is live: L1's entries, say; or it came before the last frees) is
-/// tried again after 1, 2, 4, ... up to 64 ticks; moving 4 MiB up or down
-/// since starts that over (a new burst, or connections closed).
+/// Tells, one tick (a second) at a time, when a collection is worth it:
+/// the process is 4 MiB past the least it has needed, it has moved 4 MiB
+/// since it last looked, and the workers have been quiet for two ticks
+/// (busy, their own allocations collect, and a collection would hold up
+/// requests). One that left the process where it was (the memory was
+/// live, or freed only after it) is tried again 2 and 4 ticks later; after
+/// a third, what stays is taken as live until the process moves 4 MiB
+/// again, up (a new burst) or down (connections closed, say).
 #[derive(Debug, Default)]
 pub struct Quiet {
     /// The least resident set seen.
     low: Option<u64>,
-    /// The resident set at the last collection (or the first tick).
+    /// The resident set when the process last moved, or last collected.
     at: Option<u64>,
-    /// Ticks to wait before the next collection may come.
+    /// Whether the process has moved since it last gave up.
+    armed: bool,
+    /// Quiet ticks in a row.
+    quiet: u32,
+    /// Ticks before the next try.
     wait: u32,
-    /// The wait after the next collection.
-    gap: u32,
+    /// Collections since the process last moved.
+    tries: u32,
 }
 
 impl Quiet {
     /// Under this much busy time a tick (all workers), they are quiet.
     const QUIET: Duration = Duration::from_millis(50);
-    /// Grown this much, the process collects.
-    const GROWN: u64 = 4 << 20;
-    /// The longest wait between collections, in ticks.
-    const MAX_GAP: u32 = 64;
+    /// What the process must have grown, or moved.
+    const MOVED: u64 = 4 << 20;
+    /// Collections tried before what stays is taken as live.
+    const TRIES: u32 = 3;
 
     /// Takes one tick's busy time (all workers) and the resident set at
     /// its end; true when the workers should collect now.
     pub fn after(&mut self, busy: Duration, resident: u64) -> bool {
+        self.quiet = if busy < Self::QUIET {
+            self.quiet + 1
+        } else {
+            0
+        };
         let low = self.low.map_or(resident, |low| low.min(resident));
-        let at = *self.at.get_or_insert(resident);
         self.low = Some(low);
-        if resident.abs_diff(at) >= Self::GROWN {
-            // A new burst, collected when it ends; or memory freed, some
-            // of it maybe not given back yet.
-            (self.wait, self.gap) = (0, 1);
+        let at = *self.at.get_or_insert(resident);
+        if resident.abs_diff(at) >= Self::MOVED {
+            (self.at, self.armed, self.tries, self.wait) = (Some(resident), true, 0, 0);
         }
         if self.wait > 0 {
             self.wait -= 1;
             return false;
         }
-        if busy >= Self::QUIET || resident < low + Self::GROWN {
+        if !self.armed || self.quiet < 2 || resident < low + Self::MOVED {
+            return false;
+        }
+        if self.tries == Self::TRIES {
+            self.armed = false;
             return false;
         }
         self.at = Some(resident);
-        self.wait = self.gap.max(1);
-        self.gap = (self.wait * 2).min(Self::MAX_GAP);
+        self.tries += 1;
+        self.wait = 1 << self.tries;
         true
     }
 }
@@ -175,7 +217,6 @@ mod tests {
     use super::*;
 
     const MS: Duration = Duration::from_millis(1);
-
     const MIB: u64 = 1 << 20;
 
     /// Which of `ticks` ticks collect, all quiet at `resident`.
@@ -187,11 +228,9 @@ mod tests {
     fn a_process_grown_collects_once_its_workers_are_quiet() {
         let mut quiet = Quiet::default();
         assert!(!quiet.after(MS, 10 * MIB), "the start");
-        assert!(
-            !quiet.after(900 * MS, 180 * MIB),
-            "busy: they collect themselves"
-        );
-        assert!(quiet.after(10 * MS, 180 * MIB), "quiet, and grown");
+        assert!(!quiet.after(900 * MS, 180 * MIB), "busy: they collect");
+        assert!(!quiet.after(10 * MS, 180 * MIB), "quiet for one tick");
+        assert!(quiet.after(10 * MS, 180 * MIB), "for two, and grown");
         assert!(
             collecting(&mut quiet, 20, 12 * MIB).is_empty(),
             "given back"
@@ -201,25 +240,29 @@ mod tests {
     }
 
     #[test]
-    fn a_collection_that_gave_nothing_back_is_tried_again_ever_less_often() {
+    fn what_three_collections_leave_is_taken_as_live_until_the_process_moves() {
         let mut quiet = Quiet::default();
         assert!(!quiet.after(MS, 10 * MIB));
-        let ticks = collecting(&mut quiet, 300, 40 * MIB);
-        assert_eq!(ticks, [0, 2, 5, 10, 19, 36, 69, 134, 199, 264]);
-        // Growing again starts over...
+        assert_eq!(collecting(&mut quiet, 300, 40 * MIB), [0, 3, 8]);
+        // A new burst...
         assert!(!quiet.after(900 * MS, 60 * MIB));
-        assert_eq!(collecting(&mut quiet, 6, 60 * MIB), [0, 2, 5]);
-        // ...and so does shrinking (connections closed, say).
-        assert_eq!(collecting(&mut quiet, 6, 30 * MIB), [0, 2, 5]);
+        assert_eq!(collecting(&mut quiet, 6, 60 * MIB), [1, 4]);
+        // ...or connections closed, which freed memory not all given back.
+        assert_eq!(collecting(&mut quiet, 6, 30 * MIB), [0, 3]);
     }
 
     #[test]
-    fn a_worker_collects_once_an_epoch() {
-        let before = COLLECTED.with(Cell::get);
+    fn a_worker_collects_once_an_epoch_while_asked() {
+        let done = DONE.load(Relaxed);
         EPOCH.fetch_add(1, Relaxed);
+        WANTED.store(true, Relaxed);
         on_thread_park();
-        let epoch = EPOCH.load(Relaxed);
-        assert_eq!(COLLECTED.with(Cell::get), epoch);
-        assert_ne!(before, epoch);
+        assert_eq!(DONE.load(Relaxed), done + 1);
+        on_thread_park();
+        assert_eq!(DONE.load(Relaxed), done + 1, "once an epoch");
+        EPOCH.fetch_add(1, Relaxed);
+        WANTED.store(false, Relaxed);
+        on_thread_park();
+        assert_eq!(DONE.load(Relaxed), done + 1, "not once no longer asked");
     }
 }

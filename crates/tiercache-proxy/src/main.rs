@@ -286,14 +286,7 @@ fn main() -> ExitCode {
     #[cfg(feature = "mimalloc")]
     runtime.on_thread_park(tiercache_proxy::give_back::on_thread_park);
     match runtime.build() {
-        // On a worker, not this thread: what the accept loop allocates (each
-        // connection's task) is then on a thread that collects when quiet.
-        Ok(runtime) => runtime.block_on(async {
-            tokio::spawn(run()).await.unwrap_or_else(|e| {
-                eprintln!("tiercache-proxy: {e}");
-                ExitCode::FAILURE
-            })
-        }),
+        Ok(runtime) => runtime.block_on(run()),
         Err(e) => {
             eprintln!("tiercache-proxy: cannot start the runtime: {e}");
             ExitCode::FAILURE
