@@ -31,8 +31,9 @@
 //! ```
 
 use std::cell::Cell;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Bumped each time [`watch`] asks for a collection: a worker that has not
 /// collected since, collects as it parks, while [`WANTED`].
@@ -93,11 +94,22 @@ pub async fn watch() {
             .map(|w| runtime.worker_total_busy_duration(w))
             .sum::<Duration>()
     };
-    // Parked workers sleep until there is work: a task each wakes them
-    // (tokio wakes one when a second waits), and each parks again.
+    // Parked workers sleep until there is work, and tokio wakes one at a
+    // time, the last to park (one that has collected, it may be): a task
+    // for each worker, each holding its worker until all have started
+    // (2 ms at most), so the rest are stolen, waking the others in turn.
     let wake = || {
-        for _ in 0..runtime.num_workers() {
-            tokio::spawn(async {});
+        let workers = runtime.num_workers();
+        let started = Arc::new(AtomicUsize::new(0));
+        for _ in 0..workers {
+            let started = started.clone();
+            tokio::spawn(async move {
+                started.fetch_add(1, Relaxed);
+                let until = Instant::now() + Duration::from_millis(2);
+                while started.load(Relaxed) < workers && Instant::now() < until {
+                    std::hint::spin_loop();
+                }
+            });
         }
     };
     let mut quiet = Quiet::default();
@@ -107,19 +119,22 @@ pub async fn watch() {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
+        let now = busy();
+        let worked = now.saturating_sub(last);
         if asking > 0 {
             asking -= 1;
-            if asking == 0 || DONE.load(Relaxed) >= runtime.num_workers() {
+            // Traffic back: a worker not collected yet does not now.
+            let done = DONE.load(Relaxed) >= runtime.num_workers();
+            if asking == 0 || done || worked >= Quiet::QUIET {
                 asking = 0;
                 WANTED.store(false, Relaxed);
             } else {
                 wake();
             }
         }
-        let now = busy();
         // A failed read (out of open files, say) skips a tick.
         if let Some(resident) = resident_bytes()
-            && quiet.after(now.saturating_sub(last), resident)
+            && quiet.after(worked, resident)
         {
             DONE.store(0, Relaxed);
             EPOCH.fetch_add(1, Relaxed);
@@ -150,19 +165,20 @@ fn allocate_and_free(times: usize, bytes: usize) {
 
 /// Tells, one tick (a second) at a time, when a collection is worth it:
 /// the process is 4 MiB past the least it has needed, it has moved 4 MiB
-/// since it last looked, and the workers have been quiet for two ticks
-/// (busy, their own allocations collect, and a collection would hold up
-/// requests). One that left the process where it was (the memory was
-/// live, or freed only after it) is tried again 2 and 4 ticks later; after
-/// a third, what stays is taken as live until the process moves 4 MiB
-/// again, up (a new burst) or down (connections closed, say).
+/// since it last gave up (below), and the workers have been quiet for two
+/// ticks (busy, their own allocations collect, and a collection would
+/// hold up requests). Three collections are tried, 3 and 5 ticks apart,
+/// unless the process moves 4 MiB up meanwhile (a new burst: they start
+/// over); after the third, what stays is taken as live (the memory was,
+/// or was freed only after them) until the process moves 4 MiB again, up
+/// or down (connections closed, say).
 #[derive(Debug, Default)]
 pub struct Quiet {
     /// The least resident set seen.
     low: Option<u64>,
     /// The resident set when the process last moved, or last collected.
     at: Option<u64>,
-    /// Whether the process has moved since it last gave up.
+    /// Whether the process has moved 4 MiB since it last gave up.
     armed: bool,
     /// Quiet ticks in a row.
     quiet: u32,
@@ -192,7 +208,12 @@ impl Quiet {
         self.low = Some(low);
         let at = *self.at.get_or_insert(resident);
         if resident.abs_diff(at) >= Self::MOVED {
-            (self.at, self.armed, self.tries, self.wait) = (Some(resident), true, 0, 0);
+            (self.at, self.armed, self.tries) = (Some(resident), true, 0);
+            if resident > at {
+                // A new burst. (Down is a collection's own doing, maybe:
+                // the next try keeps its time.)
+                self.wait = 0;
+            }
         }
         if self.wait > 0 {
             self.wait -= 1;
@@ -247,8 +268,9 @@ mod tests {
         // A new burst...
         assert!(!quiet.after(900 * MS, 60 * MIB));
         assert_eq!(collecting(&mut quiet, 6, 60 * MIB), [1, 4]);
-        // ...or connections closed, which freed memory not all given back.
-        assert_eq!(collecting(&mut quiet, 6, 30 * MIB), [0, 3]);
+        // ...or connections closed, which freed memory not all given back
+        // (after the wait the last try left).
+        assert_eq!(collecting(&mut quiet, 6, 30 * MIB), [3]);
     }
 
     #[test]
