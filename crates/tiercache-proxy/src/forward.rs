@@ -151,6 +151,11 @@ pub struct Forward {
     failures: Failures,
 }
 
+/// The longest head an upstream's answer is sure to be read with, and
+/// what its connection's read buffer grows to (heads and reads may reach
+/// twice it: hyper's bound is loose).
+pub const MAX_UPSTREAM_HEAD: usize = 32 * 1024;
+
 /// A client whose idle connections are kept for `idle` (none for zero), at
 /// most `max_idle` of them.
 fn pool(idle: Duration, max_idle: usize) -> Client<StampingConnector, Body> {
@@ -158,6 +163,15 @@ fn pool(idle: Duration, max_idle: usize) -> Client<StampingConnector, Body> {
     connector.set_nodelay(true);
     let mut builder = Client::builder(TokioExecutor::new());
     builder.pool_timer(hyper_util::rt::TokioTimer::new());
+    // hyper's read buffer grows to ~400 KiB on a large body, and a pooled
+    // connection keeps it: 16 of them held ~6 MiB, a fifth of a 32 MiB
+    // budget. Bounded, it reads a body 32 KiB at a time at most, and an
+    // answer's head may be as long (Varnish's `http_resp_size`; nginx's
+    // `proxy_buffer_size` is 4 or 8 KiB): a longer one answers 502. The
+    // bound is loose (a read fills the buffer's room, which may be twice
+    // it), and hyper-util's client does not set hyper's exact head bound,
+    // so a head between 32 and 64 KiB may pass.
+    builder.http1_max_buf_size(MAX_UPSTREAM_HEAD);
     if idle.is_zero() {
         builder.pool_max_idle_per_host(0);
     } else {
@@ -453,12 +467,35 @@ impl tower::Service<Request<Body>> for Forward {
                 }
                 Err(e) => {
                     failures.unreachable.increment(1);
-                    let text = format!("tiercache-proxy: upstream unreachable: {e}\n");
+                    let text = if head_too_long(&e) {
+                        format!(
+                            "tiercache-proxy: upstream sent an answer head too long to read \
+                             (past {} KiB)\n",
+                            MAX_UPSTREAM_HEAD / 1024
+                        )
+                    } else {
+                        format!("tiercache-proxy: upstream unreachable: {e}\n")
+                    };
                     Ok(own_answer(StatusCode::BAD_GATEWAY, text, head))
                 }
             }
         })
     }
+}
+
+/// Whether `e` is hyper's refusal of an answer head past
+/// [`MAX_UPSTREAM_HEAD`] (hyper-util wraps hyper's error).
+fn head_too_long(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(e) = cause {
+        if e.downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_parse_too_large)
+        {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 /// Cookies split over several fields (as HTTP/2 allows, RFC 9113 §8.2.3)

@@ -1005,6 +1005,45 @@ async fn an_unreachable_upstream_is_a_502() {
     assert!(proxy.engine().l1_entry_count() == 0, "a 502 is not stored");
 }
 
+/// An upstream answer's head is read into a bounded buffer (which also
+/// bounds what an idle pooled connection keeps, see `tests/in_flight.rs`):
+/// one within 32 KiB is answered and stored, one past 64 KiB is a 502 that
+/// says why, as nginx's "upstream sent too big header" (between the two it
+/// depends on how the reads fall: hyper's bound is loose, and hyper-util's
+/// client does not set hyper's exact one). Before, hyper's ~400 KiB.
+#[tokio::test]
+async fn an_upstream_head_past_64_kib_is_a_502_that_says_so() {
+    let app = Router::new().route(
+        "/head/{len}",
+        get(
+            |axum::extract::Path(len): axum::extract::Path<usize>| async move {
+                let long = "v".repeat(len);
+                (
+                    [
+                        ("cache-control", "max-age=60".to_string()),
+                        ("x-long", long),
+                    ],
+                    "body",
+                )
+            },
+        ),
+    );
+    let upstream = Server::start(app).await;
+    let config = ProxyConfig::new(upstream.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let proxy = Proxy::start(config).await.unwrap();
+    let (status, headers, _) = fetch(get_req(proxy.addr(), "/head/30000")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["x-long"].len(), 30_000);
+    let (status, _, _) = fetch(get_req(proxy.addr(), "/head/30000")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(proxy.engine().l1_entry_count(), 1);
+    let (status, _, body) = fetch(get_req(proxy.addr(), "/head/70000")).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert!(body.contains("head too long"), "{body}");
+    assert_eq!(proxy.engine().l1_entry_count(), 1, "a 502 is not stored");
+}
+
 /// The proxy's own answers for its upstream are counted apart, by kind
 /// (through the cache a 502 for a refused connection is an origin load
 /// and a not-stored 5xx like any other: an upstream that answers 502
