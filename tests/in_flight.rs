@@ -182,7 +182,9 @@ const UPSTREAMS: usize = 16;
 
 /// Heap bytes held per idle pooled upstream connection of a
 /// `tiercache-proxy`, each having read a large body (its response stored,
-/// the body in a page mapping, off this count), plus each entry's head.
+/// the body in a page mapping, off this count), plus each entry's head and
+/// the upstream server's side of the connection (in this process too).
+/// One of the loads may take the warm-up's pooled connection: a 16th less.
 async fn held_per_idle_upstream_connection() -> usize {
     let origin = Origin::default();
     let upstream = Server::start(
@@ -281,8 +283,8 @@ async fn a_request_in_flight_holds_a_bounded_share_of_the_heap() {
         proxied <= 28 * 1024,
         "a connection to the proxy waiting on a load holds {proxied} B"
     );
-    // Debug build: 81.4 KiB (the read buffer's 64 KiB, its bound's twice,
-    // the connection's state, the entry's head). Before the bound: 434 KiB,
+    // Debug build: 81.4 KiB (the read buffer, up to 64 KiB reading
+    // bodies, both sides' connection state, the entry's head). Before the bound: 434 KiB,
     // hyper's read buffer grown on the large body and kept for as long as
     // the connection lived.
     assert!(

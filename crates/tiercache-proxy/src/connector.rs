@@ -73,14 +73,18 @@ pub(crate) struct Stamped {
 /// busy proxy), or was never written at all (hyper canceled
 /// it; hyper-util resends those itself only on a kept connection). A
 /// failure before any connection was had is not, nor one the upstream
-/// held a while first: it took the request, and failed on it.
+/// held a while first: it took the request, and failed on it; nor an
+/// answer hyper could not read (a head too long, or malformed): the
+/// upstream took the request and answered it.
 pub(crate) fn worth_sending_again(
     error: &hyper_util::client::legacy::Error,
     sent: Instant,
 ) -> bool {
-    let never_written = std::error::Error::source(error)
-        .and_then(|e| e.downcast_ref::<hyper::Error>())
-        .is_some_and(hyper::Error::is_canceled);
+    let cause = std::error::Error::source(error).and_then(|e| e.downcast_ref::<hyper::Error>());
+    if cause.is_some_and(hyper::Error::is_parse) {
+        return false;
+    }
+    let never_written = cause.is_some_and(hyper::Error::is_canceled);
     let Some(info) = error.connect_info() else {
         return false;
     };

@@ -151,9 +151,11 @@ pub struct Forward {
     failures: Failures,
 }
 
-/// The longest head an upstream's answer is sure to be read with, and
-/// what its connection's read buffer grows to (heads and reads may reach
-/// twice it: hyper's bound is loose).
+/// The longest head an upstream's answer is sure to be read with, and the
+/// bound on its connection's read buffer. hyper's bound is loose: it is
+/// checked only when a head comes up short, and a read fills whatever room
+/// the buffer has, so reading bodies the buffer reaches 64 KiB, and
+/// reading heads under 128 KiB (a head that long may then pass).
 pub const MAX_UPSTREAM_HEAD: usize = 32 * 1024;
 
 /// A client whose idle connections are kept for `idle` (none for zero), at
@@ -164,13 +166,11 @@ fn pool(idle: Duration, max_idle: usize) -> Client<StampingConnector, Body> {
     let mut builder = Client::builder(TokioExecutor::new());
     builder.pool_timer(hyper_util::rt::TokioTimer::new());
     // hyper's read buffer grows to ~400 KiB on a large body, and a pooled
-    // connection keeps it: 16 of them held ~6 MiB, a fifth of a 32 MiB
-    // budget. Bounded, it reads a body 32 KiB at a time at most, and an
-    // answer's head may be as long (Varnish's `http_resp_size`; nginx's
-    // `proxy_buffer_size` is 4 or 8 KiB): a longer one answers 502. The
-    // bound is loose (a read fills the buffer's room, which may be twice
-    // it), and hyper-util's client does not set hyper's exact head bound,
-    // so a head between 32 and 64 KiB may pass.
+    // connection keeps it (434 KiB an idle connection after a 1 MiB body;
+    // bounded, 81 KiB). The bound is the head's too: 32 KiB, Varnish's
+    // `http_resp_size` (nginx's `proxy_buffer_size` is 4 or 8 KiB), past
+    // it a 502. Loosely (see `MAX_UPSTREAM_HEAD`): hyper-util's client
+    // does not set hyper's exact head bound.
     builder.http1_max_buf_size(MAX_UPSTREAM_HEAD);
     if idle.is_zero() {
         builder.pool_max_idle_per_host(0);
@@ -467,15 +467,7 @@ impl tower::Service<Request<Body>> for Forward {
                 }
                 Err(e) => {
                     failures.unreachable.increment(1);
-                    let text = if head_too_long(&e) {
-                        format!(
-                            "tiercache-proxy: upstream sent an answer head too long to read \
-                             (past {} KiB)\n",
-                            MAX_UPSTREAM_HEAD / 1024
-                        )
-                    } else {
-                        format!("tiercache-proxy: upstream unreachable: {e}\n")
-                    };
+                    let text = failure_text(&e);
                     Ok(own_answer(StatusCode::BAD_GATEWAY, text, head))
                 }
             }
@@ -483,19 +475,23 @@ impl tower::Service<Request<Body>> for Forward {
     }
 }
 
-/// Whether `e` is hyper's refusal of an answer head past
-/// [`MAX_UPSTREAM_HEAD`] (hyper-util wraps hyper's error).
-fn head_too_long(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cause = Some(e);
-    while let Some(e) = cause {
-        if e.downcast_ref::<hyper::Error>()
-            .is_some_and(hyper::Error::is_parse_too_large)
-        {
-            return true;
+/// What the 502 for a failed exchange says: an answer whose head was too
+/// large to read (past [`MAX_UPSTREAM_HEAD`], or of more than 100 fields:
+/// hyper says the same of both), one not read as HTTP/1.1, or none.
+/// hyper-util's error has hyper's as its source.
+fn failure_text(e: &hyper_util::client::legacy::Error) -> String {
+    let cause = std::error::Error::source(e).and_then(|e| e.downcast_ref::<hyper::Error>());
+    match cause {
+        Some(h) if h.is_parse_too_large() => format!(
+            "tiercache-proxy: upstream sent an answer head too large to read \
+             (past {} KiB, or of more than 100 fields)\n",
+            MAX_UPSTREAM_HEAD / 1024
+        ),
+        Some(h) if h.is_parse() => {
+            format!("tiercache-proxy: upstream sent an answer that could not be read: {h}\n")
         }
-        cause = e.source();
+        _ => format!("tiercache-proxy: upstream unreachable: {e}\n"),
     }
-    false
 }
 
 /// Cookies split over several fields (as HTTP/2 allows, RFC 9113 §8.2.3)
