@@ -80,7 +80,7 @@ pub(crate) fn worth_sending_again(
     error: &hyper_util::client::legacy::Error,
     sent: Instant,
 ) -> bool {
-    let cause = std::error::Error::source(error).and_then(|e| e.downcast_ref::<hyper::Error>());
+    let cause = hyper_cause(error);
     if cause.is_some_and(hyper::Error::is_parse) {
         return false;
     }
@@ -97,6 +97,11 @@ pub(crate) fn worth_sending_again(
         && extras
             .get::<Arc<Lease>>()
             .is_some_and(|lease| lease.opened < sent)
+}
+
+/// hyper's error behind hyper-util's (its source), if any.
+pub(crate) fn hyper_cause(error: &hyper_util::client::legacy::Error) -> Option<&hyper::Error> {
+    std::error::Error::source(error).and_then(|e| e.downcast_ref::<hyper::Error>())
 }
 
 /// How soon a request on a kept-alive connection must fail to be the

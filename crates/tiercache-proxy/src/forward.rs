@@ -125,7 +125,8 @@ pub(crate) fn drop_connection_options(headers: &mut http::HeaderMap) {
 /// host the cache keyed on, `X-Forwarded-For/Host/Proto` set by the proxy
 /// itself (what a client sent in them is discarded, as are the other fields
 /// a client could steer an upstream with, unless the route keys on them),
-/// `Via` added, bodies streamed. An unreachable upstream is a 502; a
+/// `Via` added, bodies streamed. An unreachable upstream, or an answer
+/// that could not be read, is a 502; a
 /// request that came back to this proxy (its own `Via`) a 508.
 #[derive(Debug, Clone)]
 pub struct Forward {
@@ -478,10 +479,8 @@ impl tower::Service<Request<Body>> for Forward {
 /// What the 502 for a failed exchange says: an answer whose head was too
 /// large to read (past [`MAX_UPSTREAM_HEAD`], or of more than 100 fields:
 /// hyper says the same of both), one not read as HTTP/1.1, or none.
-/// hyper-util's error has hyper's as its source.
 fn failure_text(e: &hyper_util::client::legacy::Error) -> String {
-    let cause = std::error::Error::source(e).and_then(|e| e.downcast_ref::<hyper::Error>());
-    match cause {
+    match crate::connector::hyper_cause(e) {
         Some(h) if h.is_parse_too_large() => format!(
             "tiercache-proxy: upstream sent an answer head too large to read \
              (past {} KiB, or of more than 100 fields)\n",

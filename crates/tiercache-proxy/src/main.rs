@@ -279,6 +279,14 @@ fn settings(args: &Args, matches: &ArgMatches) -> Result<ProxyConfig, String> {
 const LOOPBACK_ONLY: &str = "tiercache-proxy: POST /invalidate on the admin address answers loopback clients only; set TIERCACHE_ADMIN_TOKEN to let others invalidate with it";
 
 fn main() -> ExitCode {
+    #[cfg(all(feature = "mimalloc", unix))]
+    if let Some(e) = tiercache_proxy::give_back::purge_promptly() {
+        eprintln!(
+            "tiercache-proxy: could not start again with {}=0 ({e}): freed memory goes back \
+             to the system a second late",
+            tiercache_proxy::give_back::PURGE_DELAY
+        );
+    }
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     runtime.enable_all();
     // mimalloc keeps what a burst freed until each thread allocates again:

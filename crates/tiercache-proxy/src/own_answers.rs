@@ -17,7 +17,8 @@ const NAME: &str = "tiercache_upstream_failures_total";
 /// [`registered`](Self::registered)).
 #[derive(Debug, Clone)]
 pub(crate) struct Failures {
-    /// No connection, or it failed before an answer (a 502).
+    /// No connection, or it failed before an answer, or its answer could
+    /// not be read (a 502).
     pub(crate) unreachable: Counter,
     /// No answer within `--origin-timeout` (a 504).
     pub(crate) timeout: Counter,

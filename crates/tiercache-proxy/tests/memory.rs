@@ -420,3 +420,49 @@ async fn flood_with(
         );
     }
 }
+
+/// The binary (built with mimalloc) starts itself again with
+/// `MIMALLOC_PURGE_DELAY=0`, so freed pages go back to the system at once,
+/// not a second late (under churn, 3–4 MiB of a 32 MiB budget), unless its
+/// environment names a delay of its own. Same process: it is the spawned
+/// child's environment that says so, once it listens.
+#[cfg(all(feature = "mimalloc", target_os = "linux"))]
+#[tokio::test]
+async fn the_binary_purges_freed_pages_at_once_unless_told_otherwise() {
+    const PURGE_DELAY: &str = "MIMALLOC_PURGE_DELAY";
+    for (given, seen) in [(None, "0"), (Some("1000"), "1000")] {
+        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tiercache-proxy"));
+        cmd.env_remove(PURGE_DELAY);
+        if let Some(delay) = given {
+            cmd.env(PURGE_DELAY, delay);
+        }
+        let child = cmd
+            .args(["--upstream", "http://127.0.0.1:9"])
+            .args(["--listen", &addr.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start tiercache-proxy");
+        let proxy = Proxy { child, addr };
+        let mut listening = false;
+        for _ in 0..1000 {
+            if TcpStream::connect(addr).is_ok() {
+                listening = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(listening, "tiercache-proxy did not listen");
+        let environ = std::fs::read(format!("/proc/{}/environ", proxy.child.id())).unwrap();
+        let want = format!("{PURGE_DELAY}={seen}");
+        assert!(
+            environ.split(|b| *b == 0).any(|var| var == want.as_bytes()),
+            "given {given:?}, the running proxy's environment lacks {want}: {:?}",
+            String::from_utf8_lossy(&environ)
+                .split('\0')
+                .filter(|var| var.starts_with("MIMALLOC"))
+                .collect::<Vec<_>>()
+        );
+    }
+}
