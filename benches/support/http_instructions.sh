@@ -68,6 +68,9 @@ total() {
   # The environment is set here, not with `env` under valgrind: valgrind
   # would count `env` and let the server it execs run uncounted.
   export TIERCACHE_BENCH_SERVE=$mode PORT TOKIO_WORKER_THREADS=1
+  # Set, so the proxy does not start itself again with it (valgrind does
+  # not follow an exec: the proxy would run uncounted).
+  export MIMALLOC_PURGE_DELAY=0
   case $target in
     limit|bare|layer) cmd=("$HTTP_BIN") ;;
     proxy) cmd=("$PROXY_BIN" --upstream "http://127.0.0.1:$ORIGIN_PORT" --listen "127.0.0.1:$PORT") ;;

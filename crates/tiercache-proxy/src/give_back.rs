@@ -42,34 +42,64 @@ use std::time::{Duration, Instant};
 /// environment once, as the process starts.
 pub const PURGE_DELAY: &str = "MIMALLOC_PURGE_DELAY";
 
+/// The older name mimalloc also reads for [`PURGE_DELAY`].
+const RESET_DELAY: &str = "MIMALLOC_RESET_DELAY";
+
 /// Starts this binary again in place (`exec`: same process, arguments and
-/// open files) with [`PURGE_DELAY`] at 0, unless the environment sets it
-/// already (so a deployment's own value, even mimalloc's default, is
-/// kept). Returns only when it did not: `None` when the environment set
-/// it, or why the new start failed (the process then goes on as it is).
+/// open files) with [`PURGE_DELAY`] at 0, unless the environment names a
+/// delay already (as mimalloc reads it: either name, in any case; so a
+/// deployment's own value, even mimalloc's default, is kept), or the
+/// binary was started through the dynamic loader (`ld-linux… ./proxy`,
+/// whose arguments a new start would not keep). Returns only when it did
+/// not: `None` when it was not to, or why the new start failed. After a
+/// failed start `SIGPIPE` is back at its default (std's `exec` resets it
+/// for the new program), so the caller must ignore it again: see
+/// [`ignore_sigpipe`].
 ///
 /// Why: under churn, freed pages waiting out the delay held 3–4 MiB (a
-/// cold flood of 64 KiB bodies grew a 32 MiB proxy 1.15×, 1.12× without
-/// the delay; with Valkey on 1.31×, 1.17–1.21×), at no throughput cost
+/// cold flood of 64 KiB bodies grew a 32 MiB proxy 1.15×, 1.13× without
+/// the delay; with Valkey on 1.31×, 1.15–1.18×), at no throughput cost
 /// past this machine's noise (1 KiB fills level, 64 KiB 2–3 % fewer in
 /// two runs). mimalloc reads its options before `main`, and the workspace
 /// forbids the `unsafe` `mi_option_set`, so only a new start can set it.
 #[cfg(unix)]
 pub fn purge_promptly() -> Option<std::io::Error> {
     use std::os::unix::process::CommandExt;
-    if std::env::var_os(PURGE_DELAY).is_some() {
+    let named = |name: &std::ffi::OsStr| {
+        name.to_str().is_some_and(|name| {
+            name.eq_ignore_ascii_case(PURGE_DELAY) || name.eq_ignore_ascii_case(RESET_DELAY)
+        })
+    };
+    if std::env::vars_os().any(|(name, _)| named(&name)) {
         return None;
     }
     let exe = match std::env::current_exe() {
         Ok(exe) => exe,
         Err(e) => return Some(e),
     };
+    let loader = exe
+        .file_name()
+        .and_then(|name| name.to_str())
+        .is_some_and(|name| name.starts_with("ld-"));
+    if loader {
+        return None;
+    }
     let mut args = std::env::args_os();
     let mut command = std::process::Command::new(exe);
     if let Some(name) = args.next() {
         command.arg0(name);
     }
     Some(command.args(args).env(PURGE_DELAY, "0").exec())
+}
+
+/// Ignores `SIGPIPE` again for the rest of the process (a write to a
+/// closed socket or pipe then fails with `EPIPE` rather than killing it),
+/// as Rust's start does before `main`: for after a failed
+/// [`purge_promptly`]. Needs a Tokio runtime.
+#[cfg(unix)]
+pub fn ignore_sigpipe() -> std::io::Result<()> {
+    // Tokio's handler stays installed for the process's life once made.
+    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::pipe()).map(drop)
 }
 
 /// Bumped each time [`watch`] asks for a collection: a worker that has not

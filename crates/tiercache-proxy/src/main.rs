@@ -280,13 +280,17 @@ const LOOPBACK_ONLY: &str = "tiercache-proxy: POST /invalidate on the admin addr
 
 fn main() -> ExitCode {
     #[cfg(all(feature = "mimalloc", unix))]
-    if let Some(e) = tiercache_proxy::give_back::purge_promptly() {
-        eprintln!(
-            "tiercache-proxy: could not start again with {}=0 ({e}): freed memory goes back \
-             to the system a second late",
-            tiercache_proxy::give_back::PURGE_DELAY
-        );
-    }
+    let restart_failed = match tiercache_proxy::give_back::purge_promptly() {
+        Some(e) => {
+            eprintln!(
+                "tiercache-proxy: could not start again with {}=0 ({e}): freed memory goes \
+                 back to the system a second late",
+                tiercache_proxy::give_back::PURGE_DELAY
+            );
+            true
+        }
+        None => false,
+    };
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     runtime.enable_all();
     // mimalloc keeps what a burst freed until each thread allocates again:
@@ -294,7 +298,15 @@ fn main() -> ExitCode {
     #[cfg(feature = "mimalloc")]
     runtime.on_thread_park(tiercache_proxy::give_back::on_thread_park);
     match runtime.build() {
-        Ok(runtime) => runtime.block_on(run()),
+        Ok(runtime) => runtime.block_on(async {
+            // std's `exec` set SIGPIPE back to its default for the program
+            // it failed to start: ignored again, as Rust's start had it.
+            #[cfg(all(feature = "mimalloc", unix))]
+            if restart_failed && let Err(e) = tiercache_proxy::give_back::ignore_sigpipe() {
+                eprintln!("tiercache-proxy: cannot ignore SIGPIPE: {e}");
+            }
+            run().await
+        }),
         Err(e) => {
             eprintln!("tiercache-proxy: cannot start the runtime: {e}");
             ExitCode::FAILURE
