@@ -22,7 +22,7 @@ use tiercache_http::headers::{connection_options, strip_hop_by_hop, strip_hop_by
 use tiercache_http::request::{is_unkeyed, same_name};
 
 use crate::connector::{Lease, StampingConnector, worth_sending_again};
-use crate::own_answers::{Failures, own_answer};
+use crate::own_answers::{Failures, failure_text, own_answer};
 use crate::read_ahead::Rooms;
 pub use crate::silences::Silences;
 
@@ -473,23 +473,6 @@ impl tower::Service<Request<Body>> for Forward {
                 }
             }
         })
-    }
-}
-
-/// What the 502 for a failed exchange says: an answer whose head was too
-/// large to read (past [`MAX_UPSTREAM_HEAD`], or of more than 100 fields:
-/// hyper says the same of both), one not read as HTTP/1.1, or none.
-fn failure_text(e: &hyper_util::client::legacy::Error) -> String {
-    match crate::connector::hyper_cause(e) {
-        Some(h) if h.is_parse_too_large() => format!(
-            "tiercache-proxy: upstream sent an answer head too large to read \
-             (past {} KiB, or of more than 100 fields)\n",
-            MAX_UPSTREAM_HEAD / 1024
-        ),
-        Some(h) if h.is_parse() => {
-            format!("tiercache-proxy: upstream sent an answer that could not be read: {h}\n")
-        }
-        _ => format!("tiercache-proxy: upstream unreachable: {e}\n"),
     }
 }
 

@@ -73,3 +73,20 @@ pub(crate) fn own_answer(status: StatusCode, text: String, head: bool) -> Respon
     *res.status_mut() = status;
     res
 }
+
+/// What the 502 for a failed exchange says: an answer whose head was too
+/// large to read (past [`MAX_UPSTREAM_HEAD`](crate::forward::MAX_UPSTREAM_HEAD), or of more than 100 fields:
+/// hyper says the same of both), one not read as HTTP/1.1, or none.
+pub(crate) fn failure_text(e: &hyper_util::client::legacy::Error) -> String {
+    match crate::connector::hyper_cause(e) {
+        Some(h) if h.is_parse_too_large() => format!(
+            "tiercache-proxy: upstream sent an answer head too large to read \
+             (past {} KiB, or of more than 100 fields)\n",
+            crate::forward::MAX_UPSTREAM_HEAD / 1024
+        ),
+        Some(h) if h.is_parse() => {
+            format!("tiercache-proxy: upstream sent an answer that could not be read: {h}\n")
+        }
+        _ => format!("tiercache-proxy: upstream unreachable: {e}\n"),
+    }
+}
