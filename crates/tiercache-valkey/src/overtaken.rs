@@ -89,10 +89,17 @@ impl Scope {
 
     /// Whether it covers the fill of the full key `full` (hashed `hash`)
     /// stored with the tag sets `tags` (its hashes sorted: see `heard`).
-    fn covers(&self, hash: &KeyHash, full: &[u8], tags: &[String]) -> bool {
+    fn covers<'a>(
+        &self,
+        hash: &KeyHash,
+        full: &[u8],
+        mut tags: impl Iterator<Item = &'a [u8]>,
+    ) -> bool {
         match self {
             Scope::Keys(hashes) => hashes.binary_search(hash).is_ok(),
-            Scope::Tag(tag, hashes) => tags.contains(tag) || hashes.binary_search(hash).is_ok(),
+            Scope::Tag(tag, hashes) => {
+                tags.any(|t| t == tag.as_bytes()) || hashes.binary_search(hash).is_ok()
+            }
             Scope::Prefix(pattern) => pattern.matches_full(full),
             Scope::Everything => true,
         }
@@ -140,12 +147,6 @@ pub(crate) struct Target {
     pub(crate) stamp: Stamp,
 }
 
-impl Target {
-    pub(crate) fn covered_by(&self, scope: &Scope) -> bool {
-        scope.covers(&self.hash, &self.full, &self.tags)
-    }
-}
-
 /// A delete again: the entry's Valkey key and the stamp it must still hold.
 pub(crate) type Undo = (String, Stamp, KeyHash);
 
@@ -173,7 +174,7 @@ impl State {
                 .iter()
                 .rev()
                 .take_while(|(n, _)| *n > since)
-                .any(|(_, scope)| scope.covers(hash, full, tags))
+                .any(|(_, scope)| scope.covers(hash, full, tags.iter().map(|t| t.as_bytes())))
     }
 }
 
@@ -305,6 +306,13 @@ impl Overtaken {
         }
         *fills = kept;
         (heard, held)
+    }
+
+    /// Forgets the fills sent more than the grace before `now`, giving
+    /// their memory back: the heartbeat's tick, so an idle instance keeps
+    /// none (sends and invalidations heard age the log too).
+    pub(crate) fn age(&self, now: Instant) {
+        self.lock().sent.age(now, self.grace);
     }
 
     /// Fills sent under mark `since` have been answered (or timed out, and

@@ -415,6 +415,10 @@ pub(crate) async fn heartbeat(
             tick.reset();
             continue;
         }
+        // Sent fills past their grace go even when nothing is sent or heard.
+        if let Some(inner) = tier.upgrade() {
+            inner.overtaken.age(std::time::Instant::now());
+        }
         if bus.subscriber.is_connected() {
             if answers(&bus.subscriber, subscription, timeout).await {
                 bus.answered();

@@ -1,21 +1,79 @@
 //! The log of fills sent lately (see the parent module): each is deleted
 //! again if an invalidation heard within the grace covers it.
+//!
+//! Each fill's keys and tag sets are copied into one buffer the log owns, in
+//! the order the fills were sent, and the fill's own allocations go. Held
+//! an allocation or two each (its entry key, its full key shared with the
+//! entry), the last 4,096 fills of a flood kept ~2–3 MiB of a proxy's pages
+//! resident past L1's budget: small blocks scattered among the pages the
+//! connections churn, each page pinned by one.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use super::{Scope, Target, Undo};
+use tiercache_core::KeyHash;
 
-/// Most sent fills remembered, and most bytes they may hold (their keys:
-/// a URL's length is the client's to choose); under a flood the oldest are
-/// forgotten before the grace is up.
+use super::{Scope, Stamp, Target, Undo};
+
+/// Most sent fills remembered, and most bytes they may hold (their records
+/// and keys: a URL's length is the client's to choose); under a flood the
+/// oldest are forgotten before the grace is up.
 const SENT_CAP: usize = 4096;
 pub(super) const SENT_BYTES: usize = 2 * 1024 * 1024;
 
+/// A record's fixed part, counted against [`SENT_BYTES`] with its bytes.
+const SLOT: usize = std::mem::size_of::<Sent>();
+
 impl Target {
-    /// Bytes held for it in the log (its keys, and a slot's worth).
+    /// Bytes the log holds for it: its record, its keys and tag sets.
     pub(super) fn size(&self) -> usize {
-        self.full.len() + self.key.len() + self.tags.iter().map(String::len).sum::<usize>() + 96
+        SLOT + self.key.len()
+            + self.full.len()
+            + self.tags.iter().map(|t| 4 + t.len()).sum::<usize>()
+    }
+}
+
+/// One fill sent. Its entry key, full key and tag sets lie in the log's
+/// buffer from `start`, in that order; each tag set as a little-endian
+/// `u32` length and its name.
+struct Sent {
+    at: Instant,
+    hash: KeyHash,
+    stamp: Stamp,
+    /// Where its bytes start, counted from the first byte the log held
+    /// since it was last empty.
+    start: usize,
+    key_len: u32,
+    full_len: u32,
+    tags_len: u32,
+}
+
+impl Sent {
+    /// Its entry key, full key and tag sets, read from `bytes` (the log's
+    /// buffer, whose first byte is at `base`).
+    fn parts<'a>(&self, bytes: &'a [u8], base: usize) -> (&'a [u8], &'a [u8], TagSets<'a>) {
+        let at = self.start - base;
+        let (key, rest) = bytes[at..].split_at(self.key_len as usize);
+        let (full, rest) = rest.split_at(self.full_len as usize);
+        (key, full, TagSets(&rest[..self.tags_len as usize]))
+    }
+
+    fn len(&self) -> usize {
+        self.key_len as usize + self.full_len as usize + self.tags_len as usize
+    }
+}
+
+/// A record's tag sets, as they lie in the buffer.
+struct TagSets<'a>(&'a [u8]);
+
+impl<'a> Iterator for TagSets<'a> {
+    type Item = &'a [u8];
+
+    fn next(&mut self) -> Option<&'a [u8]> {
+        let (len, rest) = self.0.split_first_chunk::<4>()?;
+        let (tag, rest) = rest.split_at(u32::from_le_bytes(*len) as usize);
+        self.0 = rest;
+        Some(tag)
     }
 }
 
@@ -23,17 +81,67 @@ impl Target {
 /// [`SENT_BYTES`].
 #[derive(Default)]
 pub(super) struct SentLog {
-    pub(super) fills: VecDeque<(Instant, Target)>,
-    pub(super) bytes: usize,
+    fills: VecDeque<Sent>,
+    /// The fills' bytes; those before the oldest fill's (and a fill's
+    /// taken out) are dropped as the oldest go.
+    bytes: Vec<u8>,
+    /// The offset of `bytes[0]` (see [`Sent::start`]).
+    base: usize,
 }
 
 impl SentLog {
+    /// Fills remembered.
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.fills.len()
+    }
+
+    /// Bytes held against [`SENT_BYTES`]: the records, and the buffer from
+    /// the oldest fill's bytes on (those of fills taken out after it too).
+    pub(super) fn held(&self) -> usize {
+        let from = self
+            .fills
+            .front()
+            .map_or(self.bytes.len(), |f| f.start - self.base);
+        self.fills.len() * SLOT + self.bytes.len() - from
+    }
+
+    /// The memory it keeps: slots and buffer, used or not.
+    #[cfg(test)]
+    pub(super) fn capacity(&self) -> usize {
+        self.fills.capacity() * SLOT + self.bytes.capacity()
+    }
+
     pub(super) fn push(&mut self, at: Instant, fill: Target) {
-        self.bytes += fill.size();
-        self.fills.push_back((at, fill));
-        while self.fills.len() > SENT_CAP || self.bytes > SENT_BYTES {
-            self.pop_front();
+        let size = fill.size();
+        // Alone past the bound: never kept (it would push out every other).
+        if size > SENT_BYTES {
+            return;
         }
+        // Room first: a deque pushed past its capacity doubles it.
+        while self.fills.len() >= SENT_CAP || self.held() + size > SENT_BYTES {
+            self.fills.pop_front();
+        }
+        self.drop_front();
+        let start = self.base + self.bytes.len();
+        self.bytes.reserve(size - SLOT);
+        self.bytes.extend_from_slice(fill.key.as_bytes());
+        self.bytes.extend_from_slice(&fill.full);
+        for tag in &fill.tags {
+            // Within SENT_BYTES, so within u32.
+            self.bytes
+                .extend_from_slice(&(tag.len() as u32).to_le_bytes());
+            self.bytes.extend_from_slice(tag.as_bytes());
+        }
+        self.fills.push_back(Sent {
+            at,
+            hash: fill.hash,
+            stamp: fill.stamp,
+            start,
+            key_len: fill.key.len() as u32,
+            full_len: fill.full.len() as u32,
+            tags_len: (size - SLOT - fill.key.len() - fill.full.len()) as u32,
+        });
     }
 
     /// Forgets the fills sent more than `grace` before `now`.
@@ -41,31 +149,65 @@ impl SentLog {
         while self
             .fills
             .front()
-            .is_some_and(|(at, _)| now.saturating_duration_since(*at) > grace)
+            .is_some_and(|f| now.saturating_duration_since(f.at) > grace)
         {
-            self.pop_front();
+            self.fills.pop_front();
         }
-    }
-
-    fn pop_front(&mut self) {
-        if let Some((_, fill)) = self.fills.pop_front() {
-            self.bytes -= fill.size();
-        }
+        self.trim();
     }
 
     /// Takes out the fills `scope` covers.
     pub(super) fn take_covered(&mut self, scope: &Scope) -> Vec<Undo> {
         let mut taken = Vec::new();
-        let mut freed = 0;
-        self.fills.retain(|(_, fill)| {
-            let hit = fill.covered_by(scope);
+        let (bytes, base) = (&self.bytes, self.base);
+        self.fills.retain(|fill| {
+            let (key, full, tags) = fill.parts(bytes, base);
+            let hit = scope.covers(&fill.hash, full, tags);
             if hit {
-                freed += fill.size();
-                taken.push((fill.key.clone(), fill.stamp.clone(), fill.hash));
+                let key = String::from_utf8_lossy(key).into_owned();
+                taken.push((key, fill.stamp.clone(), fill.hash));
             }
             !hit
         });
-        self.bytes -= freed;
+        self.trim();
         taken
+    }
+
+    /// Drops the buffer's bytes before the oldest fill's once they are a
+    /// quarter of it (so it stays within 4/3 of what the fills use; each
+    /// byte is moved three times on average).
+    fn drop_front(&mut self) {
+        let Some(front) = self.fills.front() else {
+            self.bytes.clear();
+            self.base = 0;
+            return;
+        };
+        let dead = front.start - self.base;
+        if dead > 0 && dead >= self.bytes.len() / 4 {
+            self.bytes.drain(..dead);
+            self.base += dead;
+        }
+    }
+
+    /// [`drop_front`](Self::drop_front), and gives back memory it no longer
+    /// needs: all of it once empty (an idle instance keeps none).
+    fn trim(&mut self) {
+        self.drop_front();
+        if self.fills.is_empty() {
+            *self = Self::default();
+            return;
+        }
+        if self.fills.capacity() > 4 * self.fills.len() + 64 {
+            self.fills.shrink_to(2 * self.fills.len());
+        }
+        // Bytes past the newest fill's are of fills taken out.
+        let used = self
+            .fills
+            .back()
+            .map_or(0, |f| f.start - self.base + f.len());
+        self.bytes.truncate(used);
+        if self.bytes.capacity() > 4 * used + 64 * 1024 {
+            self.bytes.shrink_to(2 * used);
+        }
     }
 }

@@ -116,14 +116,14 @@ fn the_sent_log_ages_without_invalidations_and_holds_its_byte_bound() {
         .map(|i| target(&format!("{long}{i}"), &[]))
         .collect();
     assert!(o.sent(o.mark(), fills, t0).is_empty());
-    let held = o.lock().sent.bytes;
+    let held = o.lock().sent.held();
     assert!(held <= SENT_BYTES, "{held} bytes of sent keys held");
-    assert!(o.lock().sent.fills.len() >= SENT_BYTES / (2 * 32 * 1024) - 1);
+    assert!(o.lock().sent.len() >= SENT_BYTES / (2 * 32 * 1024) - 1);
     // Past the grace, the next send forgets the rest.
     let later = t0 + GRACE + Duration::from_millis(1);
     assert!(o.sent(o.mark(), vec![target("a", &[])], later).is_empty());
-    assert_eq!(o.lock().sent.fills.len(), 1);
-    assert_eq!(o.lock().sent.bytes, target("a", &[]).size());
+    assert_eq!(o.lock().sent.len(), 1);
+    assert_eq!(o.lock().sent.held(), target("a", &[]).size());
 }
 
 #[test]
@@ -173,4 +173,104 @@ fn a_fill_queued_before_the_remembered_invalidations_is_held_back() {
         1,
         "the log no longer reaches back"
     );
+}
+
+/// After a flood the log held its last 4,096 fills' records for good: their
+/// slots (~700 KB), a key string each and each full key pinned, ~2–3 MiB of
+/// a proxy's resident memory at a 32 MiB budget. Once they have aged out
+/// nothing is kept.
+#[test]
+fn an_aged_out_sent_log_gives_its_memory_back() {
+    let (o, _rx) = overtaken();
+    let t0 = Instant::now();
+    let fills = (0..4096).map(|i| target(&format!("k{i}"), &[])).collect();
+    assert!(o.sent(o.mark(), fills, t0).is_empty());
+    assert_eq!(o.lock().sent.len(), 4096);
+    o.heard(
+        Scope::Keys(Vec::new()),
+        t0 + GRACE + Duration::from_millis(1),
+    );
+    let sent = &o.lock().sent;
+    assert_eq!(sent.len(), 0);
+    assert_eq!(sent.capacity(), 0, "slots or bytes kept");
+}
+
+/// The log's one buffer under churn: fills sent over time, some taken out
+/// from the middle (by key, tag and prefix), the oldest aged out, the
+/// buffer's front dropped on the way. Each fill left is still matched by
+/// its own key, tags and full key, and deleted again under its own key,
+/// once.
+#[test]
+fn fills_kept_in_the_logs_buffer_are_matched_after_churn() {
+    let (o, mut rx) = overtaken();
+    let t0 = Instant::now();
+    let name = |i: usize| format!("{}{i}", if i.is_multiple_of(3) { "p" } else { "k" });
+    let tags = |i: usize| match i % 4 {
+        0 => vec![],
+        1 => vec!["red"],
+        2 => vec!["red", "blue"],
+        _ => vec!["green"],
+    };
+    let mut live: Vec<(usize, Instant)> = Vec::new();
+    for round in 0..40 {
+        let now = t0 + Duration::from_millis(100 * round as u64);
+        let fills: Vec<_> = (round * 50..round * 50 + 50).collect();
+        let sent = fills.iter().map(|&i| target(&name(i), &tags(i))).collect();
+        assert!(o.sent(o.mark(), sent, now).is_empty());
+        live.extend(fills.iter().map(|&i| (i, now)));
+        live.retain(|(_, at)| now.saturating_duration_since(*at) <= GRACE);
+        // In turn: a key from the middle, a tag, a prefix.
+        let (scope, covered): (Scope, Box<dyn Fn(usize) -> bool>) = match round % 3 {
+            0 => {
+                let i = live[live.len() / 2].0;
+                let hash = target(&name(i), &[]).hash;
+                (Scope::Keys(vec![hash]), Box::new(move |j| j == i))
+            }
+            1 => (
+                Scope::Tag("blue".into(), vec![]),
+                Box::new(move |j| tags(j).contains(&"blue")),
+            ),
+            _ => (
+                Scope::Prefix(KeyPattern::new().part(b"shop").prefix(b"p")),
+                Box::new(move |j| name(j).starts_with('p')),
+            ),
+        };
+        o.heard(scope, now);
+        let mut expected: Vec<_> = live
+            .iter()
+            .filter(|(j, _)| covered(*j))
+            .map(|(j, _)| format!("e:{}", name(*j)))
+            .collect();
+        live.retain(|(j, _)| !covered(*j));
+        let mut got = deletes(&mut rx);
+        expected.sort();
+        got.sort();
+        assert_eq!(got, expected, "round {round}");
+        assert!(o.lock().sent.held() <= SENT_BYTES);
+    }
+    let end = t0 + Duration::from_millis(100 * 39);
+    o.heard(Scope::Everything, end);
+    let mut expected: Vec<_> = live
+        .iter()
+        .map(|(j, _)| format!("e:{}", name(*j)))
+        .collect();
+    let mut got = deletes(&mut rx);
+    expected.sort();
+    got.sort();
+    assert_eq!(got, expected);
+}
+
+/// An instance that sends nothing and hears nothing still forgets what
+/// it sent, on its heartbeat's tick.
+#[test]
+fn an_idle_instance_forgets_its_sent_fills_on_its_own() {
+    let (o, _rx) = overtaken();
+    let t0 = Instant::now();
+    let fills = (0..100).map(|i| target(&format!("k{i}"), &["t"])).collect();
+    assert!(o.sent(o.mark(), fills, t0).is_empty());
+    o.age(t0 + GRACE / 2);
+    assert_eq!(o.lock().sent.len(), 100, "within the grace");
+    o.age(t0 + GRACE + Duration::from_millis(1));
+    assert_eq!(o.lock().sent.len(), 0);
+    assert_eq!(o.lock().sent.capacity(), 0);
 }
