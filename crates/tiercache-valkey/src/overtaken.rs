@@ -192,15 +192,19 @@ pub(crate) struct Overtaken {
     grace: Duration,
     /// Where deletes of fills that landed go (behind what is queued).
     writes: mpsc::Sender<Write>,
+    /// The tier's key prefix, to name a remembered fill's entry again.
+    prefix: String,
 }
 
 impl Overtaken {
-    pub(crate) fn new(writes: mpsc::Sender<Write>, grace: Duration) -> Self {
+    /// For the tier whose keys start with `prefix`.
+    pub(crate) fn new(writes: mpsc::Sender<Write>, grace: Duration, prefix: String) -> Self {
         Self {
             heard: AtomicU64::new(0),
             state: Mutex::default(),
             grace,
             writes,
+            prefix,
         }
     }
 
@@ -241,7 +245,9 @@ impl Overtaken {
         let n = self.heard.fetch_add(1, SeqCst) + 1;
         state.sent.age(now, self.grace);
         // Taken out: each fill is deleted again once at most.
-        let again = state.sent.take_covered(&scope);
+        let again = state.sent.take_covered(&scope, |hash| {
+            crate::keys::slot_key(&self.prefix, hash, "e")
+        });
         state.hashes += scope.hashes();
         state.log.push_back((n, scope));
         while state.log.len() > HEARD_CAP || (state.hashes > HEARD_HASHES && state.log.len() > 1) {

@@ -222,7 +222,7 @@ impl ValkeyTier {
         let grace = crate::reconnect::heartbeat_every(heartbeat_timeout)
             + 2 * heartbeat_timeout
             + Duration::from_secs(1);
-        let overtaken = Arc::new(Overtaken::new(tx.clone(), grace));
+        let overtaken = Arc::new(Overtaken::new(tx.clone(), grace, config.prefix.clone()));
         let bus = Arc::new(Bus::new(
             subscriber.clone(),
             instance,

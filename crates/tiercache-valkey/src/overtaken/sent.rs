@@ -1,12 +1,13 @@
 //! The log of fills sent lately (see the parent module): each is deleted
 //! again if an invalidation heard within the grace covers it.
 //!
-//! Each fill's keys and tag sets are copied into one buffer the log owns, in
-//! the order the fills were sent, and the fill's own allocations go. Held
-//! an allocation or two each (its entry key, its full key shared with the
-//! entry), the last 4,096 fills of a flood kept ~2–3 MiB of a proxy's pages
-//! resident past L1's budget: small blocks scattered among the pages the
-//! connections churn, each page pinned by one.
+//! Each fill's full key and tag sets are copied into one buffer the log
+//! owns, in the order the fills were sent, and the fill's own allocations
+//! go (its entry key is made again from its hash when it is deleted again).
+//! Held an allocation or two each (its entry key, its full key shared with
+//! the entry), the last 4,096 fills of a flood kept ~2–3 MiB of a proxy's
+//! pages resident past L1's budget: small blocks scattered among the pages
+//! the connections churn, each page pinned by one.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -25,17 +26,15 @@ pub(super) const SENT_BYTES: usize = 2 * 1024 * 1024;
 const SLOT: usize = std::mem::size_of::<Sent>();
 
 impl Target {
-    /// Bytes the log holds for it: its record, its keys and tag sets.
+    /// Bytes the log holds for it: its record, its full key and tag sets.
     pub(super) fn size(&self) -> usize {
-        SLOT + self.key.len()
-            + self.full.len()
-            + self.tags.iter().map(|t| 4 + t.len()).sum::<usize>()
+        SLOT + self.full.len() + self.tags.iter().map(|t| 4 + t.len()).sum::<usize>()
     }
 }
 
-/// One fill sent. Its entry key, full key and tag sets lie in the log's
-/// buffer from `start`, in that order; each tag set as a little-endian
-/// `u32` length and its name.
+/// One fill sent. Its full key and tag sets lie in the log's buffer from
+/// `start`, in that order; each tag set as a little-endian `u32` length
+/// and its name.
 struct Sent {
     at: Instant,
     hash: KeyHash,
@@ -43,23 +42,21 @@ struct Sent {
     /// Where its bytes start, counted from the first byte the log held
     /// since it was last empty.
     start: usize,
-    key_len: u32,
     full_len: u32,
     tags_len: u32,
 }
 
 impl Sent {
-    /// Its entry key, full key and tag sets, read from `bytes` (the log's
-    /// buffer, whose first byte is at `base`).
-    fn parts<'a>(&self, bytes: &'a [u8], base: usize) -> (&'a [u8], &'a [u8], TagSets<'a>) {
+    /// Its full key and tag sets, read from `bytes` (the log's buffer,
+    /// whose first byte is at `base`).
+    fn parts<'a>(&self, bytes: &'a [u8], base: usize) -> (&'a [u8], TagSets<'a>) {
         let at = self.start - base;
-        let (key, rest) = bytes[at..].split_at(self.key_len as usize);
-        let (full, rest) = rest.split_at(self.full_len as usize);
-        (key, full, TagSets(&rest[..self.tags_len as usize]))
+        let (full, rest) = bytes[at..].split_at(self.full_len as usize);
+        (full, TagSets(&rest[..self.tags_len as usize]))
     }
 
     fn len(&self) -> usize {
-        self.key_len as usize + self.full_len as usize + self.tags_len as usize
+        self.full_len as usize + self.tags_len as usize
     }
 }
 
@@ -71,7 +68,7 @@ impl<'a> Iterator for TagSets<'a> {
 
     fn next(&mut self) -> Option<&'a [u8]> {
         let (len, rest) = self.0.split_first_chunk::<4>()?;
-        let (tag, rest) = rest.split_at(u32::from_le_bytes(*len) as usize);
+        let (tag, rest) = rest.split_at_checked(u32::from_le_bytes(*len) as usize)?;
         self.0 = rest;
         Some(tag)
     }
@@ -124,8 +121,12 @@ impl SentLog {
         }
         self.drop_front();
         let start = self.base + self.bytes.len();
-        self.bytes.reserve(size - SLOT);
-        self.bytes.extend_from_slice(fill.key.as_bytes());
+        let need = size - SLOT;
+        if self.bytes.capacity() - self.bytes.len() < need {
+            // Grown by a quarter, not doubled: amortised all the same, and
+            // never twice what the fills use.
+            self.bytes.reserve_exact(need.max(self.bytes.len() / 4));
+        }
         self.bytes.extend_from_slice(&fill.full);
         for tag in &fill.tags {
             // Within SENT_BYTES, so within u32.
@@ -138,9 +139,8 @@ impl SentLog {
             hash: fill.hash,
             stamp: fill.stamp,
             start,
-            key_len: fill.key.len() as u32,
             full_len: fill.full.len() as u32,
-            tags_len: (size - SLOT - fill.key.len() - fill.full.len()) as u32,
+            tags_len: (need - fill.full.len()) as u32,
         });
     }
 
@@ -156,16 +156,20 @@ impl SentLog {
         self.trim();
     }
 
-    /// Takes out the fills `scope` covers.
-    pub(super) fn take_covered(&mut self, scope: &Scope) -> Vec<Undo> {
+    /// Takes out the fills `scope` covers, each with its entry key (made
+    /// by `entry_key` from its hash).
+    pub(super) fn take_covered(
+        &mut self,
+        scope: &Scope,
+        entry_key: impl Fn(&KeyHash) -> String,
+    ) -> Vec<Undo> {
         let mut taken = Vec::new();
         let (bytes, base) = (&self.bytes, self.base);
         self.fills.retain(|fill| {
-            let (key, full, tags) = fill.parts(bytes, base);
+            let (full, tags) = fill.parts(bytes, base);
             let hit = scope.covers(&fill.hash, full, tags);
             if hit {
-                let key = String::from_utf8_lossy(key).into_owned();
-                taken.push((key, fill.stamp.clone(), fill.hash));
+                taken.push((entry_key(&fill.hash), fill.stamp.clone(), fill.hash));
             }
             !hit
         });
@@ -206,8 +210,8 @@ impl SentLog {
             .back()
             .map_or(0, |f| f.start - self.base + f.len());
         self.bytes.truncate(used);
-        if self.bytes.capacity() > 4 * used + 64 * 1024 {
-            self.bytes.shrink_to(2 * used);
+        if self.bytes.capacity() > 2 * used + 64 * 1024 {
+            self.bytes.shrink_to(used + used / 4);
         }
     }
 }

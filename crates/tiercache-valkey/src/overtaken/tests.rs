@@ -3,15 +3,26 @@ use tiercache_core::CacheKey;
 
 const GRACE: Duration = Duration::from_secs(2);
 
-fn target(name: &str, tags: &[&str]) -> Target {
-    let key = CacheKey::builder()
+const PREFIX: &str = "tc";
+
+fn cache_key(name: &str) -> CacheKey {
+    CacheKey::builder()
         .part(b"shop")
         .part(name.as_bytes())
-        .finish();
+        .finish()
+}
+
+/// The entry's Valkey key, as the tier names it.
+fn key(name: &str) -> String {
+    crate::keys::slot_key(PREFIX, &cache_key(name).hash(), "e")
+}
+
+fn target(name: &str, tags: &[&str]) -> Target {
+    let cache_key = cache_key(name);
     Target {
-        hash: key.hash(),
-        full: key.full().clone(),
-        key: format!("e:{name}"),
+        hash: cache_key.hash(),
+        full: cache_key.full().clone(),
+        key: key(name),
         tags: tags.iter().map(|t| t.to_string()).collect(),
         stamp: Stamp::of(name.as_bytes()),
     }
@@ -19,7 +30,7 @@ fn target(name: &str, tags: &[&str]) -> Target {
 
 fn overtaken() -> (Overtaken, mpsc::Receiver<Write>) {
     let (tx, rx) = mpsc::channel(16);
-    (Overtaken::new(tx, GRACE), rx)
+    (Overtaken::new(tx, GRACE, PREFIX.into()), rx)
 }
 
 fn deletes(rx: &mut mpsc::Receiver<Write>) -> Vec<String> {
@@ -55,10 +66,10 @@ fn a_queued_fill_an_invalidation_covers_is_held_back() {
         (queued_at, target("pen", &[])),
         (o.mark(), target("a", &[])),
     ];
-    assert_eq!(hold_back(&o, &mut fills), ["e:a", "e:b", "e:pen"]);
+    assert_eq!(hold_back(&o, &mut fills), [key("a"), key("b"), key("pen")]);
     // "c" is not covered; the later "a" was queued after the message.
     let left: Vec<_> = fills.iter().map(|(_, t)| t.key.as_str()).collect();
-    assert_eq!(left, ["e:c", "e:a"]);
+    assert_eq!(left, [key("c"), key("a")]);
 }
 
 #[test]
@@ -76,7 +87,7 @@ fn a_fill_in_flight_when_the_message_came_is_deleted_after_its_answer() {
     // …but once the pipeline is answered, delete it again, once.
     let again = o.sent(sent_under, vec![target("a", &[])], now);
     let a = target("a", &[]);
-    assert_eq!(again, [("e:a".to_owned(), a.stamp, a.hash)]);
+    assert_eq!(again, [(key("a"), a.stamp, a.hash)]);
     o.heard(Scope::Everything, now);
     assert!(deletes(&mut rx).is_empty(), "not remembered as sent");
 }
@@ -93,7 +104,7 @@ fn a_fill_that_landed_just_before_the_message_is_deleted_again_once() {
         Scope::Tag("t".into(), vec![]),
         t0 + Duration::from_millis(5),
     );
-    assert_eq!(deletes(&mut rx), ["e:b"]);
+    assert_eq!(deletes(&mut rx), [key("b")]);
     o.heard(
         Scope::Tag("t".into(), vec![]),
         t0 + Duration::from_millis(6),
@@ -239,7 +250,7 @@ fn fills_kept_in_the_logs_buffer_are_matched_after_churn() {
         let mut expected: Vec<_> = live
             .iter()
             .filter(|(j, _)| covered(*j))
-            .map(|(j, _)| format!("e:{}", name(*j)))
+            .map(|(j, _)| key(&name(*j)))
             .collect();
         live.retain(|(j, _)| !covered(*j));
         let mut got = deletes(&mut rx);
@@ -250,10 +261,7 @@ fn fills_kept_in_the_logs_buffer_are_matched_after_churn() {
     }
     let end = t0 + Duration::from_millis(100 * 39);
     o.heard(Scope::Everything, end);
-    let mut expected: Vec<_> = live
-        .iter()
-        .map(|(j, _)| format!("e:{}", name(*j)))
-        .collect();
+    let mut expected: Vec<_> = live.iter().map(|(j, _)| key(&name(*j))).collect();
     let mut got = deletes(&mut rx);
     expected.sort();
     got.sort();
