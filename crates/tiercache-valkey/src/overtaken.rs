@@ -318,7 +318,9 @@ impl Overtaken {
     /// their memory back: the heartbeat's tick, so an idle instance keeps
     /// none (sends and invalidations heard age the log too).
     pub(crate) fn age(&self, now: Instant) {
-        self.lock().sent.age(now, self.grace);
+        let mut state = self.lock();
+        state.sent.age(now, self.grace);
+        state.sent.release_if_empty();
     }
 
     /// Fills sent under mark `since` have been answered (or timed out, and

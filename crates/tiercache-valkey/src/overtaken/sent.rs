@@ -39,8 +39,8 @@ struct Sent {
     at: Instant,
     hash: KeyHash,
     stamp: Stamp,
-    /// Where its bytes start, counted from the first byte the log held
-    /// since it was last empty.
+    /// Where its bytes start: an offset into the bytes the log has held
+    /// since they last started over (empty, or compacted); it wraps.
     start: usize,
     full_len: u32,
     tags_len: u32,
@@ -50,7 +50,7 @@ impl Sent {
     /// Its full key and tag sets, read from `bytes` (the log's buffer,
     /// whose first byte is at `base`).
     fn parts<'a>(&self, bytes: &'a [u8], base: usize) -> (&'a [u8], TagSets<'a>) {
-        let at = self.start - base;
+        let at = self.start.wrapping_sub(base);
         let (full, rest) = bytes[at..].split_at(self.full_len as usize);
         (full, TagSets(&rest[..self.tags_len as usize]))
     }
@@ -79,11 +79,14 @@ impl<'a> Iterator for TagSets<'a> {
 #[derive(Default)]
 pub(super) struct SentLog {
     fills: VecDeque<Sent>,
-    /// The fills' bytes; those before the oldest fill's (and a fill's
-    /// taken out) are dropped as the oldest go.
+    /// The fills' bytes, and gaps: before the oldest fill's (dropped once
+    /// they are a quarter of it) and those of fills taken out (dropped once
+    /// they pass what the fills use and 64 KiB).
     bytes: Vec<u8>,
-    /// The offset of `bytes[0]` (see [`Sent::start`]).
+    /// The offset of `bytes[0]` (see [`Sent::start`]; offsets wrap).
     base: usize,
+    /// The bytes of the fills in the log.
+    live: usize,
 }
 
 impl SentLog {
@@ -93,14 +96,15 @@ impl SentLog {
         self.fills.len()
     }
 
-    /// Bytes held against [`SENT_BYTES`]: the records, and the buffer from
-    /// the oldest fill's bytes on (those of fills taken out after it too).
+    /// Bytes held against [`SENT_BYTES`]: the records and their bytes.
     pub(super) fn held(&self) -> usize {
-        let from = self
-            .fills
-            .front()
-            .map_or(self.bytes.len(), |f| f.start - self.base);
-        self.fills.len() * SLOT + self.bytes.len() - from
+        self.fills.len() * SLOT + self.live
+    }
+
+    /// Records it has room for.
+    #[cfg(test)]
+    pub(super) fn slots(&self) -> usize {
+        self.fills.capacity()
     }
 
     /// The memory it keeps: slots and buffer, used or not.
@@ -117,14 +121,13 @@ impl SentLog {
         }
         // Room first: a deque pushed past its capacity doubles it.
         while self.fills.len() >= SENT_CAP || self.held() + size > SENT_BYTES {
-            self.fills.pop_front();
+            self.pop_front();
         }
         self.drop_front();
-        let start = self.base + self.bytes.len();
+        let start = self.base.wrapping_add(self.bytes.len());
         let need = size - SLOT;
         if self.bytes.capacity() - self.bytes.len() < need {
-            // Grown by a quarter, not doubled: amortised all the same, and
-            // never twice what the fills use.
+            // Grown by a quarter, not doubled: amortised all the same.
             self.bytes.reserve_exact(need.max(self.bytes.len() / 4));
         }
         self.bytes.extend_from_slice(&fill.full);
@@ -134,6 +137,7 @@ impl SentLog {
                 .extend_from_slice(&(tag.len() as u32).to_le_bytes());
             self.bytes.extend_from_slice(tag.as_bytes());
         }
+        self.live += need;
         self.fills.push_back(Sent {
             at,
             hash: fill.hash,
@@ -151,9 +155,18 @@ impl SentLog {
             .front()
             .is_some_and(|f| now.saturating_duration_since(f.at) > grace)
         {
-            self.fills.pop_front();
+            self.pop_front();
         }
-        self.trim();
+        self.tidy();
+    }
+
+    /// Gives all its memory back when it holds no fill (an idle instance
+    /// keeps none). Not on every change: a log emptied under a flood (by
+    /// a resync, say) would give its buffer back and grow it again.
+    pub(super) fn release_if_empty(&mut self) {
+        if self.fills.is_empty() {
+            *self = Self::default();
+        }
     }
 
     /// Takes out the fills `scope` covers, each with its entry key (made
@@ -164,54 +177,81 @@ impl SentLog {
         entry_key: impl Fn(&KeyHash) -> String,
     ) -> Vec<Undo> {
         let mut taken = Vec::new();
+        let mut freed = 0;
         let (bytes, base) = (&self.bytes, self.base);
         self.fills.retain(|fill| {
             let (full, tags) = fill.parts(bytes, base);
             let hit = scope.covers(&fill.hash, full, tags);
             if hit {
+                freed += fill.len();
                 taken.push((entry_key(&fill.hash), fill.stamp.clone(), fill.hash));
             }
             !hit
         });
-        self.trim();
+        self.live -= freed;
+        self.tidy();
         taken
     }
 
+    fn pop_front(&mut self) {
+        if let Some(fill) = self.fills.pop_front() {
+            self.live -= fill.len();
+        }
+    }
+
     /// Drops the buffer's bytes before the oldest fill's once they are a
-    /// quarter of it (so it stays within 4/3 of what the fills use; each
-    /// byte is moved three times on average).
+    /// quarter of it (each byte is moved at most three times on average).
     fn drop_front(&mut self) {
         let Some(front) = self.fills.front() else {
             self.bytes.clear();
             self.base = 0;
             return;
         };
-        let dead = front.start - self.base;
+        let dead = front.start.wrapping_sub(self.base);
         if dead > 0 && dead >= self.bytes.len() / 4 {
             self.bytes.drain(..dead);
-            self.base += dead;
+            self.base = front.start;
         }
     }
 
-    /// [`drop_front`](Self::drop_front), and gives back memory it no longer
-    /// needs: all of it once empty (an idle instance keeps none).
-    fn trim(&mut self) {
-        self.drop_front();
-        if self.fills.is_empty() {
-            *self = Self::default();
+    /// Drops the bytes of fills gone, and gives back room it no longer
+    /// needs (the slots past four times the fills, the buffer past twice
+    /// its bytes, by 64 KiB).
+    fn tidy(&mut self) {
+        let Some(back) = self.fills.back() else {
+            self.bytes.clear();
+            self.base = 0;
             return;
+        };
+        // Bytes past the newest fill's are of fills taken out.
+        let used = back.start.wrapping_sub(self.base) + back.len();
+        self.bytes.truncate(used);
+        self.drop_front();
+        if self.bytes.len() > 2 * self.live + 64 * 1024 {
+            self.compact();
         }
         if self.fills.capacity() > 4 * self.fills.len() + 64 {
-            self.fills.shrink_to(2 * self.fills.len());
+            // A power of two: a deque grows by doubling, and the log's
+            // cap is one.
+            let room = (2 * self.fills.len()).next_power_of_two().min(SENT_CAP);
+            self.fills.shrink_to(room);
         }
-        // Bytes past the newest fill's are of fills taken out.
-        let used = self
-            .fills
-            .back()
-            .map_or(0, |f| f.start - self.base + f.len());
-        self.bytes.truncate(used);
-        if self.bytes.capacity() > 2 * used + 64 * 1024 {
-            self.bytes.shrink_to(used + used / 4);
+        let len = self.bytes.len();
+        if self.bytes.capacity() > 2 * len + 64 * 1024 {
+            self.bytes.shrink_to(len + len / 4);
         }
+    }
+
+    /// Copies the fills' bytes into a buffer of their own, without the
+    /// gaps fills taken out left.
+    fn compact(&mut self) {
+        let mut bytes = Vec::with_capacity(self.live + self.live / 4);
+        for fill in &mut self.fills {
+            let at = fill.start.wrapping_sub(self.base);
+            fill.start = bytes.len();
+            bytes.extend_from_slice(&self.bytes[at..at + fill.len()]);
+        }
+        self.bytes = bytes;
+        self.base = 0;
     }
 }

@@ -189,7 +189,8 @@ fn a_fill_queued_before_the_remembered_invalidations_is_held_back() {
 /// After a flood the log held its last 4,096 fills' records for good: their
 /// slots (~700 KB), a key string each and each full key pinned, ~2–3 MiB of
 /// a proxy's resident memory at a 32 MiB budget. Once they have aged out
-/// nothing is kept.
+/// nothing is kept past the heartbeat's next tick (a log emptied by what
+/// it hears keeps its room until then: under a flood it fills again).
 #[test]
 fn an_aged_out_sent_log_gives_its_memory_back() {
     let (o, _rx) = overtaken();
@@ -197,13 +198,11 @@ fn an_aged_out_sent_log_gives_its_memory_back() {
     let fills = (0..4096).map(|i| target(&format!("k{i}"), &[])).collect();
     assert!(o.sent(o.mark(), fills, t0).is_empty());
     assert_eq!(o.lock().sent.len(), 4096);
-    o.heard(
-        Scope::Keys(Vec::new()),
-        t0 + GRACE + Duration::from_millis(1),
-    );
-    let sent = &o.lock().sent;
-    assert_eq!(sent.len(), 0);
-    assert_eq!(sent.capacity(), 0, "slots or bytes kept");
+    let later = t0 + GRACE + Duration::from_millis(1);
+    o.heard(Scope::Keys(Vec::new()), later);
+    assert_eq!(o.lock().sent.len(), 0);
+    o.age(later);
+    assert_eq!(o.lock().sent.capacity(), 0, "slots or bytes kept");
 }
 
 /// The log's one buffer under churn: fills sent over time, some taken out
@@ -281,4 +280,68 @@ fn an_idle_instance_forgets_its_sent_fills_on_its_own() {
     o.age(t0 + GRACE + Duration::from_millis(1));
     assert_eq!(o.lock().sent.len(), 0);
     assert_eq!(o.lock().sent.capacity(), 0);
+}
+
+/// Fills taken out of the middle left their bytes in the buffer, and the
+/// bound counted them: with one old fill at the front, the log then
+/// forgot fills within their grace while the fills in it held far less
+/// than its bound. Only the fills in the log count.
+#[test]
+fn fills_taken_out_do_not_count_against_the_bound() {
+    let (o, mut rx) = overtaken();
+    let t0 = Instant::now();
+    let long = "q".repeat(32 * 1024);
+    let first = target("first", &[]);
+    let mut kept = first.size();
+    assert!(o.sent(o.mark(), vec![first], t0).is_empty());
+    for round in 0..4 {
+        let mut fills: Vec<_> = (0..40)
+            .map(|i| target(&format!("{long}{round}-{i}"), &["gone"]))
+            .collect();
+        // One kept behind them, so what they leave is a gap.
+        let behind = target(&format!("behind{round}"), &["kept"]);
+        kept += behind.size();
+        fills.push(behind);
+        assert!(o.sent(o.mark(), fills, t0).is_empty());
+        o.heard(Scope::Tag("gone".into(), vec![]), t0);
+        assert_eq!(deletes(&mut rx).len(), 40);
+        assert_eq!(o.lock().sent.held(), kept);
+    }
+    // Matched by their bytes, which the gaps' removal moved.
+    let first_by_prefix = KeyPattern::new().part(b"shop").prefix(b"fir");
+    o.heard(Scope::Prefix(first_by_prefix), t0);
+    assert_eq!(
+        deletes(&mut rx),
+        [key("first")],
+        "the first fill was forgotten"
+    );
+    o.heard(Scope::Tag("kept".into(), vec![]), t0);
+    assert_eq!(deletes(&mut rx).len(), 4, "the fills behind");
+}
+
+/// A log shrunk after a lull doubled its slots again past the cap when a
+/// flood came back (a room of 2,000 doubled to 4,000, then 8,000): its
+/// slots stay within the cap.
+#[test]
+fn the_logs_slots_stay_within_its_cap_after_a_lull() {
+    let (o, _rx) = overtaken();
+    let t0 = Instant::now();
+    let names = |from: usize, n: usize| (from..from + n).map(|i| target(&format!("k{i}"), &[]));
+    assert!(o.sent(o.mark(), names(0, 3000).collect(), t0).is_empty());
+    let t1 = t0 + GRACE / 2;
+    assert!(o.sent(o.mark(), names(3000, 1000).collect(), t1).is_empty());
+    // The first 3,000 age out: 1,000 left in a room of 4,096.
+    o.age(t0 + GRACE + Duration::from_millis(1));
+    assert_eq!(o.lock().sent.len(), 1000);
+    assert!(o.lock().sent.slots() < 4096, "not shrunk");
+    for chunk in 0..8 {
+        let fills = names(10_000 + chunk * 512, 512).collect();
+        assert!(o.sent(o.mark(), fills, t1).is_empty());
+    }
+    assert_eq!(o.lock().sent.len(), 4096);
+    assert!(
+        o.lock().sent.slots() <= 4096,
+        "{} slots",
+        o.lock().sent.slots()
+    );
 }
