@@ -320,7 +320,7 @@ impl Overtaken {
     pub(crate) fn age(&self, now: Instant) {
         let mut state = self.lock();
         state.sent.age(now, self.grace);
-        state.sent.release_if_empty();
+        state.sent.shrink();
     }
 
     /// Fills sent under mark `since` have been answered (or timed out, and

@@ -128,7 +128,8 @@ impl SentLog {
         let need = size - SLOT;
         if self.bytes.capacity() - self.bytes.len() < need {
             // Grown by a quarter, not doubled: amortised all the same.
-            self.bytes.reserve_exact(need.max(self.bytes.len() / 4));
+            self.bytes
+                .reserve_exact(need.max(self.bytes.len() / 4).max(4096));
         }
         self.bytes.extend_from_slice(&fill.full);
         for tag in &fill.tags {
@@ -160,12 +161,25 @@ impl SentLog {
         self.tidy();
     }
 
-    /// Gives all its memory back when it holds no fill (an idle instance
-    /// keeps none). Not on every change: a log emptied under a flood (by
-    /// a resync, say) would give its buffer back and grow it again.
-    pub(super) fn release_if_empty(&mut self) {
+    /// Gives back room it no longer needs: all of it when it holds no fill
+    /// (an idle instance keeps none); else slots past four times the fills
+    /// and 64 (to a power of two, as a deque grows, within the cap) and
+    /// buffer past twice its bytes and 64 KiB. On the heartbeat's tick, not
+    /// on every change: a log emptied (or nearly) under a flood, by a
+    /// resync or a hot tag, would give its room back and grow it again
+    /// under the lock the writer shares.
+    pub(super) fn shrink(&mut self) {
         if self.fills.is_empty() {
             *self = Self::default();
+            return;
+        }
+        if self.fills.capacity() > 4 * self.fills.len() + 64 {
+            let room = (2 * self.fills.len()).next_power_of_two().min(SENT_CAP);
+            self.fills.shrink_to(room);
+        }
+        let len = self.bytes.len();
+        if self.bytes.capacity() > 2 * len + 64 * 1024 {
+            self.bytes.shrink_to(len + len / 4);
         }
     }
 
@@ -214,9 +228,9 @@ impl SentLog {
         }
     }
 
-    /// Drops the bytes of fills gone, and gives back room it no longer
-    /// needs (the slots past four times the fills, the buffer past twice
-    /// its bytes, by 64 KiB).
+    /// Drops the bytes of fills gone: after the newest fill's, before the
+    /// oldest's (see [`drop_front`](Self::drop_front)), and the gaps of
+    /// fills taken out once they pass what the fills use and 64 KiB.
     fn tidy(&mut self) {
         let Some(back) = self.fills.back() else {
             self.bytes.clear();
@@ -229,16 +243,6 @@ impl SentLog {
         self.drop_front();
         if self.bytes.len() > 2 * self.live + 64 * 1024 {
             self.compact();
-        }
-        if self.fills.capacity() > 4 * self.fills.len() + 64 {
-            // A power of two: a deque grows by doubling, and the log's
-            // cap is one.
-            let room = (2 * self.fills.len()).next_power_of_two().min(SENT_CAP);
-            self.fills.shrink_to(room);
-        }
-        let len = self.bytes.len();
-        if self.bytes.capacity() > 2 * len + 64 * 1024 {
-            self.bytes.shrink_to(len + len / 4);
         }
     }
 

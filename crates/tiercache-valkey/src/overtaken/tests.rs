@@ -345,3 +345,28 @@ fn the_logs_slots_stay_within_its_cap_after_a_lull() {
         o.lock().sent.slots()
     );
 }
+
+/// An invalidation that took all but one fill under a flood shrank the
+/// log's room on the writer's path, and the flood grew it back under the
+/// lock the writer shares: the room is given back on the heartbeat's tick.
+#[test]
+fn a_log_nearly_emptied_under_a_flood_keeps_its_room_until_the_heartbeat() {
+    let (o, mut rx) = overtaken();
+    let t0 = Instant::now();
+    let mut fills: Vec<_> = (0..4000)
+        .map(|i| target(&format!("k{i}"), &["hot"]))
+        .collect();
+    fills.push(target("cold", &[]));
+    assert!(o.sent(o.mark(), fills, t0).is_empty());
+    let room = o.lock().sent.slots();
+    o.heard(Scope::Tag("hot".into(), vec![]), t0);
+    assert_eq!(deletes(&mut rx).len(), 4000);
+    assert!(o.sent(o.mark(), vec![target("next", &[])], t0).is_empty());
+    assert_eq!(
+        o.lock().sent.slots(),
+        room,
+        "room given back on the writer's path"
+    );
+    o.age(t0);
+    assert!(o.lock().sent.slots() < room, "not given back on the tick");
+}
