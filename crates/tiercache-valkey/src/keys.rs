@@ -35,7 +35,7 @@ impl ValkeyTier {
     }
 
     pub(crate) fn entry_key_of(&self, hash: &KeyHash) -> String {
-        slot_key(&self.inner.prefix, hash, "e")
+        entry_key_in(&self.inner.prefix, hash)
     }
 
     /// The Valkey key an entry is stored under: `PREFIX:{HASH}:e`. The hash
@@ -50,6 +50,11 @@ impl ValkeyTier {
 /// entry, lock and wake-up channel) on one cluster slot.
 pub(crate) fn slot_key(prefix: &str, hash: &KeyHash, suffix: &str) -> String {
     format!("{prefix}:{{{hash}}}:{suffix}")
+}
+
+/// [`ValkeyTier::entry_key`] of the key hashed `hash`, under `prefix`.
+pub(crate) fn entry_key_in(prefix: &str, hash: &KeyHash) -> String {
+    slot_key(prefix, hash, "e")
 }
 
 /// [`ValkeyTier::tag_key`] under `prefix`.

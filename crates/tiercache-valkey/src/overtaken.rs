@@ -245,9 +245,9 @@ impl Overtaken {
         let n = self.heard.fetch_add(1, SeqCst) + 1;
         state.sent.age(now, self.grace);
         // Taken out: each fill is deleted again once at most.
-        let again = state.sent.take_covered(&scope, |hash| {
-            crate::keys::slot_key(&self.prefix, hash, "e")
-        });
+        let again = state
+            .sent
+            .take_covered(&scope, |hash| crate::keys::entry_key_in(&self.prefix, hash));
         state.hashes += scope.hashes();
         state.log.push_back((n, scope));
         while state.log.len() > HEARD_CAP || (state.hashes > HEARD_HASHES && state.log.len() > 1) {

@@ -232,14 +232,11 @@ impl SentLog {
     /// oldest's (see [`drop_front`](Self::drop_front)), and the gaps of
     /// fills taken out once they pass what the fills use and 64 KiB.
     fn tidy(&mut self) {
-        let Some(back) = self.fills.back() else {
-            self.bytes.clear();
-            self.base = 0;
-            return;
-        };
         // Bytes past the newest fill's are of fills taken out.
-        let used = back.start.wrapping_sub(self.base) + back.len();
-        self.bytes.truncate(used);
+        if let Some(back) = self.fills.back() {
+            let used = back.start.wrapping_sub(self.base) + back.len();
+            self.bytes.truncate(used);
+        }
         self.drop_front();
         if self.bytes.len() > 2 * self.live + 64 * 1024 {
             self.compact();

@@ -14,7 +14,7 @@ fn cache_key(name: &str) -> CacheKey {
 
 /// The entry's Valkey key, as the tier names it.
 fn key(name: &str) -> String {
-    crate::keys::slot_key(PREFIX, &cache_key(name).hash(), "e")
+    crate::keys::entry_key_in(PREFIX, &cache_key(name).hash())
 }
 
 fn target(name: &str, tags: &[&str]) -> Target {
