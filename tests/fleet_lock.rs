@@ -374,6 +374,22 @@ fn failing_after_one(cache_control: &'static str, calls: &Counter) -> Router {
 /// Once the mark is gone (a second on Valkey's clock) B asks again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_origin_failure_met_by_one_instance_spares_the_fleet_its_call() {
+    // The mark lives a second of Valkey's real time. A loaded machine
+    // (this suite runs a Valkey per test on two cores) can stretch A's
+    // failure and B's request past it, and B then rightly asks the
+    // origin: such a run shows nothing either way, so it starts over.
+    for _ in 0..5 {
+        if spares_the_fleet_unless_outlasted().await {
+            return;
+        }
+    }
+    panic!("five runs in a row outlasted the fleet's one-second mark");
+}
+
+/// One run of the test above on a server of its own: false, asserting
+/// nothing more, when B's request ended past half the mark's life after
+/// A's began.
+async fn spares_the_fleet_unless_outlasted() -> bool {
     let server = ValkeyServer::start();
     let clock = tiercache::core::MockClock::new();
     let calls = Counter::new();
@@ -386,12 +402,17 @@ async fn an_origin_failure_met_by_one_instance_spares_the_fleet_its_call() {
     let (_, _, body) = send(b, "GET", "/e").await;
     assert_eq!((body.as_str(), calls.get()), ("v1", 1));
     clock.advance(Duration::from_secs(2));
+    // Real time, as the mark's life on Valkey is.
+    let started = std::time::Instant::now();
     let (status, _, body) = send(a, "GET", "/e").await;
     assert_eq!(
         (status, body.as_str(), calls.get()),
         (StatusCode::OK, "v1", 2)
     );
     let (status, headers, body) = send(b, "GET", "/e").await;
+    if started.elapsed() > Duration::from_millis(500) {
+        return false;
+    }
     assert_eq!((status, body.as_str()), (StatusCode::OK, "v1"));
     assert_eq!(
         calls.get(),
@@ -416,6 +437,7 @@ async fn an_origin_failure_met_by_one_instance_spares_the_fleet_its_call() {
         (status, body.as_str(), calls.get()),
         (StatusCode::OK, "v1", 3)
     );
+    true
 }
 
 /// The same for a background refresh: A's refresh meets the origin
