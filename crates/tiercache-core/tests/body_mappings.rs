@@ -88,7 +88,8 @@ fn large_bodies_take_mappings_that_are_reused_then_released() {
     trim_spares();
     assert_eq!(mappings(), 0);
 
-    // Past the cap, bodies go to the heap (untouched pages: no memory).
+    // Past the cap, bodies go to the heap (each mapping faulted in as it
+    // is made: 256 MiB for a moment).
     let held: Vec<BodyBuilder> = (0..MAX_MAPPINGS + 10)
         .map(|_| BodyBuilder::with_capacity(mapped_from()))
         .collect();

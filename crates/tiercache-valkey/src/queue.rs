@@ -25,12 +25,14 @@ impl ValkeyTier {
         guard: Option<Guard>,
     ) {
         let px = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX).max(1);
-        let value = codec::encode(entry);
-        let size = value.len();
+        // Measured first: a write the queue has no room for is not made.
+        let size = codec::encoded_len(entry);
         if !self.inner.hold_queued(size) {
             self.inner.write_drops.fetch_add(1, Relaxed);
             return;
         }
+        let value = codec::encode(entry);
+        debug_assert_eq!(value.len(), size);
         let write = Write::Command(Command::Set {
             key: self.entry_key(key),
             value,

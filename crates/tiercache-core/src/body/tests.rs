@@ -56,3 +56,22 @@ fn what_was_read_is_replayed_as_it_lies() {
     body.push(b"short");
     assert_eq!(body.into_bytes(), "short");
 }
+
+/// `exact` trusts the length it is given: past the 1 MiB an announced
+/// length reserves, its bytes never move (no growth, no copy at the end).
+#[test]
+fn an_exact_builder_reserves_its_whole_length_once() {
+    for len in [100, mapped_from() + 5, 3 * FIRST_MAPPING + 7] {
+        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let mut body = BodyBuilder::exact(len);
+        body.push(&data[..1]);
+        let start = body.as_slice().as_ptr();
+        for chunk in data[1..].chunks(5000) {
+            body.push(chunk);
+        }
+        assert_eq!(body.as_slice().as_ptr(), start, "{len} bytes moved");
+        let stored = body.finish();
+        assert_eq!(stored.as_ptr(), start, "{len} bytes copied at the end");
+        assert_eq!(stored, data);
+    }
+}
