@@ -53,6 +53,19 @@ struct Proxy {
     addr: SocketAddr,
 }
 
+impl Proxy {
+    /// Waits (10 s at most) until the proxy accepts connections.
+    async fn listening(&self) {
+        for _ in 0..1000 {
+            if TcpStream::connect(self.addr).is_ok() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("tiercache-proxy did not listen");
+    }
+}
+
 impl Drop for Proxy {
     fn drop(&mut self) {
         // A proxy that ended before its test did (once seen in CI, with
@@ -87,13 +100,8 @@ async fn start_proxy(upstream: &Server, valkey: Option<&str>, budget_mib: u64) -
         .spawn()
         .expect("start tiercache-proxy");
     let proxy = Proxy { child, addr };
-    for _ in 0..1000 {
-        if TcpStream::connect(addr).is_ok() {
-            return proxy;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("tiercache-proxy did not listen");
+    proxy.listening().await;
+    proxy
 }
 
 /// Sends GETs for `{prefix}{from..to}` over `clients` connections, naming
@@ -484,15 +492,7 @@ async fn the_binary_purges_freed_pages_at_once_unless_told_otherwise() {
             .spawn()
             .expect("start tiercache-proxy");
         let proxy = Proxy { child, addr };
-        let mut listening = false;
-        for _ in 0..1000 {
-            if TcpStream::connect(addr).is_ok() {
-                listening = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert!(listening, "tiercache-proxy did not listen");
+        proxy.listening().await;
         let environ = std::fs::read(format!("/proc/{}/environ", proxy.child.id())).unwrap();
         let environ = String::from_utf8_lossy(&environ);
         let vars: Vec<&str> = environ.split('\0').collect();

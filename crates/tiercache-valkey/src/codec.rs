@@ -42,7 +42,10 @@ const OLDEST_READ: u8 = 2;
 const HEADER_LEN: usize = 3 + 1 + 4;
 const CHECKSUM_LEN: usize = 4;
 
-/// Encodes `entry` into an envelope.
+/// Encodes `entry` into an envelope: from
+/// [`mapped_from`](tiercache_core::body::mapped_from) bytes up in a page
+/// mapping of its own, as L1 stores a large body (see
+/// [`tiercache_core::body`]).
 ///
 /// ```
 /// # use std::time::{Duration, SystemTime, UNIX_EPOCH};
