@@ -99,7 +99,8 @@ impl BodyBuilder {
         Self::reserving(len, len)
     }
 
-    /// `first` bytes reserved now (faulted in at once), of `expected`.
+    /// `first` bytes reserved now (a mapping's faulted in at once), of
+    /// `expected`.
     fn reserving(first: usize, expected: usize) -> Self {
         let buf = if expected >= mapped_from() {
             Pages::new(first, Faults::Now)
@@ -166,11 +167,20 @@ impl BodyBuilder {
     /// without an announced length, or far from it, is copied once more).
     pub fn finish(self) -> Bytes {
         let len = self.len;
+        let expected = self.expected;
         match self.buf {
             Buf::Pages(pages) if len >= mapped_from() && pages.capacity() == class_size(len) => {
                 pages.freeze(len)
             }
             Buf::Pages(pages) => copy(&pages.as_ref()[..len]),
+            // Refused a mapping when reserved, and exactly as long as that:
+            // kept where it lies, not copied to ask again.
+            Buf::Heap(heap)
+                if len >= mapped_from() && len == expected && heap.capacity() == len =>
+            {
+                HEAP_FALLBACKS.fetch_add(1, Relaxed);
+                Bytes::from(heap.into_boxed_slice())
+            }
             Buf::Heap(heap) if len >= mapped_from() => copy(&heap),
             // Shrinks to its length (no copy when it is already exact).
             Buf::Heap(heap) => Bytes::from(heap.into_boxed_slice()),

@@ -99,6 +99,20 @@ fn large_bodies_take_mappings_that_are_reused_then_released() {
     assert_eq!(mappings(), MAX_MAPPINGS, "past the cap: on the heap");
     assert_eq!(heap_fallbacks(), fallbacks + 1, "counted once");
     assert!(stored.len() == mapped_from() + 100 && stored.iter().all(|&b| b == 5));
+    // Bytes of a length worked out first (an L2 envelope), refused a
+    // mapping, stay where they were written: not copied to ask again.
+    let len = mapped_from() + 100;
+    let mut envelope = BodyBuilder::exact(len);
+    envelope.push(&vec![6; len]);
+    let written = envelope.as_slice().as_ptr();
+    let stored = envelope.finish();
+    assert_eq!(
+        stored.as_ptr(),
+        written,
+        "copied again to ask for a mapping"
+    );
+    assert_eq!(heap_fallbacks(), fallbacks + 2, "counted once");
+    assert_eq!(mappings(), MAX_MAPPINGS);
     drop(held);
     trim_spares();
     assert_eq!(mappings(), 0);

@@ -31,8 +31,9 @@
 //! `tiercache_fleet_failing_marks_total`, `tiercache_fleet_locks_lost_total`,
 //! `tiercache_l1_bytes`, `tiercache_l1_entries`, `tiercache_hit_ratio` (gauges);
 //! for the process (see `tiercache_core::body`): `tiercache_body_mappings`
-//! (gauge: large bodies' page mappings, spares included) and
-//! `tiercache_body_heap_fallbacks_total` (large bodies stored on the heap:
+//! (gauge: the page mappings of large bodies and L2 envelopes, spares
+//! included) and `tiercache_body_heap_fallbacks_total` (large bodies and
+//! envelopes stored on the heap:
 //! past the mappings' cap, or refused one by the system).
 //!
 //! Each series is registered on its first use, so a scrape shows what

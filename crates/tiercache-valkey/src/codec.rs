@@ -73,7 +73,7 @@ pub(crate) fn encode_after(prefix: &[u8], entry: &Entry) -> Bytes {
     // L1 keeps a large body. On the allocator's heap, a flood's envelopes
     // (as large as their bodies, freed once written) left pages of each
     // size class partly used: bodies of ten sizes from 16 to 88 KiB held
-    // 1.17-1.22x a 32 MiB budget with Valkey on, 1.07-1.15x now (for
+    // 1.14-1.22x a 32 MiB budget with Valkey on, 1.07-1.15x now (for
     // ~10 % more CPU in such a flood of misses: mapping, zeroing).
     let mut out = Out(BodyBuilder::exact(
         prefix.len() + HEADER_LEN + payload_len + CHECKSUM_LEN,

@@ -333,6 +333,29 @@ mod tests {
         }
     }
 
+    /// A shared answer, small (on the heap) or large (in a page mapping),
+    /// is heard as sent: its envelope read after the tag, failed or not.
+    #[test]
+    fn a_shared_answer_is_heard_as_sent_whatever_its_size() {
+        let now = std::time::SystemTime::now();
+        for size in [10, tiercache_core::body::mapped_from() + 10] {
+            let answer = tiercache_core::Entry::new(
+                "k".into(),
+                Bytes::new(),
+                tiercache_core::Value::from_body(vec![b'a'; size]),
+                tiercache_core::Times::fresh(now, now + Duration::from_secs(1)),
+                Duration::ZERO,
+            );
+            for failed in [false, true] {
+                let message = unlock_message(&Unlocked::Shared(answer.clone(), failed));
+                let Unlocked::Shared(heard, heard_failed) = read_unlock_message(&message) else {
+                    panic!("a {size}-byte answer was not heard as shared");
+                };
+                assert_eq!((heard.value(), heard_failed), (answer.value(), failed));
+            }
+        }
+    }
+
     /// A failure page too large to carry still tells the waiters the load
     /// failed (they would each call the failing origin); a large answer
     /// that is no failure sends them to load it.

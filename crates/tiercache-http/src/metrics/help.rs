@@ -184,11 +184,11 @@ pub(super) const HELP: &[(&str, Kind, &str)] = &[
     (
         "tiercache_body_mappings",
         Kind::Gauge,
-        "Page mappings of large bodies, spares included.",
+        "Page mappings of large bodies and L2 envelopes, spares included.",
     ),
     (
         "tiercache_body_heap_fallbacks_total",
         Kind::Counter,
-        "Large bodies stored on the heap: past the mappings' cap, or refused one by the system.",
+        "Large bodies (and L2 envelopes) stored on the heap: past the mappings' cap, or refused one by the system.",
     ),
 ];
