@@ -4,9 +4,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{HeaderMap, Request, Response, StatusCode};
+use axum::http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use tiercache::core::MockClock;
+use tiercache::http::{NothingStored, StoredOnly};
 use tiercache::{Policy, ResponseCacheLayer, TieredCache};
 use tiercache_testkit::http::BreaksOff;
 use tiercache_testkit::{Counter, Gate, bounded, eventually};
@@ -56,6 +57,8 @@ struct Origin {
     calls: Counter,
     mode: Arc<Mutex<Mode>>,
     seen: Arc<Mutex<Vec<HeaderMap>>>,
+    /// Calls that carried [`StoredOnly`].
+    marked: Counter,
 }
 
 impl Origin {
@@ -64,6 +67,7 @@ impl Origin {
             calls: Counter::new(),
             mode: Arc::new(Mutex::new(Mode::Ok(&[]))),
             seen: Arc::default(),
+            marked: Counter::new(),
         }
     }
 
@@ -84,6 +88,9 @@ impl Origin {
             async move {
                 let n = origin.calls.bump();
                 origin.seen.lock().unwrap().push(req.headers().clone());
+                if req.extensions().get::<StoredOnly>().is_some() {
+                    origin.marked.bump();
+                }
                 let mode = origin.mode.lock().unwrap().clone();
                 let etag = "\"v1\"";
                 match mode {
@@ -269,6 +276,33 @@ impl Harness {
             Err(e) => format!("body error: {e}"),
         };
         (parts.status, parts.headers, body)
+    }
+
+    /// `method path` with `fields`, marked [`StoredOnly`]: its status,
+    /// whether the cache marked it [`NothingStored`], its body.
+    async fn stored_only(
+        &self,
+        method: Method,
+        path: &str,
+        fields: &[(&str, &str)],
+    ) -> (StatusCode, bool, String) {
+        let svc = self.layer.layer(self.origin.service());
+        let mut req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "t");
+        for (name, value) in fields {
+            req = req.header(*name, *value);
+        }
+        let mut req = req.body(Body::empty()).unwrap();
+        req.extensions_mut().insert(StoredOnly);
+        let res = svc.oneshot(req).await.expect("the cache answers");
+        let (status, nothing) = (
+            res.status(),
+            res.extensions().get::<NothingStored>().is_some(),
+        );
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        (status, nothing, String::from_utf8_lossy(&body).into_owned())
     }
 
     fn advance(&self, ms: u64) {
@@ -1270,6 +1304,44 @@ async fn an_only_if_cached_answer_refreshes_without_the_directive() {
         .await;
     assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
     assert_eq!(t.origin.calls.get(), 2);
+}
+
+/// A request marked [`StoredOnly`] (what the proxy does at its bound on
+/// requests in flight) is answered as `only-if-cached` asks, the field
+/// never sent: a stale entry within its window answers and its refresh
+/// reaches the origin unmarked; nothing stored, or a GET the cache
+/// bypasses, is the cache's own 504, marked [`NothingStored`], the origin
+/// never asked; a write passes on still marked, for the service behind to
+/// refuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_marked_stored_only_never_reaches_the_origin_from_the_cache() {
+    let t = stale_p(true).await;
+    let (status, nothing, body) = t.stored_only(Method::GET, "/p", &[]).await;
+    assert_eq!(
+        (status, nothing, body.as_str()),
+        (StatusCode::OK, false, "body 1")
+    );
+    t.origin.calls.reached(2).await;
+    let engine = t.engine.clone();
+    eventually("the refresh to finish", || engine.in_flight() == 0).await;
+    assert_eq!(t.origin.marked.get(), 0, "the refresh went marked");
+    for (path, fields) in [("/cold", &[][..]), ("/p", &[("cookie", "session=1")][..])] {
+        let (status, nothing, _) = t.stored_only(Method::GET, path, fields).await;
+        assert_eq!(
+            (status, nothing),
+            (StatusCode::GATEWAY_TIMEOUT, true),
+            "{path} {fields:?}"
+        );
+        let (status, nothing, body) = t.stored_only(Method::HEAD, path, fields).await;
+        assert_eq!(
+            (status, nothing, body.as_str()),
+            (StatusCode::GATEWAY_TIMEOUT, true, "")
+        );
+    }
+    assert_eq!(t.origin.calls.get(), 2, "the origin was asked");
+    let (status, nothing, _) = t.stored_only(Method::POST, "/p", &[]).await;
+    assert_eq!((status, nothing), (StatusCode::OK, false));
+    assert_eq!(t.origin.marked.get(), 1, "the write went unmarked");
 }
 
 /// A response stored without a `Date` is dated when the cache received it

@@ -164,6 +164,7 @@ impl Route {
             ))
         });
         *res.status_mut() = StatusCode::GATEWAY_TIMEOUT;
+        res.extensions_mut().insert(crate::NothingStored);
         self.metrics.not_cached();
         self.label(res.headers_mut(), &Outcome::NotCached);
         res

@@ -23,6 +23,7 @@ use crate::origin::HttpOrigin;
 use crate::paths::Invalidate;
 use crate::request::{asks_only_if_cached, drop_only_if_cached, prepare};
 use crate::route::{Ask, OwnedView, RequestView, Route};
+use crate::stored_only::stored_only;
 use crate::write::write_through;
 
 /// Caches the responses of `S`; built by [`ResponseCacheLayer`].
@@ -132,7 +133,7 @@ where
             // Nothing is stored for a request that skips the cache.
             Err(_)
                 if (parts.method == http::Method::GET || parts.method == http::Method::HEAD)
-                    && asks_only_if_cached(&parts.headers) =>
+                    && (asks_only_if_cached(&parts.headers) || stored_only(&parts)) =>
             {
                 let head = parts.method == http::Method::HEAD;
                 return ResponseFuture::ready(route.not_cached(head));
@@ -150,7 +151,7 @@ where
         };
         // A reload the route honours, and no origin: nothing stored may
         // answer without validation, and validating asks the origin.
-        if prepared.only_if_cached && prepared.reload {
+        if prepared.reload && (prepared.only_if_cached || stored_only(&parts)) {
             return ResponseFuture::ready(route.not_cached(prepared.head));
         }
         let ask = Ask {
@@ -202,6 +203,7 @@ where
                     if prepared.only_if_cached {
                         drop_only_if_cached(&mut parts.headers);
                     }
+                    parts.extensions.remove::<crate::StoredOnly>();
                     // Kept while the refresh runs (see below).
                     crate::own_head::own_head(&mut parts);
                     let origin = HttpOrigin {
@@ -221,7 +223,7 @@ where
         // Kept while the load runs, or while another's does: copied out
         // of the connection's read buffer, which it would pin.
         crate::own_head::own_head(&mut parts);
-        if prepared.only_if_cached {
+        if prepared.only_if_cached || stored_only(&parts) {
             // From storage alone: L2 (L1 has just missed), or a 504.
             let select = OwnedView {
                 route: route.clone(),

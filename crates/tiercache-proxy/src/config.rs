@@ -62,6 +62,11 @@ pub struct ProxyConfig {
     /// Most client connections open at once (see
     /// [`DEFAULT_MAX_CONNECTIONS`](Self::DEFAULT_MAX_CONNECTIONS)).
     pub max_connections: usize,
+    /// Most requests in flight at once: those not answered on the spot
+    /// (waiting on the upstream, on Valkey, or on another request's load);
+    /// past it a request is answered 503 at once. An L1 hit never counts
+    /// (see [`DEFAULT_MAX_REQUESTS_IN_FLIGHT`](Self::DEFAULT_MAX_REQUESTS_IN_FLIGHT)).
+    pub max_requests_in_flight: usize,
     /// Stale-while-revalidate window.
     pub stale_while_revalidate: Duration,
     /// Stale-if-error window.
@@ -122,6 +127,12 @@ impl ProxyConfig {
     /// file descriptors run out.
     pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 
+    /// The default `max_requests_in_flight`: 10,000, so HTTP/2 (up to 128
+    /// requests a connection) holds no more than HTTP/1.1 at its
+    /// connections' bound. Each costs 13 to 75 KiB while it waits (the
+    /// README's memory section): 10,000 of them up to ~750 MiB beside L1.
+    pub const DEFAULT_MAX_REQUESTS_IN_FLIGHT: usize = 10_000;
+
     /// Defaults: listen on `127.0.0.1:8080`, explicit freshness only (no
     /// ttl), jitter 0.1, max body 8 MiB, L1 256 MiB.
     pub fn new(upstream: Uri) -> Self {
@@ -142,6 +153,7 @@ impl ProxyConfig {
             upstream_idle_timeout: crate::forward::Forward::DEFAULT_IDLE_TIMEOUT,
             client_timeout: Self::DEFAULT_CLIENT_TIMEOUT,
             max_connections: Self::DEFAULT_MAX_CONNECTIONS,
+            max_requests_in_flight: Self::DEFAULT_MAX_REQUESTS_IN_FLIGHT,
             stale_while_revalidate: Duration::ZERO,
             stale_if_error: Duration::ZERO,
             negative_ttl: None,
@@ -283,6 +295,10 @@ impl ProxyConfig {
                 "max_connections",
                 self.max_connections != new.max_connections,
             ),
+            (
+                "max_requests_in_flight",
+                self.max_requests_in_flight != new.max_requests_in_flight,
+            ),
         ]
         .into_iter()
         .filter_map(|(name, changed)| changed.then_some(name))
@@ -382,6 +398,13 @@ impl ProxyConfig {
     /// `--max-connections`; default 10,000).
     pub fn max_connections(mut self, n: usize) -> Self {
         self.max_connections = n;
+        self
+    }
+
+    /// Sets the most requests in flight at once, an L1 hit never counted
+    /// (like `--max-requests-in-flight`; default 10,000).
+    pub fn max_requests_in_flight(mut self, n: usize) -> Self {
+        self.max_requests_in_flight = n;
         self
     }
 

@@ -60,6 +60,11 @@ impl ProxyConfig {
                 "`--max-connections` (`max_connections` in a config file): at least 1".into(),
             ));
         }
+        permits(
+            self.max_requests_in_flight,
+            "--max-requests-in-flight",
+            "max_requests_in_flight",
+        )?;
         // What building the cache layer refuses, for the defaults and each
         // cached route, so `--check-config` says so too.
         self.check_layer().map_err(ProxyError::Config)?;

@@ -13,6 +13,7 @@
 //! upstream_idle_timeout = "4s"              # below the upstream's keep-alive timeout (default 60s)
 //! client_timeout = "75s"                    # a client's head, its idle keep-alive connection, an unread answer
 //! max_connections = 10000                   # client connections at once; past it new ones wait
+//! max_requests_in_flight = 10000            # requests waiting at once (an L1 hit never); past it a 503
 //! l1_capacity = "256MiB"
 //!
 //! [defaults]                                # any policy field or safety option
@@ -160,6 +161,7 @@ struct File {
     #[serde(default, deserialize_with = "tiercache_core::deserialize_duration")]
     client_timeout: Option<Duration>,
     max_connections: Option<usize>,
+    max_requests_in_flight: Option<usize>,
     #[serde(default, deserialize_with = "size")]
     l1_capacity: Option<u64>,
     max_refreshes: Option<usize>,
@@ -256,6 +258,9 @@ pub fn parse(text: &str, name: &str) -> Result<FileConfig, ProxyError> {
     }
     if let Some(n) = file.max_connections {
         config.max_connections = n;
+    }
+    if let Some(n) = file.max_requests_in_flight {
+        config.max_requests_in_flight = n;
     }
     if let Some(timeout) = file.origin_timeout {
         config.origin_timeout = timeout;

@@ -388,6 +388,14 @@ impl tower::Service<Request<Body>> for Forward {
                 async move { Ok(own_answer(StatusCode::BAD_REQUEST, text.into(), head)) },
             );
         }
+        // Asked of storage alone, at the bound on requests in flight.
+        if req
+            .extensions()
+            .get::<tiercache_http::StoredOnly>()
+            .is_some()
+        {
+            return Box::pin(async move { Ok(crate::in_flight::not_forwarded(head)) });
+        }
         let upstream = self.upstream_request(req);
         let again = resendable(&upstream);
         let timeout = self.timeout;

@@ -45,6 +45,7 @@ mod connector;
 pub mod forward;
 pub mod give_back;
 mod host;
+mod in_flight;
 mod l2_log;
 mod own_answers;
 mod prometheus;
@@ -168,6 +169,7 @@ impl Proxy {
         let app = routes::Dispatch {
             table: table.clone(),
         };
+        let app = in_flight::Bounded::new(app, config.max_requests_in_flight, &*recorder);
 
         let (listener, addr) = bind(config.listen).await?;
         let client_timeout = config.client_timeout;

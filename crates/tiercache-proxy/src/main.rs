@@ -103,6 +103,11 @@ struct Args {
     /// kernel's backlog until one closes [default: 10000]
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
+    /// Most requests in flight at once (waiting on the upstream, Valkey or
+    /// another's load; an L1 hit never counts); past it a request is
+    /// answered 503 at once, with Retry-After: 1 [default: 10000]
+    #[arg(long, value_name = "N")]
+    max_requests_in_flight: Option<usize>,
     /// Serve an expired entry for this long while one background refresh runs.
     #[arg(long, default_value = "0s", value_parser = parse_duration)]
     stale_while_revalidate: Duration,
@@ -248,6 +253,9 @@ fn settings(args: &Args, matches: &ArgMatches) -> Result<ProxyConfig, String> {
     }
     if let Some(n) = args.max_connections {
         config.max_connections = n;
+    }
+    if let Some(n) = args.max_requests_in_flight {
+        config.max_requests_in_flight = n;
     }
     if let Some(timeout) = args.origin_timeout {
         config.origin_timeout = timeout;

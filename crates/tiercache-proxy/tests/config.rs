@@ -397,6 +397,15 @@ async fn check_config_validates_and_exits() {
             ][..],
             "`--upstream-idle-timeout`",
         ),
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--max-requests-in-flight",
+                "0",
+            ][..],
+            "`--max-requests-in-flight`",
+        ),
         // Past a day the proxy panicked on the first body frame.
         (
             &[
@@ -531,12 +540,16 @@ async fn a_reload_names_the_changed_settings_it_leaves_until_a_restart() {
     let same = parse("admin_token = \"an-old-token-of-16+\"\n");
     assert_eq!(proxy.reload(&same).unwrap(), Vec::<&str>::new());
     let mut changed = parse(
-        "admin_token = \"a-new-token-of-16+\"\nl1_capacity = \"8MiB\"\nupstream_max_connections = 4\n",
+        "admin_token = \"a-new-token-of-16+\"\nl1_capacity = \"8MiB\"\nupstream_max_connections = 4\nmax_requests_in_flight = 64\n",
     );
     changed.jitter = 0.1;
     assert_eq!(
         proxy.reload(&changed).unwrap(),
-        ["l1_capacity", "upstream_max_connections"],
+        [
+            "l1_capacity",
+            "upstream_max_connections",
+            "max_requests_in_flight"
+        ],
         "the routes' own settings (jitter) and the admin token are applied, not named"
     );
 }

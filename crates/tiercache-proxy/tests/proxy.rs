@@ -38,6 +38,20 @@ async fn upstream() -> (Server, Upstream) {
         )
         .route("/none", get(|| async { StatusCode::NO_CONTENT }))
         .route(
+            "/drip",
+            get(|State(u): State<Upstream>| async move {
+                u.calls.bump();
+                let rest = Box::pin(async move {
+                    u.gate.passed().await;
+                    axum::body::Bytes::from_static(b"rest")
+                });
+                Body::new(Drip(
+                    Some(axum::body::Bytes::from_static(b"first ")),
+                    Some(rest),
+                ))
+            }),
+        )
+        .route(
             "/changed",
             get(|State(u): State<Upstream>, headers: HeaderMap| async move {
                 let n = u.calls.bump();
@@ -83,6 +97,34 @@ async fn upstream() -> (Server, Upstream) {
         )
         .with_state(state.clone());
     (Server::start(app).await, state)
+}
+
+/// A body of two chunks: the first at once, the second when its future
+/// (a gate) is ready.
+struct Drip(
+    Option<axum::body::Bytes>,
+    Option<std::pin::Pin<Box<dyn Future<Output = axum::body::Bytes> + Send>>>,
+);
+
+impl hyper::body::Body for Drip {
+    type Data = axum::body::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        use std::task::Poll;
+        if let Some(first) = self.0.take() {
+            return Poll::Ready(Some(Ok(hyper::body::Frame::data(first))));
+        }
+        let Some(rest) = self.1.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let rest = std::task::ready!(rest.as_mut().poll(cx));
+        self.1 = None;
+        Poll::Ready(Some(Ok(hyper::body::Frame::data(rest))))
+    }
 }
 
 async fn proxy_for(upstream: &Server) -> Proxy {
@@ -308,6 +350,133 @@ async fn at_most_the_capped_requests_reach_the_upstream_at_once() {
         assert_eq!(status, StatusCode::OK);
     }
     assert_eq!(state.calls.get(), 5);
+}
+
+/// Requests in flight are bounded in number, not only connections: over
+/// HTTP/2 each of 10,000 connections could hold 128 (1.37 GB for 600
+/// connections in an audit). Past `max_requests_in_flight`, a request that
+/// would wait (a miss, or a follower of another's load) is answered 503 at
+/// once; an L1 hit takes no place and is answered; the places come back
+/// once their answers are sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_requests_in_flight_a_wait_is_refused_and_a_hit_answered() {
+    let (server, state) = upstream().await;
+    let config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .admin(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .ttl(Duration::from_secs(60))
+        .max_requests_in_flight(2);
+    let proxy = Proxy::start(config).await.unwrap();
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr().unwrap());
+    let (_, headers, _) = fetch(get_req(addr, "/echo")).await;
+    assert_eq!(headers["x-cache"], "MISS");
+    // Two misses held at the upstream, on one HTTP/2 connection.
+    let (mut sender, _conn) = h2c(addr, None).await;
+    let held: Vec<_> = (0..2)
+        .map(|i| {
+            let mut sender = sender.clone();
+            let proxy_addr = format!("/slow?i={i}");
+            let req = Request::get(format!("http://{addr}{proxy_addr}"))
+                .version(http::Version::HTTP_2)
+                .body(Body::empty())
+                .unwrap();
+            tokio::spawn(async move { sender.send_request(req).await })
+        })
+        .collect();
+    eventually("two requests at the upstream", || state.calls.get() == 3).await;
+    let scrape = || async move {
+        let (_, _, text) = fetch(get_req(admin, "/metrics")).await;
+        text
+    };
+    // Each takes its place once it waits (its load may reach the upstream
+    // first).
+    let mut tries = 0;
+    while sample(&scrape().await, "tiercache_requests_in_flight", &[]) != 2.0 {
+        tries += 1;
+        assert!(tries < 500, "two places taken");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A third miss, and a follower of a held load: refused at once.
+    for path in ["/slow?i=2", "/slow?i=0"] {
+        let res = h2_get(&mut sender, &proxy, path).await;
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE, "{path}");
+        assert_eq!(res.headers()["retry-after"], "1", "{path}");
+        let text = read_whole(res).await;
+        assert!(
+            String::from_utf8_lossy(&text).contains("--max-requests-in-flight"),
+            "the refusal names its bound: {text:?}"
+        );
+    }
+    let (status, _, _) = fetch(get_req(addr, "/slow?i=3")).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "over HTTP/1.1 too");
+    // A write, which the cache never looks up: refused before the upstream.
+    let post = Request::post(format!("http://{addr}/echo"))
+        .body(Body::from("x"))
+        .unwrap();
+    let (status, headers, _) = fetch(post).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "a write");
+    assert_eq!(headers["retry-after"], "1");
+    assert_eq!(
+        state.calls.get(),
+        3,
+        "a refused request reached the upstream"
+    );
+    // A hit waits on nothing: answered.
+    let (status, headers, _) = fetch(get_req(addr, "/echo")).await;
+    assert_eq!(
+        (status, &headers["x-cache"]),
+        (StatusCode::OK, &"HIT".parse().unwrap())
+    );
+    state.gate.open();
+    for task in held {
+        let res = bounded("a held request", task).await.unwrap().unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        read_whole(res).await;
+    }
+    // Their places are back.
+    let (status, _, body) = fetch(get_req(addr, "/slow?i=4")).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "slow 4"));
+    let metrics = scrape().await;
+    assert_eq!(sample(&metrics, "tiercache_requests_shed_total", &[]), 4.0);
+    assert_eq!(sample(&metrics, "tiercache_requests_in_flight", &[]), 0.0);
+}
+
+/// A place is held until the answer's body is sent, not only its head: a
+/// body streamed from the upstream holds the upstream's connection and
+/// buffers while it lasts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_place_is_held_until_its_answer_is_sent() {
+    let (server, state) = upstream().await;
+    let config = ProxyConfig::new(server.url().parse().unwrap())
+        .listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .max_requests_in_flight(1);
+    let proxy = Proxy::start(config).await.unwrap();
+    // `/drip` sends its first chunk, then waits on the gate for the rest.
+    let res = client()
+        .request(get_req(proxy.addr(), "/drip"))
+        .await
+        .expect("the proxy answers");
+    assert_eq!(res.status(), StatusCode::OK);
+    let (status, _, _) = fetch(get_req(proxy.addr(), "/echo")).await;
+    assert_eq!(
+        status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the body's place was given back"
+    );
+    state.gate.open();
+    let body = bounded("the body", res.into_body().collect())
+        .await
+        .unwrap();
+    assert_eq!(body.to_bytes(), "first rest");
+    let mut tries = 0;
+    while fetch(get_req(proxy.addr(), "/echo")).await.0 != StatusCode::OK {
+        tries += 1;
+        assert!(
+            tries < 100,
+            "the place did not come back once the body was sent"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// An answer's length from `/large`: past an HTTP/2 client's first window,

@@ -1,0 +1,63 @@
+//! [`StoredOnly`]: a request answered from storage or not at all, asked by
+//! the server in front rather than by the client.
+
+/// A request extension: answer this request from storage (L1, then L2) or
+/// not at all, as `Cache-Control: only-if-cached` asks (RFC 9111
+/// §5.2.1.7), without that field reaching anyone. Nothing stored answering
+/// it, the cache answers 504 itself, marked [`NothingStored`], and never
+/// calls the inner service for it. A stale entry the policy allows is
+/// answered, and its refresh (which goes to the origin) runs without the
+/// mark.
+///
+/// A server at its bound on requests in flight sets it to answer the hits
+/// it holds while it refuses the rest (the proxy's
+/// `--max-requests-in-flight`). A GET or HEAD the cache bypasses (a cookie,
+/// credentials, a body) is answered as nothing stored; a request of
+/// another method, which the cache never looks up, reaches the inner
+/// service still carrying it, for that service to refuse.
+///
+/// ```
+/// use std::convert::Infallible;
+/// use std::time::Duration;
+/// use tiercache_core::{Policy, TieredCache};
+/// use tiercache_http::{NothingStored, ResponseCacheLayer, StoredOnly};
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let cache = ResponseCacheLayer::new(TieredCache::builder().build()?)
+///     .route(Policy::ttl(Duration::from_secs(30)))?;
+/// let origin = service_fn(|_: http::Request<String>| async {
+///     Ok::<_, Infallible>(http::Response::new("report".to_string()))
+/// });
+/// let service = cache.layer(origin);
+/// let ask = |stored_only: bool| {
+///     let mut req = http::Request::get("http://example.com/report").body(String::new()).unwrap();
+///     if stored_only {
+///         req.extensions_mut().insert(StoredOnly);
+///     }
+///     req
+/// };
+/// // Nothing stored yet: a 504, the origin never asked.
+/// let answer = service.clone().oneshot(ask(true)).await?;
+/// assert_eq!(answer.status(), 504);
+/// assert!(answer.extensions().get::<NothingStored>().is_some());
+/// // Stored by a request of its own, then answered from storage.
+/// service.clone().oneshot(ask(false)).await?;
+/// let answer = service.oneshot(ask(true)).await?;
+/// assert_eq!(answer.status(), 200);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoredOnly;
+
+/// A response extension on the cache's own 504 to a request asked from
+/// storage only (`only-if-cached`, or [`StoredOnly`]) that nothing stored
+/// answers: the server in front may replace it with its own answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NothingStored;
+
+/// Whether `parts` carries [`StoredOnly`] (a map lookup: kept off the hit
+/// path).
+pub(crate) fn stored_only(parts: &http::request::Parts) -> bool {
+    parts.extensions.get::<StoredOnly>().is_some()
+}
