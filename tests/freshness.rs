@@ -282,6 +282,7 @@ impl Harness {
     /// whether the cache marked it [`NothingStored`], its body.
     async fn stored_only(
         &self,
+        mark: StoredOnly,
         method: Method,
         path: &str,
         fields: &[(&str, &str)],
@@ -295,7 +296,7 @@ impl Harness {
             req = req.header(*name, *value);
         }
         let mut req = req.body(Body::empty()).unwrap();
-        req.extensions_mut().insert(StoredOnly);
+        req.extensions_mut().insert(mark);
         let res = svc.oneshot(req).await.expect("the cache answers");
         let (status, nothing) = (
             res.status(),
@@ -1316,7 +1317,7 @@ async fn an_only_if_cached_answer_refreshes_without_the_directive() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_marked_stored_only_never_reaches_the_origin_from_the_cache() {
     let t = stale_p(true).await;
-    let (status, nothing, body) = t.stored_only(Method::GET, "/p", &[]).await;
+    let (status, nothing, body) = t.stored_only(StoredOnly::L1, Method::GET, "/p", &[]).await;
     assert_eq!(
         (status, nothing, body.as_str()),
         (StatusCode::OK, false, "body 1")
@@ -1325,21 +1326,27 @@ async fn a_request_marked_stored_only_never_reaches_the_origin_from_the_cache() 
     let engine = t.engine.clone();
     eventually("the refresh to finish", || engine.in_flight() == 0).await;
     assert_eq!(t.origin.marked.get(), 0, "the refresh went marked");
-    for (path, fields) in [("/cold", &[][..]), ("/p", &[("cookie", "session=1")][..])] {
-        let (status, nothing, _) = t.stored_only(Method::GET, path, fields).await;
-        assert_eq!(
-            (status, nothing),
-            (StatusCode::GATEWAY_TIMEOUT, true),
-            "{path} {fields:?}"
-        );
-        let (status, nothing, body) = t.stored_only(Method::HEAD, path, fields).await;
-        assert_eq!(
-            (status, nothing, body.as_str()),
-            (StatusCode::GATEWAY_TIMEOUT, true, "")
-        );
+    for mark in [StoredOnly::Anywhere, StoredOnly::L1] {
+        for (path, fields) in [("/cold", &[][..]), ("/p", &[("cookie", "session=1")][..])] {
+            let (status, nothing, _) = t.stored_only(mark, Method::GET, path, fields).await;
+            let asked = format!("{mark:?} {path} {fields:?}");
+            assert_eq!(
+                (status, nothing),
+                (StatusCode::GATEWAY_TIMEOUT, true),
+                "{asked}"
+            );
+            let (status, nothing, body) = t.stored_only(mark, Method::HEAD, path, fields).await;
+            assert_eq!(
+                (status, nothing, body.as_str()),
+                (StatusCode::GATEWAY_TIMEOUT, true, ""),
+                "HEAD {asked}"
+            );
+        }
     }
     assert_eq!(t.origin.calls.get(), 2, "the origin was asked");
-    let (status, nothing, _) = t.stored_only(Method::POST, "/p", &[]).await;
+    let (status, nothing, _) = t
+        .stored_only(StoredOnly::Anywhere, Method::POST, "/p", &[])
+        .await;
     assert_eq!((status, nothing), (StatusCode::OK, false));
     assert_eq!(t.origin.marked.get(), 1, "the write went unmarked");
 }

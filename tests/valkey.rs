@@ -9,6 +9,7 @@ use axum::http::{HeaderMap, Request, StatusCode};
 use axum::routing::get;
 use http_body_util::BodyExt;
 use tiercache::core::{CacheKey, Fill, Value};
+use tiercache::http::{NothingStored, StoredOnly};
 use tiercache::valkey::{ValkeyConfig, ValkeyTier};
 use tiercache::{Policy, ResponseCacheLayer, TieredCache};
 use tiercache_testkit::{Counter, Fault, FaultProxy, ValkeyServer, bounded, eventually};
@@ -152,6 +153,39 @@ async fn a_restarted_instance_answers_from_l2_for_no_longer_than_the_servers_ptt
     assert_eq!(h(&headers, "x-cache-tier"), "l1");
     assert_eq!(calls.get(), 1);
     assert_eq!(restarted_engine.stats().hits_l2, 1);
+}
+
+/// A request marked `StoredOnly::L1` (the proxy at its bound on requests
+/// in flight) is answered from L1 alone: a copy only in Valkey is not read,
+/// so nothing waits on Valkey; `StoredOnly::Anywhere` reads it, as a
+/// client's `only-if-cached` does. Neither asks the origin.
+#[tokio::test]
+async fn a_request_marked_l1_only_does_not_wait_on_valkey() {
+    let server = ValkeyServer::start();
+    let calls = Counter::new();
+    let first = app(&engine(tier(&server.url(), "tc").await), &calls);
+    send(&first, "/p/7").await;
+    wait_for_keys(&server, "tc:*", 1).await;
+    let other_engine = engine(tier(&server.url(), "tc").await);
+    let other = app(&other_engine, &calls);
+    let marked = |mark: StoredOnly| {
+        let mut req = Request::get("/p/7")
+            .header("host", "shop.test")
+            .body(Body::empty())
+            .unwrap();
+        req.extensions_mut().insert(mark);
+        other.clone().oneshot(req)
+    };
+    let answer = marked(StoredOnly::L1).await.unwrap();
+    assert_eq!(answer.status(), StatusCode::GATEWAY_TIMEOUT);
+    assert!(answer.extensions().get::<NothingStored>().is_some());
+    assert_eq!(other_engine.stats().hits_l2, 0, "Valkey was read");
+    let answer = marked(StoredOnly::Anywhere).await.unwrap();
+    assert_eq!(
+        (answer.status(), h(answer.headers(), "x-cache-tier")),
+        (StatusCode::OK, "l2")
+    );
+    assert_eq!(calls.get(), 1, "the origin was asked");
 }
 
 #[tokio::test]

@@ -23,7 +23,7 @@ use crate::origin::HttpOrigin;
 use crate::paths::Invalidate;
 use crate::request::{asks_only_if_cached, drop_only_if_cached, prepare};
 use crate::route::{Ask, OwnedView, RequestView, Route};
-use crate::stored_only::stored_only;
+use crate::stored_only::{StoredOnly, stored_only};
 use crate::write::write_through;
 
 /// Caches the responses of `S`; built by [`ResponseCacheLayer`].
@@ -133,7 +133,7 @@ where
             // Nothing is stored for a request that skips the cache.
             Err(_)
                 if (parts.method == http::Method::GET || parts.method == http::Method::HEAD)
-                    && (asks_only_if_cached(&parts.headers) || stored_only(&parts)) =>
+                    && (asks_only_if_cached(&parts.headers) || stored_only(&parts).is_some()) =>
             {
                 let head = parts.method == http::Method::HEAD;
                 return ResponseFuture::ready(route.not_cached(head));
@@ -151,7 +151,7 @@ where
         };
         // A reload the route honours, and no origin: nothing stored may
         // answer without validation, and validating asks the origin.
-        if prepared.reload && (prepared.only_if_cached || stored_only(&parts)) {
+        if prepared.reload && (prepared.only_if_cached || stored_only(&parts).is_some()) {
             return ResponseFuture::ready(route.not_cached(prepared.head));
         }
         let ask = Ask {
@@ -220,10 +220,15 @@ where
             }
             Begin::Miss(miss) => miss,
         };
+        let mark = stored_only(&parts);
+        if mark == Some(StoredOnly::L1) {
+            // On the spot or not at all: L1 has just missed.
+            return ResponseFuture::ready(route.not_cached(ask.head));
+        }
         // Kept while the load runs, or while another's does: copied out
         // of the connection's read buffer, which it would pin.
         crate::own_head::own_head(&mut parts);
-        if prepared.only_if_cached || stored_only(&parts) {
+        if prepared.only_if_cached || mark.is_some() {
             // From storage alone: L2 (L1 has just missed), or a 504.
             let select = OwnedView {
                 route: route.clone(),

@@ -64,7 +64,7 @@ pub struct ProxyConfig {
     pub max_connections: usize,
     /// Most requests in flight at once: those not answered on the spot
     /// (waiting on the upstream, on Valkey, or on another request's load);
-    /// past it a request is answered 503 at once. An L1 hit never counts
+    /// past it a request is answered from L1 or 503 at once. An L1 hit never counts
     /// (see [`DEFAULT_MAX_REQUESTS_IN_FLIGHT`](Self::DEFAULT_MAX_REQUESTS_IN_FLIGHT)).
     pub max_requests_in_flight: usize,
     /// Stale-while-revalidate window.

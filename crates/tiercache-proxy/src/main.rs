@@ -105,7 +105,7 @@ struct Args {
     max_connections: Option<usize>,
     /// Most requests in flight at once (waiting on the upstream, Valkey or
     /// another's load; an L1 hit never counts); past it a request is
-    /// answered 503 at once, with Retry-After: 1 [default: 10000]
+    /// answered from L1 or 503 at once, with Retry-After: 1 [default: 10000]
     #[arg(long, value_name = "N")]
     max_requests_in_flight: Option<usize>,
     /// Serve an expired entry for this long while one background refresh runs.

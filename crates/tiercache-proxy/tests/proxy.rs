@@ -366,6 +366,8 @@ async fn past_the_requests_in_flight_a_wait_is_refused_and_a_hit_answered() {
         .admin(SocketAddr::from(([127, 0, 0, 1], 0)))
         .ttl(Duration::from_secs(60))
         .max_requests_in_flight(2);
+    let mut config = config;
+    config.routes = vec![tiercache_proxy::routes::Route::pass("/large")];
     let proxy = Proxy::start(config).await.unwrap();
     let (addr, admin) = (proxy.addr(), proxy.admin_addr().unwrap());
     let (_, headers, _) = fetch(get_req(addr, "/echo")).await;
@@ -375,8 +377,8 @@ async fn past_the_requests_in_flight_a_wait_is_refused_and_a_hit_answered() {
     let held: Vec<_> = (0..2)
         .map(|i| {
             let mut sender = sender.clone();
-            let proxy_addr = format!("/slow?i={i}");
-            let req = Request::get(format!("http://{addr}{proxy_addr}"))
+            let path = format!("/slow?i={i}");
+            let req = Request::get(format!("http://{addr}{path}"))
                 .version(http::Version::HTTP_2)
                 .body(Body::empty())
                 .unwrap();
@@ -416,6 +418,28 @@ async fn past_the_requests_in_flight_a_wait_is_refused_and_a_hit_answered() {
     let (status, headers, _) = fetch(post).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "a write");
     assert_eq!(headers["retry-after"], "1");
+    // A route that does not cache, and a HEAD: the same, no body for it.
+    let (status, _, _) = fetch(get_req(addr, "/large")).await;
+    assert_eq!(
+        status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "a route passed through"
+    );
+    let head = Request::head(format!("http://{addr}/slow?i=5"))
+        .body(Body::empty())
+        .unwrap();
+    let (status, headers, body) = fetch(head).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, "")
+    );
+    assert_eq!(headers["retry-after"], "1");
+    // A client's own `only-if-cached` keeps the cache's 504 (RFC 9111).
+    let asked = Request::get(format!("http://{addr}/slow?i=6"))
+        .header("cache-control", "only-if-cached")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(fetch(asked).await.0, StatusCode::GATEWAY_TIMEOUT);
     assert_eq!(
         state.calls.get(),
         3,
@@ -433,12 +457,17 @@ async fn past_the_requests_in_flight_a_wait_is_refused_and_a_hit_answered() {
         assert_eq!(res.status(), StatusCode::OK);
         read_whole(res).await;
     }
-    // Their places are back.
+    // Their places are back once their streams' tasks have let go.
+    let mut tries = 0;
+    while sample(&scrape().await, "tiercache_requests_in_flight", &[]) != 0.0 {
+        tries += 1;
+        assert!(tries < 500, "the places came back");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let (status, _, body) = fetch(get_req(addr, "/slow?i=4")).await;
     assert_eq!((status, body.as_str()), (StatusCode::OK, "slow 4"));
     let metrics = scrape().await;
-    assert_eq!(sample(&metrics, "tiercache_requests_shed_total", &[]), 4.0);
-    assert_eq!(sample(&metrics, "tiercache_requests_in_flight", &[]), 0.0);
+    assert_eq!(sample(&metrics, "tiercache_requests_shed_total", &[]), 6.0);
 }
 
 /// A place is held until the answer's body is sent, not only its head: a
