@@ -444,6 +444,20 @@ async fn spares_the_fleet_unless_outlasted() -> bool {
 /// failing, and B's stale hit a moment later starts none that calls it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refresh_failed_on_one_instance_spares_the_fleet_its_call() {
+    // As above: a run in which B's refresh came past half the mark's
+    // one-second life shows nothing either way, and starts over.
+    for _ in 0..5 {
+        if a_refresh_spares_the_fleet_unless_outlasted().await {
+            return;
+        }
+    }
+    panic!("five runs in a row outlasted the fleet's one-second mark");
+}
+
+/// One run of the test above on a server of its own: false, asserting
+/// nothing more, when B's refresh ended past half the mark's life after
+/// the mark was seen.
+async fn a_refresh_spares_the_fleet_unless_outlasted() -> bool {
     let server = ValkeyServer::start();
     let clock = tiercache::core::MockClock::new();
     let calls = Counter::new();
@@ -463,15 +477,22 @@ async fn a_refresh_failed_on_one_instance_spares_the_fleet_its_call() {
         }
     })
     .await;
+    // Real time, as the mark's life on Valkey is.
+    let seen = std::time::Instant::now();
     let (_, _, body) = send(b, "GET", "/e").await;
     assert_eq!(body, "v1");
-    bounded("B's refresh to meet the mark", async {
-        while b_engine.stats().l2.failing_marks == 0 {
+    // B's refresh ends meeting the mark, or (past it) calling the origin.
+    bounded("B's refresh to end", async {
+        while b_engine.stats().l2.failing_marks == 0 && calls.get() == 2 {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     })
     .await;
+    if seen.elapsed() > Duration::from_millis(500) {
+        return false;
+    }
     assert_eq!(calls.get(), 2, "B's refresh asked the failing origin");
+    true
 }
 
 /// Instance A's load outlives its fleet lock (its origin silent past the

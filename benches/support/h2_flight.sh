@@ -16,26 +16,7 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${PROXY_BIN:-$ROOT/target/release/tiercache-proxy}
 DIR=$(mktemp -d)
 trap 'kill $PROXY $ORIGIN 2>/dev/null; wait 2>/dev/null; rm -rf "$DIR"' EXIT
-cat > "$DIR/origin.py" <<'PY'
-import asyncio, os
-SLOW = float(os.environ.get("SLOW", "6"))
-async def handle(r, w):
-    try:
-        while True:
-            await r.readuntil(b"\r\n\r\n")
-            await asyncio.sleep(SLOW)
-            w.write(b"HTTP/1.1 200 OK\r\ncache-control: max-age=600\r\ncontent-length: 1024\r\n\r\n" + b"x" * 1024)
-            await w.drain()
-    except Exception:
-        pass
-    finally:
-        w.close()
-async def main():
-    async with await asyncio.start_server(handle, "127.0.0.1", 18191, backlog=16384) as s:
-        await s.serve_forever()
-asyncio.run(main())
-PY
-python3 "$DIR/origin.py" & ORIGIN=$!
+python3 "$ROOT/benches/support/slow_origin.py" & ORIGIN=$!
 "$BIN" --upstream http://127.0.0.1:18191 --listen 127.0.0.1:18192 --admin 127.0.0.1:18193 \
   --l1-capacity 32MiB --ttl 10m "$@" > "$DIR/proxy.log" 2>&1 & PROXY=$!
 sleep 1

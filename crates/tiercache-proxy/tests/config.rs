@@ -15,7 +15,7 @@ use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tiercache_proxy::{Proxy, ProxyConfig, config_file};
-use tiercache_testkit::http::h2c;
+use tiercache_testkit::http::{TwoChunks, h2c};
 use tiercache_testkit::valkey::free_port;
 use tiercache_testkit::{Counter, Server, bounded, eventually};
 
@@ -1234,34 +1234,6 @@ async fn an_http2_client_that_takes_no_data_is_cut_off() {
     }
 }
 
-/// A body of two chunks 35 s apart (a slow upstream).
-struct TwoChunks {
-    sent: u8,
-    gap: std::pin::Pin<Box<tokio::time::Sleep>>,
-}
-
-impl hyper::body::Body for TwoChunks {
-    type Data = axum::body::Bytes;
-    type Error = std::convert::Infallible;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
-        use std::task::Poll;
-        let chunk = match self.sent {
-            0 => "first ",
-            1 => match self.gap.as_mut().poll(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(()) => "second",
-            },
-            _ => return Poll::Ready(None),
-        };
-        self.sent += 1;
-        Poll::Ready(Some(Ok(hyper::body::Frame::data(chunk.into()))))
-    }
-}
-
 /// The other side of the watchdog above: a connection waiting on a slow
 /// upstream (35 s for a response's head, or between two chunks of its
 /// body: past two `--client-timeout`s, within `--origin-timeout`) waits on
@@ -1272,10 +1244,12 @@ async fn an_http2_response_waiting_on_a_slow_upstream_is_not_cut_off() {
         .route(
             "/slow-body",
             get(|| async {
-                let chunks = TwoChunks {
-                    sent: 0,
-                    gap: Box::pin(tokio::time::sleep(Duration::from_secs(35))),
-                };
+                // 35 s apart (a slow upstream), from now.
+                let gap = tokio::time::sleep(Duration::from_secs(35));
+                let chunks = TwoChunks::new("first ", async move {
+                    gap.await;
+                    "second"
+                });
                 ([("cache-control", "no-store")], Body::new(chunks))
             }),
         )

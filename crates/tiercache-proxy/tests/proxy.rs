@@ -13,7 +13,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tiercache_proxy::{Proxy, ProxyConfig, Undelivered};
-use tiercache_testkit::http::h2c;
+use tiercache_testkit::http::{TwoChunks, h2c};
 use tiercache_testkit::{
     Counter, Fault, FaultProxy, Gate, Server, ValkeyServer, bounded, eventually,
 };
@@ -41,14 +41,10 @@ async fn upstream() -> (Server, Upstream) {
             "/drip",
             get(|State(u): State<Upstream>| async move {
                 u.calls.bump();
-                let rest = Box::pin(async move {
+                Body::new(TwoChunks::new("first ", async move {
                     u.gate.passed().await;
-                    axum::body::Bytes::from_static(b"rest")
-                });
-                Body::new(Drip(
-                    Some(axum::body::Bytes::from_static(b"first ")),
-                    Some(rest),
-                ))
+                    "rest"
+                }))
             }),
         )
         .route(
@@ -97,34 +93,6 @@ async fn upstream() -> (Server, Upstream) {
         )
         .with_state(state.clone());
     (Server::start(app).await, state)
-}
-
-/// A body of two chunks: the first at once, the second when its future
-/// (a gate) is ready.
-struct Drip(
-    Option<axum::body::Bytes>,
-    Option<std::pin::Pin<Box<dyn Future<Output = axum::body::Bytes> + Send>>>,
-);
-
-impl hyper::body::Body for Drip {
-    type Data = axum::body::Bytes;
-    type Error = std::convert::Infallible;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
-        use std::task::Poll;
-        if let Some(first) = self.0.take() {
-            return Poll::Ready(Some(Ok(hyper::body::Frame::data(first))));
-        }
-        let Some(rest) = self.1.as_mut() else {
-            return Poll::Ready(None);
-        };
-        let rest = std::task::ready!(rest.as_mut().poll(cx));
-        self.1 = None;
-        Poll::Ready(Some(Ok(hyper::body::Frame::data(rest))))
-    }
 }
 
 async fn proxy_for(upstream: &Server) -> Proxy {

@@ -75,6 +75,57 @@ impl axum::body::HttpBody for BreaksOff {
     }
 }
 
+/// A body of two chunks: `first` at once, then what `rest` yields once it
+/// is ready (a gate opened, a pause over): an upstream slow in the middle
+/// of its answer.
+pub struct TwoChunks {
+    first: Option<&'static str>,
+    rest: Option<std::pin::Pin<Box<dyn std::future::Future<Output = &'static str> + Send>>>,
+}
+
+impl std::fmt::Debug for TwoChunks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TwoChunks")
+            .field("first", &self.first)
+            .field("rest", &self.rest.as_ref().map(|_| "pending"))
+            .finish()
+    }
+}
+
+impl TwoChunks {
+    /// `first`, then `rest`'s output.
+    pub fn new(
+        first: &'static str,
+        rest: impl std::future::Future<Output = &'static str> + Send + 'static,
+    ) -> Self {
+        Self {
+            first: Some(first),
+            rest: Some(Box::pin(rest)),
+        }
+    }
+}
+
+impl axum::body::HttpBody for TwoChunks {
+    type Data = axum::body::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        use std::task::Poll;
+        if let Some(first) = self.first.take() {
+            return Poll::Ready(Some(Ok(hyper::body::Frame::data(first.into()))));
+        }
+        let Some(rest) = self.rest.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let rest = std::task::ready!(rest.as_mut().poll(cx));
+        self.rest = None;
+        Poll::Ready(Some(Ok(hyper::body::Frame::data(rest.into()))))
+    }
+}
+
 /// A body that never ends: server-sent events (`data: 0`, `data: 1`, …),
 /// one every `every`, the first at once, until its reader goes.
 ///
