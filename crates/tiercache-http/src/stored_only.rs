@@ -61,7 +61,9 @@ pub enum StoredOnly {
 
 /// A response extension on the cache's own 504 to a request asked from
 /// storage only (`only-if-cached`, or [`StoredOnly`]) that nothing stored
-/// answers: the server in front may replace it with its own answer.
+/// answers: the server in front may replace it with its own answer. (The
+/// proxy's upstream forwarder puts it on its 503 to a marked request it
+/// does not send, for the same reason.)
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct NothingStored;
 

@@ -64,8 +64,8 @@ pub struct ProxyConfig {
     pub max_connections: usize,
     /// Most requests in flight at once: those not answered on the spot
     /// (waiting on the upstream, on Valkey, or on another request's load);
-    /// past it a request is answered from L1 or 503 at once. An L1 hit never counts
-    /// (see [`DEFAULT_MAX_REQUESTS_IN_FLIGHT`](Self::DEFAULT_MAX_REQUESTS_IN_FLIGHT)).
+    /// past it a request is answered from L1 or 503 at once. An L1 hit holds
+    /// a place only until it is handed over (see [`DEFAULT_MAX_REQUESTS_IN_FLIGHT`](Self::DEFAULT_MAX_REQUESTS_IN_FLIGHT)).
     pub max_requests_in_flight: usize,
     /// Stale-while-revalidate window.
     pub stale_while_revalidate: Duration,
@@ -129,8 +129,8 @@ impl ProxyConfig {
 
     /// The default `max_requests_in_flight`: 10,000, so HTTP/2 (up to 128
     /// requests a connection) holds no more than HTTP/1.1 at its
-    /// connections' bound. Each costs 13 to 75 KiB while it waits (the
-    /// README's memory section): 10,000 of them up to ~750 MiB beside L1.
+    /// connections' bound. Each costs ~7 to ~51 KiB while it waits (the
+    /// README's memory section): 10,000 of them up to ~500 MiB beside L1.
     pub const DEFAULT_MAX_REQUESTS_IN_FLIGHT: usize = 10_000;
 
     /// Defaults: listen on `127.0.0.1:8080`, explicit freshness only (no
@@ -401,8 +401,8 @@ impl ProxyConfig {
         self
     }
 
-    /// Sets the most requests in flight at once, an L1 hit never counted
-    /// (like `--max-requests-in-flight`; default 10,000).
+    /// Sets the most requests in flight at once, an L1 hit held only until
+    /// it is handed over (like `--max-requests-in-flight`; default 10,000).
     pub fn max_requests_in_flight(mut self, n: usize) -> Self {
         self.max_requests_in_flight = n;
         self

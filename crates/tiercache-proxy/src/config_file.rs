@@ -13,7 +13,7 @@
 //! upstream_idle_timeout = "4s"              # below the upstream's keep-alive timeout (default 60s)
 //! client_timeout = "75s"                    # a client's head, its idle keep-alive connection, an unread answer
 //! max_connections = 10000                   # client connections at once; past it new ones wait
-//! max_requests_in_flight = 10000            # requests waiting at once (an L1 hit never); past it a 503
+//! max_requests_in_flight = 10000            # requests waiting at once; past it L1 hits or a 503
 //! l1_capacity = "256MiB"
 //!
 //! [defaults]                                # any policy field or safety option

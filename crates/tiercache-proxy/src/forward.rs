@@ -388,13 +388,8 @@ impl tower::Service<Request<Body>> for Forward {
                 async move { Ok(own_answer(StatusCode::BAD_REQUEST, text.into(), head)) },
             );
         }
-        // Asked of storage alone, at the bound on requests in flight.
-        if req
-            .extensions()
-            .get::<tiercache_http::StoredOnly>()
-            .is_some()
-        {
-            return Box::pin(async move { Ok(crate::in_flight::not_forwarded(head)) });
+        if let Some(refused) = crate::in_flight::not_forwarded(&req, head) {
+            return Box::pin(async move { Ok(refused) });
         }
         let upstream = self.upstream_request(req);
         let again = resendable(&upstream);

@@ -1,8 +1,8 @@
 //! The bound on requests in flight (`--max-requests-in-flight`): those the
 //! proxy could not answer on the spot, waiting on the upstream, on Valkey
 //! or on another request's load. Each holds its connection's state, its
-//! task and, at the upstream, an upstream connection's buffers: 13 to
-//! 75 KiB (the README's memory section). `--max-connections` bounds them
+//! task and, at the upstream, an upstream connection's buffers: ~7 to
+//! ~51 KiB (the README's memory section). `--max-connections` bounds them
 //! over HTTP/1.1, one a connection; over HTTP/2 a connection carries up to
 //! 128, so connections alone bound nothing useful.
 //!
@@ -13,9 +13,10 @@
 //! the place back then, one that waits holds it until its answer's body is
 //! sent or dropped. Over HTTP/2 hyper calls the service on the
 //! connection's task and polls each stream on a task of its own, so an
-//! answered hit keeps its place (and its answer) until that task runs;
-//! taking it on the first poll instead held every request itself until
-//! then (~250 bytes each: 76,800 streams at once peaked ~20 MiB higher).
+//! answered hit keeps its place (and its answer) until that task runs.
+//! Taken on the first poll instead, every request would wait whole in its
+//! future until then (~250 bytes each, where the call has answered a hit
+//! and let its request go).
 //! With no place free, a request is asked of L1 alone
 //! ([`StoredOnly::L1`]): a hit is still answered, and anything else is
 //! answered 503 at once (`Retry-After: 1`): no load started, nothing sent
@@ -229,13 +230,19 @@ fn refusal(bound: usize, head: bool) -> Response<Placed<Answer>> {
 
 /// What [`Forward`](crate::forward::Forward) answers a request asked of
 /// storage alone (one with no place, which the cache did not look up: not
-/// a GET or HEAD, or a route that does not cache): nothing is sent
-/// upstream, and [`Bounded`] answers its 503.
-pub(crate) fn not_forwarded(head: bool) -> Response<UpstreamBody> {
+/// a GET or HEAD, a route that does not cache, a path whose rules differ
+/// as sent and as resolved): a 503 marked [`NothingStored`], nothing sent
+/// upstream ([`Bounded`] answers its own 503 in its place). `None` for a
+/// request not marked.
+pub(crate) fn not_forwarded(
+    req: &Request<axum::body::Body>,
+    head: bool,
+) -> Option<Response<UpstreamBody>> {
+    req.extensions().get::<StoredOnly>()?;
     let text = "tiercache-proxy: too many requests in flight\n".to_string();
     let mut answer = own_answer(StatusCode::SERVICE_UNAVAILABLE, text, head);
     answer.extensions_mut().insert(NothingStored);
-    answer
+    Some(answer)
 }
 
 /// A place taken: given back when dropped.

@@ -104,7 +104,7 @@ struct Args {
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
     /// Most requests in flight at once (waiting on the upstream, Valkey or
-    /// another's load; an L1 hit never counts); past it a request is
+    /// another's load; an L1 hit only until handed over); past it a request is
     /// answered from L1 or 503 at once, with Retry-After: 1 [default: 10000]
     #[arg(long, value_name = "N")]
     max_requests_in_flight: Option<usize>,
