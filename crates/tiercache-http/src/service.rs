@@ -203,7 +203,7 @@ where
                     if prepared.only_if_cached {
                         drop_only_if_cached(&mut parts.headers);
                     }
-                    parts.extensions.remove::<crate::StoredOnly>();
+                    parts.extensions.remove::<StoredOnly>();
                     // Kept while the refresh runs (see below).
                     crate::own_head::own_head(&mut parts);
                     let origin = HttpOrigin {

@@ -61,56 +61,76 @@ const CHECKSUM_LEN: usize = 4;
 /// assert_eq!(back.times(), entry.times());
 /// ```
 pub fn encode(entry: &Entry) -> Bytes {
-    encode_after(&[], entry)
-}
-
-/// [`encode`], after `prefix` in the same bytes (a lock release's message
-/// carries an envelope after its tag).
-pub(crate) fn encode_after(prefix: &[u8], entry: &Entry) -> Bytes {
-    let value = entry.value();
-    let payload_len = payload_len(entry);
-    // In body storage: a large envelope in a page mapping of its own, as
-    // L1 keeps a large body. On the allocator's heap, a flood's envelopes
-    // (as large as their bodies, freed once written) left pages of each
-    // size class partly used: bodies of ten sizes from 16 to 88 KiB held
-    // 1.14-1.22x a 32 MiB budget with Valkey on, 1.07-1.15x now (for
-    // ~10 % more CPU in such a flood of misses: mapping, zeroing).
-    let mut out = Out(BodyBuilder::exact(
-        prefix.len() + HEADER_LEN + payload_len + CHECKSUM_LEN,
-    ));
-    out.slice(prefix);
-    out.slice(MAGIC);
-    out.u8(VERSION);
-    out.u32(payload_len as u32);
-    let times = entry.times();
-    out.u64(millis(times.created_at));
-    out.u64(millis(times.fresh_until));
-    out.u64(millis(times.stale_until));
-    out.u64(millis(times.error_until));
-    out.u64(millis(times.hard_until));
-    out.u64(entry.origin_latency().as_micros().min(u64::MAX as u128) as u64);
-    out.u16(value.status);
-    out.long(entry.key());
-    out.long(entry.variant());
-    out.u16(value.headers.len().min(u16::MAX as usize) as u16);
-    for (name, v) in value.headers.iter().take(u16::MAX as usize) {
-        out.u16(name.len() as u16);
-        out.slice(name);
-        out.long(v);
-    }
-    out.long(&value.body);
-    out.u16(tags(entry).count() as u16);
-    for tag in tags(entry) {
-        out.long(tag);
-    }
-    let checksum = crc32fast::hash(&out.0.as_slice()[prefix.len() + HEADER_LEN..]);
-    out.u32(checksum);
-    out.0.finish()
+    Measured::of(entry).encode_after(&[])
 }
 
 /// How many bytes [`encode`] makes of `entry`, without making them.
 pub fn encoded_len(entry: &Entry) -> usize {
-    HEADER_LEN + payload_len(entry) + CHECKSUM_LEN
+    Measured::of(entry).len()
+}
+
+/// An entry measured for its envelope: the length known before the bytes
+/// are made (the write queue asks for room first), and not worked out
+/// again when they are.
+pub(crate) struct Measured<'a> {
+    entry: &'a Entry,
+    payload_len: usize,
+}
+
+impl<'a> Measured<'a> {
+    pub(crate) fn of(entry: &'a Entry) -> Self {
+        Self {
+            entry,
+            payload_len: payload_len(entry),
+        }
+    }
+
+    /// The envelope's length.
+    pub(crate) fn len(&self) -> usize {
+        HEADER_LEN + self.payload_len + CHECKSUM_LEN
+    }
+
+    /// The envelope ([`encode`]), after `prefix` in the same bytes (a lock
+    /// release's message carries one after its tag).
+    pub(crate) fn encode_after(&self, prefix: &[u8]) -> Bytes {
+        let (entry, payload_len) = (self.entry, self.payload_len);
+        let value = entry.value();
+        // In body storage: a large envelope in a page mapping of its own, as
+        // L1 keeps a large body. On the allocator's heap, a flood's envelopes
+        // (as large as their bodies, freed once written) left pages of each
+        // size class partly used: bodies of ten sizes from 16 to 88 KiB held
+        // 1.14-1.22x a 32 MiB budget with Valkey on, 1.07-1.15x now (for
+        // ~10 % more CPU in such a flood of misses: mapping, zeroing).
+        let mut out = Out(BodyBuilder::exact(prefix.len() + self.len()));
+        out.slice(prefix);
+        out.slice(MAGIC);
+        out.u8(VERSION);
+        out.u32(payload_len as u32);
+        let times = entry.times();
+        out.u64(millis(times.created_at));
+        out.u64(millis(times.fresh_until));
+        out.u64(millis(times.stale_until));
+        out.u64(millis(times.error_until));
+        out.u64(millis(times.hard_until));
+        out.u64(entry.origin_latency().as_micros().min(u64::MAX as u128) as u64);
+        out.u16(value.status);
+        out.long(entry.key());
+        out.long(entry.variant());
+        out.u16(value.headers.len().min(u16::MAX as usize) as u16);
+        for (name, v) in value.headers.iter().take(u16::MAX as usize) {
+            out.u16(name.len() as u16);
+            out.slice(name);
+            out.long(v);
+        }
+        out.long(&value.body);
+        out.u16(tags(entry).count() as u16);
+        for tag in tags(entry) {
+            out.long(tag);
+        }
+        let checksum = crc32fast::hash(&out.0.as_slice()[prefix.len() + HEADER_LEN..]);
+        out.u32(checksum);
+        out.0.finish()
+    }
 }
 
 fn payload_len(entry: &Entry) -> usize {

@@ -259,7 +259,7 @@ pub(crate) fn unlock_message(how: &Unlocked) -> Bytes {
         Unlocked::Filled | Unlocked::Gone => Bytes::from_static(b"1"),
         Unlocked::Failed => Bytes::from_static(FAILED),
         Unlocked::Shared(entry, failed) if entry.value().body.len() <= MAX_SHARED_MESSAGE => {
-            codec::encode_after(&[if *failed { b'2' } else { b'3' }], entry)
+            codec::Measured::of(entry).encode_after(&[if *failed { b'2' } else { b'3' }])
         }
         Unlocked::Shared(_, true) => Bytes::from_static(FAILED),
         _ => Bytes::from_static(b"0"),

@@ -26,12 +26,13 @@ impl ValkeyTier {
     ) {
         let px = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX).max(1);
         // Measured first: a write the queue has no room for is not made.
-        let size = codec::encoded_len(entry);
+        let envelope = codec::Measured::of(entry);
+        let size = envelope.len();
         if !self.inner.hold_queued(size) {
             self.inner.write_drops.fetch_add(1, Relaxed);
             return;
         }
-        let value = codec::encode(entry);
+        let value = envelope.encode_after(&[]);
         debug_assert_eq!(value.len(), size);
         let write = Write::Command(Command::Set {
             key: self.entry_key(key),
